@@ -1,0 +1,8 @@
+"""Kernels with one dispatcher each (kernel = "auto" | "triton" | "reference"); they know nothing of models."""
+
+from gem.ops.block import block_attention
+from gem.ops.gdpa import gdpa
+from gem.ops.jfa import jagged_attention
+from gem.ops.rotary import rope
+
+__all__ = ["jagged_attention", "gdpa", "block_attention", "rope"]
