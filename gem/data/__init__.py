@@ -1,0 +1,40 @@
+"""Data: feature schema, the Batch type, synthetic and Parquet sources, batch validation."""
+
+from gem.data.batch import Batch
+from gem.data.schema import DataConfig, DataSchema, FeatureSpec, HistoryConfig, SparseFeatureSpec
+from gem.data.synthetic import SyntheticDataset
+from gem.data.validate import validate_batch
+
+__all__ = [
+    "Batch",
+    "DataConfig",
+    "DataSchema",
+    "FeatureSpec",
+    "HistoryConfig",
+    "SparseFeatureSpec",
+    "SyntheticDataset",
+    "build_dataset",
+    "validate_batch",
+]
+
+
+def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train"):
+    """The dataset the `data:` group describes (a DataConfig, dict or DictConfig) for one rank.
+
+    train: an endless stream; eval: `eval_batches` batches per rank (a held-out stream / `eval_paths`).
+    """
+    if not isinstance(cfg, DataConfig):
+        cfg = DataConfig.from_dict(cfg)
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
+    num_batches = None if split == "train" else cfg.eval_batches
+    if cfg.source == "synthetic":
+        return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches)
+    from gem.data.parquet import ParquetDataset
+
+    paths = cfg.paths if split == "train" else cfg.eval_paths
+    if not paths:
+        raise ValueError(f"data.{'paths' if split == 'train' else 'eval_paths'}: no Parquet files for split '{split}'")
+    return ParquetDataset(
+        cfg.schema, list(paths), cfg.batch_size, rank, world_size, num_batches=num_batches, cycle=split == "train"
+    )

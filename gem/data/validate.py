@@ -1,0 +1,117 @@
+"""Checks a Batch against the schema; every problem raises one ValueError naming the field.
+
+Vectorised: a few reductions per feature, so it can run on every step (on CPU, before the batch is moved).
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem.data.batch import Batch
+from gem.data.schema import DataSchema
+
+
+def _first_bad(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def _check_keys(kind: str, kjt: KeyedJaggedTensor, expected: list[str]) -> None:
+    keys = list(kjt.keys())
+    for k in keys:
+        if k not in expected:
+            raise ValueError(f"{kind}: unknown feature '{k}' (schema {kind} features: {expected})")
+    for k in expected:
+        if k not in keys:
+            raise ValueError(f"{kind}: missing feature '{k}'")
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"{kind}: duplicate feature keys {keys}")
+
+
+def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[str, int]) -> torch.Tensor:
+    """Checks lengths and id ranges; returns lengths as [num_keys, B]."""
+    keys = list(kjt.keys())
+    lengths = kjt.lengths()
+    if lengths.numel() != len(keys) * batch_size:
+        raise ValueError(
+            f"{kind}: lengths has {lengths.numel()} entries, expected {len(keys)} keys x {batch_size} examples"
+        )
+    lengths = lengths.view(len(keys), batch_size)
+    if lengths.numel() and bool((lengths < 0).any()):
+        k, b = _first_bad(lengths < 0)
+        raise ValueError(f"{kind} feature '{keys[k]}': negative length {int(lengths[k, b])} at example {b}")
+    per_key = lengths.sum(1).tolist()
+    values = kjt.values()
+    if values.numel() != sum(per_key):
+        raise ValueError(f"{kind}: {values.numel()} values but the lengths sum to {sum(per_key)}")
+    if values.is_floating_point():
+        raise ValueError(f"{kind}: ids must be integers, got {values.dtype}")
+    for key, chunk in zip(keys, torch.split(values, per_key)):
+        if chunk.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(chunk)
+        card = cards[key]
+        if int(lo) < 0 or int(hi) >= card:
+            bad = (chunk < 0) | (chunk >= card)
+            i = _first_bad(bad)[0]
+            raise ValueError(
+                f"{kind} feature '{key}': id {int(chunk[i])} at position {i} is outside its table's range [0, {card})"
+            )
+    return lengths
+
+
+def _check_float(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: expected a float tensor, got {t.dtype}")
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        idx = _first_bad(~finite)
+        raise ValueError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
+
+
+def validate_batch(batch: Batch, schema: DataSchema) -> None:
+    """Raises ValueError on the first problem found; returns None for a valid batch."""
+    bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
+    if bsz == 0:
+        raise ValueError("batch has no users (batch size 0)")
+    cards = schema.cardinalities()
+    _check_keys("sequence", batch.sequence, schema.sequence_names)
+    _check_keys("sparse", batch.sparse, schema.sparse_names)
+
+    seq_lengths = _check_kjt("sequence", batch.sequence, bsz, cards)
+    keys = list(batch.sequence.keys())
+    if len(keys) > 1:
+        differ = seq_lengths[1:] != seq_lengths[:1]
+        if bool(differ.any()):
+            k, b = _first_bad(differ)
+            raise ValueError(
+                f"sequence feature '{keys[k + 1]}': length {int(seq_lengths[k + 1, b])} at example {b} differs from "
+                f"'{keys[0]}' length {int(seq_lengths[0, b])} (sequence features share one history length)"
+            )
+    hist = seq_lengths[0]
+    offsets = batch.seq_offsets
+    if tuple(offsets.shape) != (bsz + 1,):
+        raise ValueError(f"seq_offsets: expected shape [{bsz + 1}], got {list(offsets.shape)}")
+    if int(offsets[0]) != 0 or not torch.equal(offsets[1:] - offsets[:-1], hist.to(offsets.dtype)):
+        raise ValueError("seq_offsets: not the cumulative sum of the history lengths starting at 0")
+    longest = int(hist.max())
+    if batch.max_seq_len != longest:
+        raise ValueError(f"max_seq_len: {batch.max_seq_len} but the longest history is {longest}")
+    if longest > schema.history.max_len:
+        b = int(hist.argmax())
+        raise ValueError(
+            f"sequence: history length {longest} at example {b} exceeds history.max_len={schema.history.max_len}"
+        )
+
+    _check_kjt("sparse", batch.sparse, bsz, cards)
+
+    _check_float("dense", batch.dense, (bsz, schema.num_dense))
+    _check_float("labels", batch.labels, (bsz, schema.num_tasks))
+    not_binary = (batch.labels != 0) & (batch.labels != 1)
+    if bool(not_binary.any()):
+        b, t = _first_bad(not_binary)
+        raise ValueError(
+            f"labels: task '{schema.tasks[t]}' has value {float(batch.labels[b, t])} at example {b}; labels must be 0 or 1"
+        )
