@@ -1,0 +1,172 @@
+"""Jagged (varlen) softmax attention with optional causal / sliding-window masks.
+
+Layout follows FlashAttention varlen (cu_seqlens): q [Tq, H, D], k/v [Tk, H_kv, D], offsets [B+1] starting at 0.
+Sequence b holds rows offsets[b]:offsets[b+1]. Self attention when offsets_k is None.
+
+Masks, with i the query position and j the key position inside one sequence, and shift = Lk - Lq
+(0 for self attention; cross attention masks are bottom-right aligned as in FlashAttention):
+  causal:            j <= i + shift
+  window=(left, r):  i + shift - left <= j <= i + shift + r   (None or -1 = unbounded on that side)
+  window=w (int):    causal left window, same as causal=True, window=(w, 0)
+Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
+
+`max_len_q` / `max_len_k` must be >= every sequence length: this is the caller's promise and is not checked
+on the GPU (checking would synchronise with the host). A too-small max_len silently drops work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gem.ops._common import jagged_to_padded, resolve_kernel
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _norm_window(causal: bool, window) -> tuple[int, int]:
+    """-> (left, right) with -1 meaning unbounded; causal folds into right <= 0."""
+    if window is None:
+        left, right = -1, -1
+    elif isinstance(window, bool):
+        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
+    elif isinstance(window, int):
+        if window < 0:
+            raise ValueError(f"window={window}: an int window must be >= 0")
+        left, right = window, 0
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        left, right = (-1 if w is None else w for w in window)
+        if not all(isinstance(w, int) and w >= -1 for w in (left, right)):
+            raise ValueError(f"window={window!r}: sides must be ints >= 0, or None / -1 for unbounded")
+    else:
+        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D tensor [B+1]")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but q is on {device}")
+    if torch.compiler.is_compiling():
+        return
+    if offsets.device.type == "cpu":
+        if int(offsets[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    else:  # no host sync on the GPU: the check fires asynchronously
+        torch._assert_async(offsets[0] == 0, f"{name} must start at 0")
+
+
+def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [T, heads, D], got {getattr(t, 'shape', type(t))}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q dtype {q.dtype} not supported: use bfloat16, float16 or float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must be on one device")
+    _check_offsets("offsets_q", offsets_q, q.device)
+    if not isinstance(max_len_q, int) or max_len_q < 0:
+        raise ValueError(f"max_len_q must be an int >= 0, got {max_len_q!r}")
+    if offsets_k is not None:
+        _check_offsets("offsets_k", offsets_k, q.device)
+        if offsets_k.numel() != offsets_q.numel():
+            raise ValueError(f"offsets_q has {offsets_q.numel() - 1} sequences, offsets_k {offsets_k.numel() - 1}")
+        if not isinstance(max_len_k, int) or max_len_k < 0:
+            raise ValueError(f"max_len_k must be an int >= 0 for cross attention, got {max_len_k!r}")
+    elif k.shape[0] != q.shape[0]:
+        raise ValueError(f"self attention needs as many k rows as q rows ({k.shape[0]} vs {q.shape[0]})")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale)}")
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: torch.Tensor,
+    max_len_q: int,
+    offsets_k: torch.Tensor | None = None,
+    max_len_k: int | None = None,
+    *,
+    causal: bool = False,
+    window=None,
+    scale: float | None = None,
+    kernel: str = "auto",
+    mask_mode: str = "sub",
+) -> torch.Tensor:
+    """Softmax attention over jagged sequences -> [Tq, H, D] in q's dtype.
+
+    kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
+    mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
+    denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf.
+    """
+    _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
+    if mask_mode not in ("sub", "inf"):
+        raise ValueError(f"mask_mode={mask_mode!r}: expected 'sub' or 'inf'")
+    left, right = _norm_window(causal, window)
+    if offsets_k is None:
+        offsets_k, max_len_k = offsets_q, max_len_q
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    which = resolve_kernel(kernel, q, k, v)
+    if which == "reference":
+        return jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
+                                          left=left, right=right, scale=scale)
+    if q.shape[2] not in _TRITON_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[2]} not supported by the Triton kernel: use one of {_TRITON_HEAD_DIMS}")
+    from gem.ops.triton_jfa import jfa_triton
+
+    return jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
+
+
+def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, left: int, right: int) -> torch.Tensor:
+    """[B, max_q, max_k] bool: key j visible to query i (bottom-right aligned windows, in-sequence only)."""
+    i = torch.arange(max_q, device=lq.device)[None, :, None]
+    j = torch.arange(max_k, device=lq.device)[None, None, :]
+    lq = lq.long()[:, None, None]
+    lk = lk.long()[:, None, None]
+    ii = i + (lk - lq)
+    vis = (i < lq) & (j < lk)
+    if left >= 0:
+        vis = vis & (j >= ii - left)
+    if right >= 0:
+        vis = vis & (j <= ii + right)
+    return vis
+
+
+def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, left=-1, right=-1,
+                               scale=None):
+    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype."""
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h, h_kv = q.shape[1], k.shape[1]
+    lq = offsets_q[1:] - offsets_q[:-1]
+    lk = offsets_k[1:] - offsets_k[:-1]
+    mq = max(max_len_q, int(lq.max()) if lq.numel() else 0)
+    mk = max(max_len_k, int(lk.max()) if lk.numel() else 0)
+    qp, qmask = jagged_to_padded(q.to(cdt), offsets_q, mq)  # [B, Nq, H, D]
+    kp, _ = jagged_to_padded(k.to(cdt), offsets_k, mk)
+    vp, _ = jagged_to_padded(v.to(cdt), offsets_k, mk)
+    if h_kv != h:
+        kp = kp.repeat_interleave(h // h_kv, dim=2)
+        vp = vp.repeat_interleave(h // h_kv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
+    vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
+    s = s.masked_fill(~vis, float("-inf")).masked_fill(~vis.any(-1, keepdim=True), 0.0)
+    p = torch.softmax(s, dim=-1).masked_fill(~vis, 0.0)  # rows with no visible key -> 0
+    out = torch.einsum("bhij,bjhd->bihd", p, vp)
+    return out[qmask].to(q.dtype)

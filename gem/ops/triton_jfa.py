@@ -1,0 +1,611 @@
+"""Triton kernels for jagged softmax attention (forward, backward preprocess, dK/dV, dQ).
+
+Scheme (see gem/ops/jfa.py for the mask semantics):
+- Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
+  pass. A small int32 table maps program -> batch * NT + tile, ordered by descending work so the longest
+  tiles start first; it is built on the device with torch ops (no host sync).
+- Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
+  window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
+  (the causal diagonal).
+- Subtraction masking ("sub"): out-of-sequence rows load as zeros, so their scores are exactly 0; the forward
+  subtracts n_masked * 2^(0 - m) from the row sum at the end instead of writing -inf. When that would cancel
+  (real scores far below 0, so the masked zeros dominate the sum) the program recomputes with -inf masking.
+  In the backward, out-of-sequence queries load lse = +inf so their probabilities are exactly 0.
+- Softmax in base 2 with log2(e) folded into the scale; lse is stored in natural log, [H, Tq] fp32.
+- Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
+  dQ is a separate pass. No atomics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gem.ops._common import triton_interpreting
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _mm(a, b, DOT_PREC: tl.constexpr):
+    if DOT_PREC == "interp":  # the CPU interpreter mis-multiplies bf16/fp16 operands: do it in fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _vis(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[len(rows), len(cols)] visibility: in-sequence and inside the (bottom-right aligned) window."""
+    ii = rows[:, None] + shift
+    m = (rows[:, None] < Lq) & (cols[None, :] < Lk)
+    if HAS_LEFT:
+        m = m & (cols[None, :] >= ii - win_left)
+    if HAS_RIGHT:
+        m = m & (cols[None, :] <= ii + win_right)
+    return m
+
+
+@triton.jit
+def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Transposed _vis: [len(cols), len(rows)]."""
+    ii = rows[None, :] + shift
+    m = (rows[None, :] < Lq) & (cols[:, None] < Lk)
+    if HAS_LEFT:
+        m = m & (cols[:, None] >= ii - win_left)
+    if HAS_RIGHT:
+        m = m & (cols[:, None] <= ii + win_right)
+    return m
+
+
+@triton.jit
+def _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles seen by query rows [m0, rows_last]: start column, tile count, fully visible tiles [k_lo, k_hi)."""
+    lo = 0
+    hi = Lk
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + shift - win_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(rows_last + shift + win_right + 1, Lk)
+    n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    k_lo = 0
+    k_hi = n_t
+    if HAS_LEFT:  # every row sees the whole tile from its left edge on
+        k_lo = tl.cdiv(tl.maximum(rows_last + shift - win_left - lo, 0), BLOCK_N)
+    if HAS_RIGHT:  # ... and up to its right edge
+        k_hi = tl.maximum(m0 + shift + win_right + 1 - lo, 0) // BLOCK_N
+    k_lo = tl.minimum(k_lo, n_t)
+    k_hi = tl.minimum(tl.maximum(k_hi, k_lo), n_t)
+    return lo, n_t, k_lo, k_hi
+
+
+@triton.jit
+def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that see key columns [n0, cols_last]: start row, tile count, fully visible tiles."""
+    lo = 0
+    hi = Lq
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - shift - win_right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(cols_last - shift + win_left + 1, Lq)
+    n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    k_lo = 0
+    k_hi = n_t
+    if HAS_RIGHT:
+        k_lo = tl.cdiv(tl.maximum(cols_last - shift - win_right - lo, 0), BLOCK_M)
+    if HAS_LEFT:
+        k_hi = tl.maximum(n0 - shift + win_left + 1 - lo, 0) // BLOCK_M
+    k_lo = tl.minimum(k_lo, n_t)
+    k_hi = tl.minimum(tl.maximum(k_hi, k_lo), n_t)
+    return lo, n_t, k_lo, k_hi
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk,
+              win_left, win_right, qk_scale,
+              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+    cols = n + offs_n
+    in_k = cols < Lk
+    kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+    s = _mm(q, kT, DOT_PREC) * qk_scale
+    if MASKED:
+        vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:  # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+              qk_scale, lo, n_t, k_lo, k_hi,
+              SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # left window edge: per-element mask
+    for t in range(k_lo):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                                  True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    # fully visible tiles; only the tile crossing Lk has out-of-sequence columns
+    k_full = k_hi
+    if not SUB:
+        k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
+    for t in range(k_lo, k_full):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                                  False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    for t in range(k_full, n_t):  # right edge / diagonal (and, with -inf masking, the tile crossing Lk)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                                  True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    n_masked = 0
+    if SUB:
+        n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
+        n_masked = tl.where(k_hi > k_lo, n_masked, 0)
+    return acc, l_i, m_i, n_masked
+
+
+@triton.jit
+def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    stride_lh, qk_scale, win_left, win_right, NT,
+                    GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    item = tl.load(WORK + tl.program_id(0))
+    if item < 0:
+        return
+    h = tl.program_id(1)
+    b = item // NT
+    m0 = (item % NT) * BLOCK_M
+    q_start = tl.load(OFF_Q + b).to(tl.int32)
+    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(OFF_K + b).to(tl.int32)
+    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    shift = Lk - Lq
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    in_q = offs_m < Lq
+    q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=in_q[:, None], other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq,
+                                        Lk, win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
+                                        SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC, BLOCK_M, BLOCK_N, HEAD_D)
+    if SUB:
+        l_raw = l_i
+        # masked zeros took part in the max, so m_i >= 0 wherever n_masked > 0 and 2^-m_i <= 1
+        l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
+        # cancellation: the masked zeros dominate the sum (real scores far below 0) -> redo with -inf masking
+        bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
+        if tl.max(bad.to(tl.int32), 0) > 0:
+            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                                shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
+                                                False, HAS_LEFT, HAS_RIGHT, DOT_PREC, BLOCK_M, BLOCK_N, HEAD_D)
+    empty = l_i <= 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=in_q[:, None])
+    # natural-log lse; +inf for rows that see no key so the backward gives them p = 0
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=in_q)
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
+                        BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_D)
+    ok = rows < T
+    o = tl.load(O + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :], mask=ok[:, None],
+                other=0.0)
+    do = tl.load(DO + rows[:, None].to(tl.int64) * stride_dt + h * stride_dh + offs_d[None, :], mask=ok[:, None],
+                 other=0.0)
+    tl.store(DELTA + h * stride_lh + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, m, offs_m, offs_n,
+               offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+    rows = m + offs_m
+    in_q = rows < Lq
+    qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
+    do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
+    lse2 = tl.load(lse_base + rows, mask=in_q, other=float("inf"))  # log2 domain; +inf -> p = 0
+    delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
+    sT = _mm(k, qT, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+    pT = tl.math.exp2(sT - lse2[None, :])
+    if MASKED:
+        vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        pT = tl.where(vis, pT, 0.0)
+    dv += _mm(pT.to(do.dtype), do, DOT_PREC)
+    dpT = _mm(v, tl.trans(do), DOT_PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dk += _mm(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                         qk_scale, sm_scale, win_left, win_right, NT,
+                         GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    item = tl.load(WORK + tl.program_id(0))
+    if item < 0:
+        return
+    kvh = tl.program_id(1)
+    b = item // NT
+    n0 = (item % NT) * BLOCK_N
+    q_start = tl.load(OFF_Q + b).to(tl.int32)
+    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(OFF_K + b).to(tl.int32)
+    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    shift = Lk - Lq
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    in_k = offs_n < Lk
+    k = tl.load(K + (k_start + offs_n[:, None]).to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=in_k[:, None], other=0.0)
+    v = tl.load(V + (k_start + offs_n[:, None]).to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=in_k[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
+    cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    lo, n_t, k_lo, k_hi = _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
+        lse_base = LSE2 + h * stride_lh + q_start
+        delta_base = DELTA + h * stride_lh + q_start
+        for t in range(k_lo):  # rows still left of the causal / right-window edge
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        for t in range(k_lo, k_hi):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        for t in range(k_hi, n_t):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    dk = dk * sm_scale
+    tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=in_k[:, None])
+    tl.store(DV + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvt + kvh * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=in_k[:, None])
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk,
+             win_left, win_right, qk_scale,
+             MASKED: tl.constexpr, CLAMP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             DOT_PREC: tl.constexpr):
+    cols = n + offs_n
+    in_k = cols < Lk
+    kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
+    vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
+    s = _mm(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
+    if CLAMP:  # zero-loaded keys: p <= 1 holds for real keys, the clamp keeps masked ones finite (times k = 0)
+        s = tl.minimum(s, 0.0)
+    p = tl.math.exp2(s)
+    if MASKED:
+        vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        p = tl.where(vis, p, 0.0)
+    dp = _mm(do, vT, DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    dq += _mm(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, OFF_Q, OFF_K, WORK,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_dqt, stride_dqh, stride_lh, qk_scale, sm_scale, win_left, win_right, NT,
+                       GROUP: tl.constexpr, SUB: tl.constexpr, MASK_EDGE: tl.constexpr, HAS_LEFT: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HEAD_D: tl.constexpr):
+    item = tl.load(WORK + tl.program_id(0))
+    if item < 0:
+        return
+    h = tl.program_id(1)
+    b = item // NT
+    m0 = (item % NT) * BLOCK_M
+    q_start = tl.load(OFF_Q + b).to(tl.int32)
+    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(OFF_K + b).to(tl.int32)
+    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    shift = Lk - Lq
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    in_q = offs_m < Lq
+    rows = (q_start + offs_m[:, None]).to(tl.int64)
+    q = tl.load(Q + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=in_q[:, None], other=0.0)
+    do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=in_q[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + h * stride_lh + q_start + offs_m, mask=in_q, other=float("inf"))
+    delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
+
+    dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    for t in range(k_lo):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    for t in range(k_lo, k_full):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    for t in range(k_full, k_hi):  # the fully visible tile crossing Lk
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      MASK_EDGE, SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    for t in range(k_hi, n_t):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
+                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+    dq = dq * sm_scale
+    tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def _work_table(offsets_a, offsets_b, max_len_a: int, block: int, cost_span) -> tuple[torch.Tensor, int]:
+    """int32 table of b * NT + tile, tiles of `block` rows over sequences of offsets_a, heaviest first; -1 = none.
+
+    cost_span(start [B, NT], len_a [B, 1], len_b [B, 1]) -> number of partner rows the tile visits.
+    """
+    nt = max(1, triton.cdiv(max_len_a, block))
+    la = (offsets_a[1:] - offsets_a[:-1]).to(torch.int32)[:, None]
+    lb = (offsets_b[1:] - offsets_b[:-1]).to(torch.int32)[:, None]
+    start = torch.arange(nt, device=offsets_a.device, dtype=torch.int32)[None, :] * block
+    cost = torch.where(start < la, cost_span(start, la, lb).clamp(min=0) + 1, -1).flatten()
+    order = torch.argsort(cost, descending=True, stable=True)
+    items = torch.where(cost[order] >= 0, order.to(torch.int32), -1)
+    return items, nt
+
+
+def _q_span(block, left, right):
+    def span(start, lq, lk):
+        shift = lk - lq
+        last = torch.minimum(start + block, lq) - 1
+        lo = (start + shift - left).clamp(min=0) if left >= 0 else torch.zeros_like(last)
+        hi = torch.minimum(last + shift + right + 1, lk) if right >= 0 else lk.expand_as(last)
+        return hi - lo
+
+    return span
+
+
+def _k_span(block, left, right):
+    def span(start, lk, lq):
+        shift = lk - lq
+        last = torch.minimum(start + block, lk) - 1
+        lo = (start - shift - right).clamp(min=0) if right >= 0 else torch.zeros_like(last)
+        hi = torch.minimum(last - shift + left + 1, lq) if left >= 0 else lq.expand_as(last)
+        return hi - lo
+
+    return span
+
+
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
+def _fwd_configs(d: int):
+    if triton_interpreting():
+        return [(16, 16, 4, 1)]
+    if d <= 64:
+        return [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+    if d <= 128:
+        return [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+    return [(64, 64, 4, 2), (128, 32, 8, 2)]
+
+
+def _bwd_configs(d: int):
+    """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages)."""
+    if triton_interpreting():
+        return [(16, 16, 16, 16, 4, 1)]
+    if d <= 128:
+        return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
+    return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
+
+
+_TUNED: dict = {}
+
+
+def _len_bucket(n: int) -> int:
+    return 1 << max(4, (max(n, 1) - 1).bit_length())
+
+
+def _pick(kind: str, key: tuple, configs: list, launch):
+    """Time each config once per key on the GPU (GEM_JFA_AUTOTUNE=0 keeps the default); the launch re-runs."""
+    full_key = (kind,) + key
+    if full_key in _TUNED:
+        return _TUNED[full_key]
+    best = configs[0]
+    if len(configs) > 1 and os.environ.get("GEM_JFA_AUTOTUNE", "1") != "0" and not torch.compiler.is_compiling():
+        from triton.testing import do_bench
+
+        times = []
+        for cfg in configs:
+            try:
+                times.append((do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20), cfg))
+            except Exception as e:  # noqa: BLE001 (e.g. out of shared memory for this tile shape)
+                times.append((float("inf"), cfg))
+                print(f"gem.ops.jfa: config {cfg} unusable: {type(e).__name__}")
+        if times:
+            best = min(times, key=lambda x: x[0])[1]
+    _TUNED[full_key] = best
+    return best
+
+
+def _dot_prec(dtype) -> str:
+    if triton_interpreting():
+        return "interp"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+    tq, h, d = q.shape
+    group = h // k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty((h, tq), device=q.device, dtype=torch.float32)
+    if tq == 0 or offsets_q.numel() <= 1:
+        return out, lse
+
+    def launch(cfg):
+        bm, bn, warps, stages = cfg
+        work, nt = _work_table(offsets_q, offsets_k, max_len_q, bm, _q_span(bm, left, right))
+        _jfa_fwd_kernel[(work.numel(), h)](
+            q, k, v, out, lse, offsets_q, offsets_k, work,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0), max(right, 0), nt,
+            GROUP=group, SUB=not mask_inf, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, DOT_PREC=_dot_prec(q.dtype),
+            BLOCK_M=bm, BLOCK_N=bn, HEAD_D=d, num_warps=warps, num_stages=stages)
+
+    key = (d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
+    launch(_pick("fwd", key, _fwd_configs(d), launch))
+    return out, lse
+
+
+def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+    tq, h, d = q.shape
+    tk, h_kv, _ = k.shape
+    group = h // h_kv
+    do = do.contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if offsets_q.numel() <= 1 or (tq == 0 and tk == 0):
+        return dq, dk.zero_(), dv.zero_()
+    if tq == 0:  # keys without any query: zero gradient
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty_like(lse)
+    lse2 = lse * LOG2E
+    pre_block = 16 if triton_interpreting() else 128
+    _jfa_bwd_pre_kernel[(triton.cdiv(tq, pre_block), h)](
+        out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        BLOCK=pre_block, HEAD_D=d)
+    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
+
+    def launch(cfg):
+        bm1, bn1, bm2, bn2, warps, stages = cfg
+        if tk:
+            work_k, nt_k = _work_table(offsets_k, offsets_q, max_len_k, bn1, _k_span(bn1, left, right))
+            _jfa_bwd_dkdv_kernel[(work_k.numel(), h_kv)](
+                q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+                scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
+                GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
+        work_q, nt_q = _work_table(offsets_q, offsets_k, max_len_q, bm2, _q_span(bm2, left, right))
+        _jfa_bwd_dq_kernel[(work_q.numel(), h)](
+            q, k, v, do, lse2, delta, dq, offsets_q, offsets_k, work_q,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), scale * LOG2E, scale, max(left, 0),
+            max(right, 0), nt_q,
+            GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
+
+    key = (d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, group)
+    launch(_pick("bwd", key, _bwd_configs(d), launch))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------- torch op
+
+
+@torch.library.custom_op("gem::jfa_fwd", mutates_args=())
+def jfa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
+               max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
+               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+
+
+@jfa_fwd_op.register_fake
+def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gem::jfa_bwd", mutates_args=())
+def jfa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int,
+               scale: float, left: int, right: int,
+               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+
+
+@jfa_bwd_op.register_fake
+def _(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
+    ctx.args = (max_len_q, max_len_k, scale, left, right, mask_inf)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
+    dq, dk, dv = jfa_bwd_op(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+jfa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+    """Triton path of gem.ops.jagged_attention (arguments already validated and normalised)."""
+    out, _ = jfa_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, int(max_len_q),
+                        int(max_len_k), float(scale), int(left), int(right), bool(mask_inf))
+    return out
+
+
+def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
+                        mask_inf=False):
+    """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse."""
+    return jfa_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, int(max_len_q),
+                      int(max_len_k), float(scale), int(left), int(right), bool(mask_inf))

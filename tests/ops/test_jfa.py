@@ -1,0 +1,287 @@
+"""Jagged softmax attention: Triton kernels (interpreted on CPU) against the padded fp64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gem.ops._common import triton_interpreting
+from gem.ops.jfa import _norm_window, jagged_attention, jagged_attention_reference
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def _offsets(lengths, device="cpu"):
+    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    return torch.nn.functional.pad(lens.cumsum(0), (1, 0))
+
+
+def _inputs(lens_q, lens_k=None, *, h=2, h_kv=1, d=16, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    tq = sum(lens_q)
+    tk = sum(lens_q if lens_k is None else lens_k)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    return mk(tq, h, d), mk(tk, h_kv, d), mk(tk, h_kv, d)
+
+
+def _run(q, k, v, lens_q, lens_k=None, *, max_q=None, max_k=None, causal=False, window=None, scale=None,
+         kernel="triton", mask_mode="sub", seed=1):
+    """-> (out, dq, dk, dv) of the op and of the fp64 reference, for a random upstream gradient."""
+    off_q = _offsets(lens_q, q.device)
+    off_k = None if lens_k is None else _offsets(lens_k, q.device)
+    max_q = max(lens_q, default=0) if max_q is None else max_q
+    if lens_k is not None:
+        max_k = max(lens_k, default=0) if max_k is None else max_k
+    out = jagged_attention(q, k, v, off_q, max_q, off_k, max_k, causal=causal, window=window, scale=scale,
+                           kernel=kernel, mask_mode=mask_mode)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    left, right = _norm_window(causal, window)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_q if off_k is None else off_k,
+                                     max_q if off_k is None else max_k, left=left, right=right, scale=scale)
+    want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), g.double()))
+    return got, want
+
+
+def _check(got, want, dtype, tol=None):
+    tol = TOL[dtype] if tol is None else tol
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), f"{name} has non-finite values"
+        err = (a.double() - b).abs().max().item() if a.numel() else 0.0
+        scale = max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        assert err <= tol * scale, f"{name}: max error {err:.3e} > {tol * scale:.3e}"
+
+
+# Block size under the interpreter is 16: lengths straddle it (0, 1, 15, 16, 17, 33, 40).
+SELF_CASES = [
+    {"lens": [5, 0, 17, 1, 33]},
+    {"lens": [5, 0, 17, 1, 33], "causal": True},
+    {"lens": [40, 16, 3], "window": 7},
+    {"lens": [40, 15, 0, 2], "window": (5, 3)},
+    {"lens": [40, 15, 2], "window": (20, None)},
+    {"lens": [40, 9], "window": (None, 4)},
+    {"lens": [33, 1], "causal": True, "window": (40, 7)},  # right side clipped to 0 by causal
+    {"lens": [1]},
+    {"lens": [0, 0]},
+]
+
+
+@pytest.mark.parametrize("case", SELF_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_self_attention_matches_reference(case):
+    case = dict(case)
+    lens = case.pop("lens")
+    q, k, v = _inputs(lens, h=2, h_kv=2)
+    got, want = _run(q, k, v, lens, **case)
+    _check(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (3, 2)), (False, 6)])
+def test_cross_attention_bottom_right_aligned(causal, window):
+    lens_q, lens_k = [5, 3, 20, 1, 0, 33], [9, 0, 4, 20, 6, 17]
+    q, k, v = _inputs(lens_q, lens_k, h=2, h_kv=1)
+    got, want = _run(q, k, v, lens_q, lens_k, causal=causal, window=window)
+    _check(got, want, torch.float32)
+
+
+def test_gqa_and_head_dim_32_max_len_above_lengths():
+    lens = [19, 7, 33]
+    q, k, v = _inputs(lens, h=4, h_kv=2, d=32)
+    # max_len larger than any length (and than a block) only adds empty work items
+    got, want = _run(q, k, v, lens, max_q=64, causal=True)
+    _check(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16(causal):
+    lens = [5, 0, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=1, dtype=torch.bfloat16)
+    got, want = _run(q, k, v, lens, causal=causal)
+    _check(got, want, torch.bfloat16)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    group=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(0, 20), st.tuples(st.integers(0, 20), st.integers(0, 20))),
+    seed=st.integers(0, 1000),
+)
+def test_hypothesis_shapes(lens, group, causal, window, seed):
+    q, k, v = _inputs(lens, h=2, h_kv=2 // group, seed=seed)
+    got, want = _run(q, k, v, lens, causal=causal, window=window, seed=seed)
+    _check(got, want, torch.float32)
+
+
+# the interpreter warns about inf/NaN in lanes of zero-loaded out-of-sequence keys; those lanes are never stored
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("mask_mode", ["sub", "inf"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_negative_scores(mask_mode, causal):
+    """Real scores far below 0: the zero scores of out-of-sequence keys would dominate the softmax sum."""
+    lens = [20, 3, 37]
+    q, k, v = _inputs(lens, h=1, h_kv=1)
+    with torch.no_grad():
+        q.copy_(q.abs() + 1.0)
+        k.copy_(-(k.abs() + 1.0))
+    # scores around -400 (natural log): 2^(s - 0) underflows in fp32, so the subtraction alone would give 0/0
+    got, want = _run(q, k, v, lens, causal=causal, scale=25.0, mask_mode=mask_mode)
+    _check(got, want, torch.float32, tol=1e-3)
+
+
+def test_inf_and_sub_variants_agree():
+    lens = [5, 0, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    a, _ = _run(q, k, v, lens, window=(9, 4), mask_mode="sub")
+    b, _ = _run(q, k, v, lens, window=(9, 4), mask_mode="inf")
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_lse_matches_reference_and_is_inf_for_rows_without_keys():
+    from gem.ops.triton_jfa import jfa_triton_with_lse
+
+    lens_q, lens_k = [4, 6, 17], [0, 3, 20]
+    q, k, v = _inputs(lens_q, lens_k, h=2, h_kv=2)
+    off_q, off_k = _offsets(lens_q), _offsets(lens_k)
+    _, lse = jfa_triton_with_lse(q.detach(), k.detach(), v.detach(), off_q, off_k, 17, 20, 0.25, -1, 0)
+    # reference logsumexp, causal bottom-right aligned: query i of sequence b sees keys j <= i + Lk - Lq
+    for b in range(3):
+        for i in range(lens_q[b]):
+            row = int(off_q[b]) + i
+            n_vis = min(max(i + lens_k[b] - lens_q[b] + 1, 0), lens_k[b])
+            for h in range(2):
+                if n_vis == 0:
+                    assert lse[h, row] == math.inf
+                    continue
+                keys = k.detach()[int(off_k[b]): int(off_k[b]) + n_vis, h]
+                want = torch.logsumexp(keys.double() @ q.detach()[row, h].double() * 0.25, 0)
+                assert abs(lse[h, row].item() - want.item()) < 1e-4
+
+
+def test_backward_is_deterministic():
+    lens = [17, 33, 5]
+    q, k, v = _inputs(lens, h=4, h_kv=2)
+    off = _offsets(lens)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for _ in range(2):
+        out = jagged_attention(q, k, v, off, 33, causal=True, kernel="triton")
+        grads.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph():
+    lens = [5, 17, 0]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+
+    def f(q, k, v):
+        return (jagged_attention(q, k, v, off, 17, causal=True, kernel="triton") * 2).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    loss_e = f(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)
+
+
+def test_reference_kernel_on_cpu_matches_triton():
+    lens = [5, 17, 1]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    a = jagged_attention(q, k, v, off, 17, window=4, kernel="reference")
+    b = jagged_attention(q, k, v, off, 17, window=4, kernel="triton")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"q": torch.zeros(4, 2)}, ValueError, "3-D"),
+        ({"k": torch.zeros(4, 3, 16), "v": torch.zeros(4, 3, 16)}, ValueError, "multiple of key/value heads"),
+        ({"v": torch.zeros(4, 1, 8)}, ValueError, "same shape"),
+        ({"q": torch.zeros(4, 2, 16, dtype=torch.float64)}, TypeError, "not supported"),
+        ({"k": torch.zeros(4, 1, 16, dtype=torch.float16)}, TypeError, "one dtype"),
+        ({"offsets_q": torch.tensor([1, 2, 4])}, ValueError, "start at 0"),
+        ({"offsets_q": torch.tensor([0.0, 4.0])}, TypeError, "int32 or int64"),
+        ({"max_len_q": -1}, ValueError, "max_len_q"),
+        ({"window": (-3, 2)}, ValueError, "window"),
+        ({"window": "big"}, TypeError, "window"),
+        ({"mask_mode": "nan"}, ValueError, "mask_mode"),
+        ({"kernel": "cuda"}, ValueError, "kernel"),
+        ({"offsets_k": torch.tensor([0, 4, 4, 4]), "max_len_k": 4}, ValueError, "sequences"),
+        ({"q": torch.zeros(4, 2, 24), "k": torch.zeros(4, 1, 24), "v": torch.zeros(4, 1, 24)}, ValueError, "head dim"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, exc, match):
+    args = {"q": torch.zeros(4, 2, 16), "k": torch.zeros(4, 1, 16), "v": torch.zeros(4, 1, 16),
+                "offsets_q": torch.tensor([0, 1, 4]), "max_len_q": 3, "kernel": "triton"}
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        jagged_attention(**args)
+
+
+# ------------------------------------------------------------------------------------------- GPU (H200)
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def no_autotune(monkeypatch):
+    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "0")  # default configs: the tests check results, not speed
+
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if triton_interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set: run the GPU tests with TRITON_INTERPRET=0")
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 256), (False, (100, 30))])
+def test_gpu_matches_reference(d, causal, window, no_autotune):
+    _need_gpu()
+    g = torch.Generator().manual_seed(d)
+    lens = torch.randint(1, 2049, (6,), generator=g).tolist() + [0, 1, 2048, 129]
+    q, k, v = _inputs(lens, h=4, h_kv=2, d=d, dtype=torch.bfloat16, device="cuda")
+    got, want = _run(q, k, v, lens, causal=causal, window=window, max_q=2048)
+    _check(got, want, torch.bfloat16, tol=3e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_dtypes_and_cross(dtype, no_autotune):
+    _need_gpu()
+    lens_q, lens_k = [300, 0, 1, 777, 64], [1000, 5, 0, 100, 64]
+    q, k, v = _inputs(lens_q, lens_k, h=4, h_kv=1, d=64, dtype=dtype, device="cuda")
+    got, want = _run(q, k, v, lens_q, lens_k, causal=True)
+    _check(got, want, dtype, tol=2e-3 if dtype == torch.float32 else 1e-2)
+
+
+@gpu
+def test_gpu_large_negative_and_determinism(no_autotune):
+    _need_gpu()
+    lens = [1000, 3, 517]
+    q, k, v = _inputs(lens, h=2, h_kv=2, d=128, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        q.copy_(q.abs() + 1.0)
+        k.copy_(-(k.abs() + 1.0))
+    got, want = _run(q, k, v, lens, scale=2.0)
+    _check(got, want, torch.bfloat16, tol=3e-2)
+    again, _ = _run(q, k, v, lens, scale=2.0)
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
