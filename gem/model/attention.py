@@ -1,0 +1,99 @@
+"""Pre-norm transformer blocks over jagged sequences [T, d_model] (offsets [B+1], no padding).
+
+Attention kinds: "jfa" (causal softmax, optional RoPE through gem.ops.rope), "swa" (causal with a left window),
+"block" (block-diagonal causal, RoPE fused into gem.ops.block_attention). GQA through num_kv_heads < num_heads
+(the ops take k/v with H_kv heads). The FFN is SwiGLU or a `gem.model.moe.MoE`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem import ops
+from gem.model.moe import MoE
+from gem.ops.rotary import RopeConfig
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    return nn.RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else nn.LayerNorm(dim)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class JaggedSelfAttention(nn.Module):
+    """QKV projection -> jagged attention op -> output projection, on [T, d_model]."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *, kind: str = "jfa",
+                 window: int | None = None, block_size: int | None = None, rope: RopeConfig | None = None,
+                 kernel: str = "auto"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kind, self.window, self.block_size, self.rope, self.kernel = kind, window, block_size, rope, kernel
+        self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
+        self.out = nn.Linear(num_heads * head_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        t = x.shape[0]
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
+        if self.kind == "block":
+            o = ops.block_attention(q, k, v, offsets, max_len, block_size=self.block_size, causal=True,
+                                    rope=self.rope, kernel=self.kernel)
+        else:
+            if self.rope is not None:
+                q = ops.rope(q, offsets, max_len, config=self.rope, kernel=self.kernel)
+                k = ops.rope(k, offsets, max_len, config=self.rope, kernel=self.kernel)
+            window = self.window if self.kind == "swa" else None
+            o = ops.jagged_attention(q, k, v, offsets, max_len, causal=True, window=window, kernel=self.kernel)
+        return self.out(o.reshape(t, h * d))
+
+
+class TransformerBlock(nn.Module):
+    """x + attn(norm(x)); x + ffn(norm(x)). forward -> (x, aux_loss); one FSDP unit."""
+
+    def __init__(self, d_model: int, attn: JaggedSelfAttention, ffn: nn.Module, norm: str = "rmsnorm"):
+        super().__init__()
+        self.attn_norm = make_norm(norm, d_model)
+        self.attn = attn
+        self.ffn_norm = make_norm(norm, d_model)
+        self.ffn = ffn
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.attn_norm(x), offsets, max_len)
+        h = self.ffn_norm(x)
+        if isinstance(self.ffn, MoE):
+            y, aux = self.ffn(h)
+        else:
+            y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
+        return x + y, aux
+
+
+def build_blocks(cfg) -> nn.ModuleList:
+    """The tower's blocks from a ModelConfig (every `moe_every`-th block gets an MoE FFN)."""
+    t = cfg.tower
+    rope = RopeConfig(base=t.rope_base) if t.rope else None
+    blocks = []
+    for i in range(t.num_blocks):
+        attn = JaggedSelfAttention(cfg.d_model, t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim,
+                                   kind=t.attention, window=t.window, block_size=t.block_size, rope=rope,
+                                   kernel=cfg.kernel)
+        if cfg.is_moe_block(i):
+            m = cfg.moe
+            ffn = MoE(cfg.d_model, cfg.moe_d_ff, m.num_experts, m.top_k, capacity_factor=m.capacity_factor,
+                      aux_loss_coef=m.aux_loss_coef)
+        else:
+            ffn = SwiGLU(cfg.d_model, cfg.tower_d_ff)
+        blocks.append(TransformerBlock(cfg.d_model, attn, ffn, norm=t.norm))
+    return nn.ModuleList(blocks)

@@ -1,0 +1,65 @@
+"""TorchRec embedding modules built from the model's table configs.
+
+Sequence tables -> one `EmbeddingCollection` (unpooled, jagged per history token); bag tables -> one
+`EmbeddingBagCollection` (sum / mean pooled per example). Tables carry their own `init_fn`, because TorchRec's
+DistributedModelParallel re-initialises sharded tables from the table config instead of copying weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+from gem.model.config import ModelConfig, TableConfig
+
+_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+
+def _init_kwargs(t: TableConfig) -> dict:
+    if t.init_range is None:
+        return {}
+    r = float(t.init_range)
+    # A partial of a torch function pickles, so plans / DMP can carry it across processes.
+    init_fn = functools.partial(torch.nn.init.uniform_, a=-r, b=r)
+    return {"weight_init_min": -r, "weight_init_max": r, "init_fn": init_fn}
+
+
+def sequence_table_configs(cfg: ModelConfig) -> list[EmbeddingConfig]:
+    return [EmbeddingConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                            feature_names=list(t.features), **_init_kwargs(t)) for t in cfg.sequence_tables]
+
+
+def bag_table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                               feature_names=list(t.features), pooling=_POOLING[t.pooling], **_init_kwargs(t))
+            for t in cfg.bag_tables]
+
+
+def build_embeddings(cfg: ModelConfig, device: torch.device | str = "cpu"
+                     ) -> tuple[EmbeddingCollection, EmbeddingBagCollection]:
+    """(ec, ebc) on `device`; use "meta" when DistributedModelParallel will materialise (and init) them."""
+    device = torch.device(device)
+    ec = EmbeddingCollection(tables=sequence_table_configs(cfg), device=device)
+    ebc = EmbeddingBagCollection(tables=bag_table_configs(cfg), device=device)
+    return ec, ebc
+
+
+def lookup_sequence(ec: torch.nn.Module, features: KeyedJaggedTensor, names: list[str]) -> list[torch.Tensor]:
+    """Per sequence feature (in `names` order) the jagged embeddings [T, dim] of every history token."""
+    out = ec(features)
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise KeyError(f"sequence features {missing} missing from the EmbeddingCollection output {list(out)}")
+    return [out[n].values() for n in names]
+
+
+def lookup_pooled(ebc: torch.nn.Module, features: KeyedJaggedTensor, names: list[str]) -> list[torch.Tensor]:
+    """Per sparse feature (in `names` order) its pooled embedding [B, dim].
+
+    Indexed by key: a sharded EBC's KeyedTensor lists features in plan order, not config order.
+    """
+    kt = ebc(features)
+    return [kt[n] for n in names]

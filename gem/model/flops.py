@@ -1,0 +1,88 @@
+"""Analytic training FLOPs of the GEM model (for MFU), from the config and the batch's real jagged lengths.
+
+Convention (the usual 6N rule): a matmul weight of n parameters applied to one row costs 2n FLOPs forward and
+4n backward, so 6 * (matmul weights touched) per row; biases, norms, activations and embedding lookups are
+excluded. Attention score + value matmuls cost 4 * H * D per visible (query, key) pair forward, x3 for
+fwd + bwd. Visible pairs per sequence of length L: L^2 (non-causal), L^2 / 2 (causal), sliding window W:
+L^2 / 2 while L <= W, else W^2 / 2 + (L - W) * W; block-causal with block S: sum over blocks of size^2 / 2.
+MoE counts the router and the top_k active experts only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from gem.model.config import ModelConfig
+from gem.model.heads import mlp_out_dim
+
+
+def _mlp_weights(in_dim: int, hidden: Sequence[int], out_dim: int | None = None) -> int:
+    dims = [in_dim, *hidden] + ([out_dim] if out_dim is not None else [])
+    return sum(a * b for a, b in itertools.pairwise(dims))
+
+
+def tower_weights_per_token(cfg: ModelConfig) -> int:
+    """Matmul weights each history token passes through (input projection, blocks, interaction K/V)."""
+    d, t = cfg.d_model, cfg.tower
+    seq_dims = [tb.embedding_dim for tb in cfg.sequence_tables for _ in tb.features]
+    n = (sum(seq_dims) if t.seq_combine == "concat" else seq_dims[0]) * d
+    h, hk, dh = t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim
+    for i in range(t.num_blocks):
+        n += d * (h + 2 * hk) * dh + h * dh * d
+        if cfg.is_moe_block(i):
+            n += d * cfg.moe.num_experts + cfg.moe.top_k * 3 * d * cfg.moe_d_ff
+        else:
+            n += 3 * d * cfg.tower_d_ff
+    n += d * 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim
+    return n
+
+
+def weights_per_example(cfg: ModelConfig) -> int:
+    """Matmul weights applied once per example (query tokens, interaction q/out, dense MLPs, heads)."""
+    d, it = cfg.d_model, cfg.interaction
+    bag_dims = {f: tb.embedding_dim for tb in cfg.bag_tables for f in tb.features}
+    n = sum(bag_dims[f] * d for f in cfg.sparse_features)
+    n += _mlp_weights(cfg.num_dense, it.dense_hidden, d)  # dense token
+    hd = it.num_heads * cfg.interaction_head_dim
+    n += cfg.num_query_tokens * (d * hd + hd * d)  # q projection and output projection per query token
+    n += _mlp_weights(cfg.num_dense, it.dense_hidden)  # dense path
+    z = cfg.num_query_tokens * d + mlp_out_dim(cfg.num_dense, it.dense_hidden)
+    n += _mlp_weights(z, cfg.heads.over_arch)
+    n += len(cfg.heads.tasks) * _mlp_weights(mlp_out_dim(z, cfg.heads.over_arch), cfg.heads.hidden, 1)
+    return n
+
+
+def dense_flops_per_token(cfg: ModelConfig) -> int:
+    """6 x the matmul weights per history token (training, excluding attention and per-example parts)."""
+    return 6 * tower_weights_per_token(cfg)
+
+
+def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor) -> float:
+    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+    L = lengths.to(torch.float64)
+    t = cfg.tower
+    if t.attention == "jfa":
+        return float((L * L / 2).sum())
+    if t.attention == "swa":
+        w = float(t.window)
+        return float(torch.where(L <= w, L * L / 2, w * w / 2 + (L - w) * w).sum())
+    s = float(t.block_size)
+    full = torch.floor(L / s)
+    rest = L - full * s
+    return float((full * s * s / 2 + rest * rest / 2).sum())
+
+
+def train_flops(cfg: ModelConfig, seq_offsets: torch.Tensor) -> int:
+    """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [B+1]."""
+    offsets = seq_offsets.detach().to("cpu", torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    b, tokens = lengths.numel(), int(lengths.sum())
+    total = 6 * tower_weights_per_token(cfg) * tokens + 6 * weights_per_example(cfg) * b
+    t = cfg.tower
+    total += 3 * 4 * t.num_heads * cfg.tower_head_dim * attention_pairs(cfg, lengths) * t.num_blocks
+    it = cfg.interaction
+    total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * tokens
+    return round(total)

@@ -1,0 +1,205 @@
+"""Mixture of SwiGLU experts with a softmax top-k router and a swappable token dispatcher.
+
+Forward of `MoE` on x [N, d_model]:
+  1. router: p = softmax(x @ W_r) in fp32 [N, E]; top-k experts per token, gates renormalised to sum to 1.
+  2. Switch-style load-balancing loss: aux = coef * E * sum_e f_e * P_e, with f_e the share of the N*k
+     assignments that went to expert e and P_e the mean router probability of e (= coef when balanced).
+  3. assignments are sorted by expert id (stable, so earlier tokens come first); with `capacity_factor`
+     each expert keeps at most ceil(capacity_factor * N * k / E) assignments and drops the rest (their
+     contribution is 0; the block's residual carries the token). capacity_factor=None is dropless.
+  4. `dispatcher.dispatch` -> the experts this rank owns run SwiGLU on their rows -> `dispatcher.combine`;
+     the results are scaled by their gates and summed back per token.
+
+Dispatcher interface (the `dispatcher` attribute; `LocalDispatcher` is the default, expert parallelism swaps in
+an all-to-all one). Every method must be differentiable in its tensor inputs and must not reorder within an
+expert's group beyond what combine undoes:
+
+  local_expert_range(num_experts) -> (first, count)
+      The global ids [first, first + count) of the experts this rank computes.
+  dispatch(x_sorted, tokens_per_expert) -> (x_local, tokens_per_local_expert, ctx)
+      x_sorted [n, d]: this rank's kept assignments grouped by global expert id, ascending;
+      tokens_per_expert [E] int64 (on x's device): group sizes, sum = n.
+      x_local [m, d]: the rows for the local experts from every rank, grouped by local expert ascending;
+      tokens_per_local_expert [count] int64: their group sizes; ctx: whatever combine needs.
+  combine(y_local, ctx) -> y_sorted
+      The inverse of dispatch on the expert outputs: y_local [m, d] in x_local's row order -> [n, d] in
+      x_sorted's order.
+
+Expert weights are batched parameters w1, w3 [E, d_model, d_ff] and w2 [E, d_ff, d_model]. The parallel layer
+may shard them along dim 0 (a DTensor, or a plain parameter holding only the local experts); the experts read
+them only through `local_expert_weights()`, which returns the `count` local experts in either case.
+Grouped GEMM (`torch._grouped_mm`, groups padded to 16 rows) runs on CUDA in bf16 (or under CUDA autocast) when
+`use_grouped_mm` allows it; elsewhere a loop over experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Dispatcher(Protocol):
+    def local_expert_range(self, num_experts: int) -> tuple[int, int]: ...
+
+    def dispatch(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """Every expert lives here: dispatch and combine are the identity."""
+
+    def local_expert_range(self, num_experts: int) -> tuple[int, int]:
+        return 0, num_experts
+
+    def dispatch(self, x_sorted, tokens_per_expert):
+        return x_sorted, tokens_per_expert, None
+
+    def combine(self, y_local, ctx):
+        return y_local
+
+
+def _grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
+                 capacity_factor: float | None = None, aux_loss_coef: float = 0.01):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 or None (dropless)")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        # True / None: grouped GEMM when on CUDA in bf16 (None = auto); False: the per-expert loop. Off by default
+        # until tests/model/test_model_gpu.py's padded grouped-GEMM parity has passed on the GPU stack.
+        self.use_grouped_mm: bool | None = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w, fan_in in ((self.w1, self.d_model), (self.w3, self.d_model), (self.w2, self.d_ff)):
+            bound = 1.0 / math.sqrt(fan_in)
+            nn.init.uniform_(w, -bound, bound)
+        self.router.reset_parameters()
+
+    # -- routing ---------------------------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (gates [N, k] (fp32 at least) renormalised, expert ids [N, k] int64, aux loss scalar fp32)."""
+        # Route in fp32 (fp64 stays fp64), also under autocast: bf16 logits flip near-tied top-k choices.
+        dt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dt), self.router.weight.to(dt))
+        probs = torch.softmax(logits, dim=-1)
+        gates, idx = torch.topk(probs, self.top_k, dim=-1)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        n = x.shape[0]
+        if n == 0 or self.aux_loss_coef == 0:
+            aux = probs.sum() * 0.0  # keeps the router in the graph
+        else:
+            counts = torch.bincount(idx.flatten(), minlength=self.num_experts).float()
+            frac = counts / (n * self.top_k)
+            aux = self.aux_loss_coef * self.num_experts * (frac * probs.mean(dim=0)).sum()
+        return gates, idx, aux
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    # -- experts ---------------------------------------------------------------------------------------------------
+    def local_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of the local experts only, whether the parameters hold all E or just the local ones."""
+        first, count = self.dispatcher.local_expert_range(self.num_experts)
+        out = []
+        for w in (self.w1, self.w3, self.w2):
+            if hasattr(w, "to_local"):  # DTensor sharded over the expert dim
+                w = w.to_local()
+            if w.shape[0] == self.num_experts and count != self.num_experts:
+                w = w[first:first + count]
+            elif w.shape[0] != count:
+                raise RuntimeError(f"expert weights hold {w.shape[0]} experts; the dispatcher reports {count} local "
+                                   f"of {self.num_experts}")
+            out.append(w)
+        return tuple(out)
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is False or not x.is_cuda or not _grouped_mm_available():
+            return False
+        return x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")
+
+    def experts(self, x: torch.Tensor, tokens_per_local_expert: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each row by its local expert; rows grouped by local expert ([m, d] -> [m, d])."""
+        w1, w3, w2 = self.local_expert_weights()
+        if x.shape[0] == 0:
+            return x.new_zeros((0, self.d_model)) + 0.0 * (w1.sum() + w3.sum() + w2.sum()).to(x.dtype)
+        if self._use_grouped(x):
+            return self._grouped_experts(x, tokens_per_local_expert, w1, w3, w2)
+        sizes = tokens_per_local_expert.tolist()
+        outs = []
+        for e, xe in enumerate(torch.split(x, sizes, dim=0)):
+            if xe.shape[0] == 0:
+                continue
+            w1e, w3e, w2e = (w[e].to(x.dtype) for w in (w1, w3, w2))
+            outs.append((F.silu(xe @ w1e) * (xe @ w3e)) @ w2e)
+        return torch.cat(outs, dim=0)
+
+    GROUP_ALIGN = 16  # rows per grouped-GEMM group are padded to a multiple of this, and at least this
+
+    def _grouped_experts(self, x, counts, w1, w3, w2):
+        """Grouped GEMM on padded groups: every group gets >= GROUP_ALIGN rows, a multiple of it.
+
+        Empty or ragged groups give wrong weight gradients in torch._grouped_mm's backward, so the rows are
+        scattered (on device, no host sync) into a zero buffer of static size m + E_local * GROUP_ALIGN.
+        """
+        a = self.GROUP_ALIGN
+        m, e = x.shape[0], counts.numel()
+        padded = torch.clamp_min((counts + a - 1) // a * a, a)
+        start = torch.cumsum(counts, 0) - counts
+        start_p = torch.cumsum(padded, 0) - padded
+        expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=m)
+        dest = start_p[expert] + torch.arange(m, device=x.device) - start[expert]
+        buf = x.new_zeros((m + e * a, x.shape[1]), dtype=torch.bfloat16).index_copy(0, dest, x.to(torch.bfloat16))
+        offs = torch.cumsum(padded, 0).to(torch.int32)
+        w1, w3, w2 = (w.to(torch.bfloat16) for w in (w1, w3, w2))
+        h = F.silu(torch._grouped_mm(buf, w1, offs=offs)) * torch._grouped_mm(buf, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)[dest]
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d_model] -> (y [N, d_model], aux loss scalar (fp32 at least))."""
+        n, k = x.shape[0], self.top_k
+        gates, idx, aux = self.route(x)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        expert_sorted = flat[order]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        cap = self.capacity(n)
+        if cap is not None:
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(flat.numel(), device=x.device) - starts[expert_sorted]
+            keep = pos < cap
+            order = order[keep]
+            counts = counts.clamp(max=cap)
+        token = order // k
+        x_sorted = x[token]
+        x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, counts)
+        y_local = self.experts(x_local, per_local)
+        y_sorted = self.dispatcher.combine(y_local, ctx)
+        # Sum the k expert outputs per token in fp32 at least (bf16 expert outputs would round each partial sum).
+        acc = torch.promote_types(y_sorted.dtype, torch.float32)
+        gate = gates.flatten()[order].to(acc)
+        y = torch.zeros((n, self.d_model), dtype=acc, device=x.device)
+        y = y.index_add(0, token, y_sorted.to(acc) * gate[:, None])
+        return y.to(x.dtype), aux
