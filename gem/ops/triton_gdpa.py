@@ -1,0 +1,947 @@
+"""Triton kernels for GDPA (see gem/ops/gdpa.py for the math and the masking conventions).
+
+No softmax means no running max, no rescale and no correction stage: acc += act(S) @ V in fp32.
+Every activation has act(0) == 0, so rows past a sequence's end simply load as zeros: their scores are 0,
+their activations 0, and they add nothing; only tiles that cross the causal/window diagonal need a mask.
+The forward has two paths: long K/V tiles over K like FlashAttention; short K/V (whole sequence fits one
+tile) loads K/V once per program and walks several Q tiles. Work items (sequence, tile) are listed in an
+int32 table built on device, longest first by default, so a skewed batch does not end on one long tail.
+The backward is split like FlashAttention's split-dQ: one program set per (K tile, KV head) makes dK/dV
+over the Q tiles of every head of its GQA group, another per (Q tile, head) makes dQ; no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem.ops._common import triton_interpreting
+from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
+
+SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
+SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
+
+
+# ----------------------------------------------------------------------------------------------- activations
+@triton.jit
+def _act(
+    s,
+    ACT: tl.constexpr,
+    POLY: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+    C4: tl.constexpr,
+    C5: tl.constexpr,
+    C6: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
+    if POLY:
+        # relu(x) - p(min(|x|, c)), Horner: FMAs only
+        t = tl.minimum(tl.abs(s), CLAMP)
+        h = t * C6 + C5
+        h = h * t + C4
+        h = h * t + C3
+        h = h * t + C2
+        h = h * t + C1
+        a = tl.maximum(s, 0.0) - h * t
+    elif ACT == 0:  # gelu (erf)
+        a = 0.5 * s * (1.0 + tl.math.erf(s * 0.7071067811865476))
+    elif ACT == 1:  # gelu_tanh = x * sigmoid(2u)
+        u = 1.5957691216057308 * (s + 0.044715 * s * s * s)
+        a = tl.math.fdiv(s, 1.0 + tl.exp(-u))
+    elif ACT == 2:  # silu
+        a = tl.math.fdiv(s, 1.0 + tl.exp(-s))
+    elif ACT == 3:  # relu
+        a = tl.maximum(s, 0.0)
+    elif ACT == 4:  # relu2
+        r = tl.maximum(s, 0.0)
+        a = r * r
+    elif ACT == 5:  # leaky_relu
+        a = tl.where(s > 0, s, s * LEAKY)
+    else:  # identity
+        a = s
+    return a
+
+
+@triton.jit
+def _dact(
+    s,
+    ACT: tl.constexpr,
+    POLY: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+    C4: tl.constexpr,
+    C5: tl.constexpr,
+    C6: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
+    if POLY:
+        t = tl.abs(s)
+        tc = tl.minimum(t, CLAMP)
+        h = tc * (6.0 * C6) + 5.0 * C5
+        h = h * tc + 4.0 * C4
+        h = h * tc + 3.0 * C3
+        h = h * tc + 2.0 * C2
+        h = h * tc + C1
+        dp = tl.where(t < CLAMP, h, 0.0)
+        d = tl.where(s > 0, 1.0 - dp, dp)
+    elif ACT == 0:
+        cdf = 0.5 * (1.0 + tl.math.erf(s * 0.7071067811865476))
+        d = cdf + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
+    elif ACT == 1:
+        u = 1.5957691216057308 * (s + 0.044715 * s * s * s)
+        sg = tl.math.fdiv(1.0, 1.0 + tl.exp(-u))
+        du = 1.5957691216057308 * (1.0 + 0.134145 * s * s)
+        d = sg + s * sg * (1.0 - sg) * du
+    elif ACT == 2:
+        sg = tl.math.fdiv(1.0, 1.0 + tl.exp(-s))
+        d = sg * (1.0 + s * (1.0 - sg))
+    elif ACT == 3:
+        d = tl.where(s > 0, 1.0, 0.0)
+    elif ACT == 4:
+        d = 2.0 * tl.maximum(s, 0.0)
+    elif ACT == 5:
+        d = tl.where(s > 0, 1.0, LEAKY)
+    else:
+        d = s * 0.0 + 1.0
+    return d
+
+
+LEAKY = tl.constexpr(LEAKY_SLOPE)
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # the CPU interpreter (triton 3.7) mis-multiplies bf16 operands: feed it fp32 (same products, exact)
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def _visible(offs_m, offs_n, doff, LEFT, RIGHT):
+    """[M, N] mask of key j visible to query i: diag-left <= j <= diag+right, diag = i + (Lk - Lq)."""
+    diag = offs_m[:, None] + doff
+    vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
+    if LEFT >= 0:
+        vis = vis & (offs_n[None, :] >= diag - LEFT)
+    if RIGHT >= 0:
+        vis = vis & (offs_n[None, :] <= diag + RIGHT)
+    return vis
+
+
+@triton.jit
+def _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether tile [m0, m0+BM) x [n0, n0+BN) crosses the window edge (else every key is visible)."""
+    cut = n0 < 0  # a runtime i1 (never true), so both branches below keep one type
+    if LEFT >= 0:
+        cut = cut | (n0 < m0 + BLOCK_M - 1 + doff - LEFT)
+    if RIGHT >= 0:
+        cut = cut | (n0 + BLOCK_N - 1 > m0 + doff + RIGHT)
+    return cut
+
+
+# ------------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    OFF_Q,
+    OFF_K,
+    WORK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    scale,
+    out_scale,
+    LEFT,
+    RIGHT,
+    max_len_bucket,
+    NUM_HEADS,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
+    SHORT_KV: tl.constexpr,
+    MASKED: tl.constexpr,
+    ACT: tl.constexpr,
+    POLY: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+    C4: tl.constexpr,
+    C5: tl.constexpr,
+    C6: tl.constexpr,
+    CLAMP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # one flat grid, head fastest: the (longest-first) work order then holds across all heads
+    pid = tl.program_id(0) // NUM_HEADS
+    head = tl.program_id(0) % NUM_HEADS
+    b = tl.load(WORK + 2 * pid)
+    if b < 0:
+        return
+    group_id = tl.load(WORK + 2 * pid + 1)
+    q_start = tl.load(OFF_Q + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(OFF_K + b).to(tl.int64)
+    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    doff = lk - lq
+    kvh = head // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n0 = tl.arange(0, BLOCK_N)
+    Qb = Q + q_start * stride_qt + head * stride_qh
+    Ob = O + q_start * stride_ot + head * stride_oh
+    Kb = K + k_start * stride_kt + kvh * stride_kh
+    Vb = V + k_start * stride_vt + kvh * stride_vh
+    if SHORT_KV:
+        # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item
+        kmask = (offs_n0[:, None] < lk) & d_ok[None, :]
+        k_all = tl.load(Kb + offs_n0[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
+        v_all = tl.load(Vb + offs_n0[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+    for t in range(TILES):
+        m0 = (group_id * TILES + t) * BLOCK_M
+        if m0 < lq:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < lq
+            q = tl.load(
+                Qb + offs_m[:, None] * stride_qt + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+            )
+            q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # fold the scale into q once, not into every score
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            if SHORT_KV:
+                s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
+                a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+                if MASKED:
+                    a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
+                acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
+            else:
+                lo = 0
+                hi = lk
+                if MASKED:
+                    if LEFT >= 0:
+                        lo = tl.maximum(m0 + doff - LEFT, 0)
+                        lo = (lo // BLOCK_N) * BLOCK_N
+                    if RIGHT >= 0:
+                        hi = tl.minimum(m0 + BLOCK_M + doff + RIGHT, lk)
+                for n0 in range(lo, hi, BLOCK_N):
+                    offs_n = n0 + offs_n0
+                    kmask = (offs_n[:, None] < lk) & d_ok[None, :]
+                    k = tl.load(Kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
+                    v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+                    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
+                    a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+                    if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
+                        if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
+                            a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+                    acc = _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
+            acc = acc * out_scale
+            tl.store(
+                Ob + offs_m[:, None] * stride_ot + offs_d[None, :],
+                acc.to(O.dtype.element_ty),
+                mask=m_ok[:, None] & d_ok[None, :],
+            )
+
+
+# ------------------------------------------------------------------------------------------------ backward
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    OFF_Q,
+    OFF_K,
+    WORK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    scale,
+    out_scale,
+    LEFT,
+    RIGHT,
+    max_len_bucket,
+    NUM_HEADS,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    ACT: tl.constexpr,
+    POLY: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+    C4: tl.constexpr,
+    C5: tl.constexpr,
+    C6: tl.constexpr,
+    CLAMP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0) // NUM_HEADS
+    kvh = tl.program_id(0) % NUM_HEADS
+    b = tl.load(WORK + 2 * pid)
+    if b < 0:
+        return
+    n0 = tl.load(WORK + 2 * pid + 1) * BLOCK_N
+    q_start = tl.load(OFF_Q + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(OFF_K + b).to(tl.int64)
+    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    doff = lk - lq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kmask = (offs_n[:, None] < lk) & d_ok[None, :]
+    k = tl.load(
+        K + k_start * stride_kt + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0
+    )
+    v = tl.load(
+        V + k_start * stride_vt + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # q rows whose window meets this key tile: n0 - doff - right <= i <= n0 + BN - 1 - doff + left
+    lo = 0
+    hi = lq
+    if MASKED:
+        if RIGHT >= 0:
+            lo = tl.maximum(n0 - doff - RIGHT, 0)
+            lo = (lo // BLOCK_M) * BLOCK_M
+        if LEFT >= 0:
+            hi = tl.minimum(n0 + BLOCK_N - doff + LEFT, lq)
+    for g in range(GROUP):
+        head = kvh * GROUP + g
+        Qb = Q + q_start * stride_qt + head * stride_qh
+        DOb = DO + q_start * stride_dot + head * stride_doh
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+            q = tl.load(Qb + offs_m[:, None] * stride_qt + offs_d[None, :], mask=qmask, other=0.0)
+            do = tl.load(DOb + offs_m[:, None] * stride_dot + offs_d[None, :], mask=qmask, other=0.0)
+            q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # scaled q serves both S^T and dK
+            st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
+            at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+            dpt = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
+            dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+            if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
+                if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
+                    vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT))
+                    at = tl.where(vis, at, 0.0)
+                    dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
+            dv = _mma(at.to(do.dtype), do, dv, DOT_PREC, UPCAST)
+            dk = _mma(dst.to(q.dtype), q, dk, DOT_PREC, UPCAST)
+    dk = dk * out_scale
+    dv = dv * out_scale
+    tl.store(
+        DK + k_start * stride_dkt + kvh * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kmask,
+    )
+    tl.store(
+        DV + k_start * stride_dvt + kvh * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kmask,
+    )
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    OFF_Q,
+    OFF_K,
+    WORK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    scale,
+    out_scale,
+    LEFT,
+    RIGHT,
+    max_len_bucket,
+    NUM_HEADS,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    ACT: tl.constexpr,
+    POLY: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+    C4: tl.constexpr,
+    C5: tl.constexpr,
+    C6: tl.constexpr,
+    CLAMP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # one flat grid, head fastest: the (longest-first) work order then holds across all heads
+    pid = tl.program_id(0) // NUM_HEADS
+    head = tl.program_id(0) % NUM_HEADS
+    b = tl.load(WORK + 2 * pid)
+    if b < 0:
+        return
+    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
+    q_start = tl.load(OFF_Q + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(OFF_K + b).to(tl.int64)
+    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    doff = lk - lq
+    kvh = head // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+    q = tl.load(
+        Q + q_start * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+        mask=qmask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + q_start * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+        mask=qmask,
+        other=0.0,
+    )
+    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)
+    Kb = K + k_start * stride_kt + kvh * stride_kh
+    Vb = V + k_start * stride_vt + kvh * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    hi = lk
+    if MASKED:
+        if LEFT >= 0:
+            lo = tl.maximum(m0 + doff - LEFT, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        if RIGHT >= 0:
+            hi = tl.minimum(m0 + BLOCK_M + doff + RIGHT, lk)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kmask = (offs_n[:, None] < lk) & d_ok[None, :]
+        k = tl.load(Kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+        s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
+        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST)
+        ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+        if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
+            if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
+                ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), ds, 0.0)
+        dq = _mma(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
+    dq = dq * (scale * out_scale)
+    tl.store(
+        DQ + q_start * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=qmask,
+    )
+
+
+# --------------------------------------------------------------------------------------------- autotuning
+def _configs(names: tuple[str, ...], values: list[tuple]) -> list[triton.Config]:
+    return [triton.Config(dict(zip(names, v[:-2])), num_warps=v[-2], num_stages=v[-1]) for v in values]
+
+
+_KEY = ["HEAD_DIM", "max_len_bucket", "ACT", "POLY", "MASKED"]
+if triton_interpreting():
+    _FWD_CFG = [triton.Config({}, num_warps=1, num_stages=1)]
+    _LONG_CFG = _configs(("BLOCK_N",), [(16, 1, 1)])
+    _DKDV_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
+    _DQ_CFG = _configs(("BLOCK_N",), [(16, 1, 1)])
+else:  # a small space: each config costs a compile per key
+    _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
+    _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
+    _DKDV_CFG = _configs(("BLOCK_M",), [(m, w, 2) for m in (32, 64) for w in (4, 8)])
+    _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
+
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES"])(_fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES"])(_fwd_kernel)
+_bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
+_bwd_dq = triton.autotune(_DQ_CFG, key=_KEY)(_bwd_dq_kernel)
+
+
+# ------------------------------------------------------------------------------------------------- host side
+def _blocks(d: int) -> tuple[int, int]:
+    """(BLOCK_M of the q-tiled passes, BLOCK_N of the k-tiled dK/dV pass); fixed since the work tables use them.
+
+    The dK/dV program holds two fp32 [BLOCK_N, D] accumulators plus K and V in registers: 64 keys at D > 64.
+    """
+    if triton_interpreting():
+        return 16, 16
+    return 128, (64 if d > 64 else 128)
+
+
+def _consts(activation: str, approx: str) -> dict:
+    if approx:
+        p = POLY6[activation]
+        c = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6"), p.coef))
+        return dict(ACT=ACTIVATIONS.index(activation), POLY=True, CLAMP=p.clamp, **c)
+    return {
+        "ACT": ACTIVATIONS.index(activation),
+        "POLY": False,
+        "CLAMP": 0.0,
+        "C1": 0.0,
+        "C2": 0.0,
+        "C3": 0.0,
+        "C4": 0.0,
+        "C5": 0.0,
+        "C6": 0.0,
+    }
+
+
+def _span(pos, block, len_a, len_b, lo_off, hi_off):
+    """Number of visible partner positions for tiles starting at pos (clamped window, >= 0)."""
+    lo = torch.zeros_like(pos) if lo_off is None else (pos + lo_off).clamp_min(0)
+    hi = len_b.expand_as(pos) if hi_off is None else torch.minimum(pos + block + hi_off, len_b.expand_as(pos))
+    return (hi - lo).clamp_min(0)
+
+
+def work_table(
+    len_a: torch.Tensor,
+    len_b: torch.Tensor,
+    max_len_a: int,
+    rows: int,
+    left: int,
+    right: int,
+    ordered: bool,
+    transpose: bool = False,
+    total: int | None = None,
+) -> torch.Tensor:
+    """int32 [n, 2] (sequence, tile) over tiles of `rows` rows of side a; no host sync.
+
+    Tiles past a sequence's end are marked -1 and moved last (they exit at once). ordered: costliest first,
+    cost = rows x visible partners; otherwise sequence-major order.
+    transpose: side a is the keys (the dK/dV pass), so the window is mirrored.
+    total: side a's token count (a host int); since sum(ceil(L / rows)) < total / rows + B, the table is cut
+    there, so a batch of many short sequences and one long one launches no grid of B x max tiles.
+    """
+    nb = len_a.numel()
+    nt = -(-max_len_a // rows) if max_len_a > 0 else 0
+    if nb == 0 or nt == 0:
+        return torch.full((1, 2), -1, dtype=torch.int32, device=len_a.device)
+    la = len_a.to(torch.int64)[:, None]
+    lb = len_b.to(torch.int64)[:, None]
+    tile = torch.arange(nt, device=len_a.device, dtype=torch.int64)[None, :].expand(nb, nt)
+    seq = torch.arange(nb, device=len_a.device, dtype=torch.int64)[:, None].expand(nb, nt)
+    pos = tile * rows
+    valid = pos < la
+    if ordered:
+        if transpose:  # key tile: queries i with j - doff - right <= i <= j - doff + left, doff = Lk - Lq
+            doff = la - lb
+            lo_off = None if right < 0 else -doff - right
+            hi_off = None if left < 0 else -doff + left
+        else:
+            doff = lb - la
+            lo_off = None if left < 0 else doff - left
+            hi_off = None if right < 0 else doff + right
+        cost = torch.minimum(la - pos, torch.full_like(pos, rows)) * _span(pos, rows, la, lb, lo_off, hi_off)
+        key = torch.where(valid, cost, -1)
+    else:
+        key = valid.to(torch.int64)
+    order = torch.argsort(key.flatten(), descending=True, stable=True)
+    if total is not None:
+        order = order[: max(1, min(nb * nt, total // rows + nb))]
+    table = torch.stack((torch.where(valid, seq, -1), tile), -1).flatten(0, 1)[order]
+    return table.to(torch.int32).contiguous()
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _bucket(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fwd(
+    q,
+    k,
+    v,
+    offsets_q,
+    offsets_k,
+    max_len_q,
+    max_len_k,
+    activation,
+    approx,
+    left,
+    right,
+    scale,
+    out_scale,
+    ordered,
+    short_kv,
+):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    t, h, d = q.shape
+    out = torch.zeros_like(q)
+    if t == 0 or max_len_q == 0 or h == 0:
+        return out
+    lq = offsets_q[1:] - offsets_q[:-1]
+    lk = offsets_k[1:] - offsets_k[:-1]
+    block_m, _ = _blocks(d)
+    kv_tile = _bucket(max_len_k)
+    use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
+    masked = left >= 0 or right >= 0
+    if use_short:
+        # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
+        est_tiles = (t // block_m + offsets_q.numel()) * h
+        tiles = 1
+        while tiles < 8 and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
+            tiles *= 2
+    else:
+        tiles = 1
+    table = work_table(lq, lk, max_len_q, block_m * tiles, left, right, ordered, total=t)
+    common = dict(
+        GROUP=h // k.shape[1],
+        HEAD_DIM=d,
+        BLOCK_D=_bucket(d),
+        BLOCK_M=block_m,
+        TILES=tiles,
+        MASKED=masked,
+        DOT_PREC=_prec(q.dtype),
+        UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
+        **_consts(activation, approx),
+    )
+    args = (
+        q,
+        k,
+        v,
+        out,
+        offsets_q,
+        offsets_k,
+        table,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        out_scale,
+        left,
+        right,
+        _bucket(max_len_k),
+        h,
+    )
+    grid = (table.shape[0] * h,)
+    if use_short:
+        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, **common)
+    else:
+        _fwd_long[grid](*args, SHORT_KV=False, **common)
+    return out
+
+
+def bwd(
+    do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered
+):
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    t, h, d = q.shape
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    if h == 0 or (max_len_q == 0 and max_len_k == 0):
+        return dq, dk, dv
+    lq = offsets_q[1:] - offsets_q[:-1]
+    lk = offsets_k[1:] - offsets_k[:-1]
+    block_m, block_n = _blocks(d)
+    masked = left >= 0 or right >= 0
+    common = dict(
+        GROUP=h // k.shape[1],
+        HEAD_DIM=d,
+        BLOCK_D=_bucket(d),
+        MASKED=masked,
+        DOT_PREC=_prec(q.dtype),
+        UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
+        **_consts(activation, approx),
+    )
+    if k.shape[0] and max_len_k > 0:
+        ktab = work_table(lk, lq, max_len_k, block_n, left, right, ordered, transpose=True, total=k.shape[0])
+        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](
+            q,
+            k,
+            v,
+            do,
+            dk,
+            dv,
+            offsets_q,
+            offsets_k,
+            ktab,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            do.stride(0),
+            do.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            scale,
+            out_scale,
+            left,
+            right,
+            _bucket(max_len_q),
+            k.shape[1],
+            BLOCK_N=block_n,
+            **common,
+        )
+    if t and max_len_q > 0:
+        qtab = work_table(lq, lk, max_len_q, block_m, left, right, ordered, total=t)
+        _bwd_dq[(qtab.shape[0] * h,)](
+            q,
+            k,
+            v,
+            do,
+            dq,
+            offsets_q,
+            offsets_k,
+            qtab,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            do.stride(0),
+            do.stride(1),
+            dq.stride(0),
+            dq.stride(1),
+            scale,
+            out_scale,
+            left,
+            right,
+            _bucket(max_len_k),
+            h,
+            BLOCK_M=block_m,
+            **common,
+        )
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ custom ops + autograd
+@torch.library.custom_op("gem::gdpa_fwd", mutates_args=())
+def gdpa_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: torch.Tensor,
+    offsets_k: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    activation: str,
+    approx: str,
+    left: int,
+    right: int,
+    scale: float,
+    out_scale: float,
+    ordered: bool,
+    short_kv: int,
+) -> torch.Tensor:
+    return fwd(
+        q,
+        k,
+        v,
+        offsets_q,
+        offsets_k,
+        max_len_q,
+        max_len_k,
+        activation,
+        approx,
+        left,
+        right,
+        scale,
+        out_scale,
+        ordered,
+        short_kv,
+    )
+
+
+@gdpa_fwd_op.register_fake
+def _(
+    q,
+    k,
+    v,
+    offsets_q,
+    offsets_k,
+    max_len_q,
+    max_len_k,
+    activation,
+    approx,
+    left,
+    right,
+    scale,
+    out_scale,
+    ordered,
+    short_kv,
+):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("gem::gdpa_bwd", mutates_args=())
+def gdpa_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: torch.Tensor,
+    offsets_k: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    activation: str,
+    approx: str,
+    left: int,
+    right: int,
+    scale: float,
+    out_scale: float,
+    ordered: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return bwd(
+        do,
+        q,
+        k,
+        v,
+        offsets_q,
+        offsets_k,
+        max_len_q,
+        max_len_k,
+        activation,
+        approx,
+        left,
+        right,
+        scale,
+        out_scale,
+        ordered,
+    )
+
+
+@gdpa_bwd_op.register_fake
+def _(
+    do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered
+):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, offsets_q, offsets_k, *rest = inputs
+    ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
+    ctx.rest = rest
+
+
+def _backward(ctx, do):
+    q, k, v, offsets_q, offsets_k = ctx.saved_tensors
+    max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered, _ = ctx.rest
+    dq, dk, dv = gdpa_bwd_op(
+        do,
+        q,
+        k,
+        v,
+        offsets_q,
+        offsets_k,
+        max_len_q,
+        max_len_k,
+        activation,
+        approx,
+        left,
+        right,
+        scale,
+        out_scale,
+        ordered,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+gdpa_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+def gdpa_op(
+    q,
+    k,
+    v,
+    offsets_q,
+    offsets_k,
+    max_len_q,
+    max_len_k,
+    activation,
+    approx,
+    left,
+    right,
+    scale,
+    out_scale,
+    ordered,
+    short_kv,
+):
+    return gdpa_fwd_op(
+        q,
+        k,
+        v,
+        offsets_q,
+        offsets_k,
+        max_len_q,
+        max_len_k,
+        activation,
+        approx,
+        left,
+        right,
+        scale,
+        out_scale,
+        ordered,
+        short_kv,
+    )

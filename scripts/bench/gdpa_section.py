@@ -1,0 +1,210 @@
+"""GDPA section of the attention benchmark: our Triton GDPA vs the padded torch.compile of the same math.
+
+Cases (bf16, H 4, D 128, about 64K tokens):
+  self   SiLU, causal, lengths ~ U[1, N], N 512..4096
+  cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
+  skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
+Each of ours also runs with approx="poly6"; the cross case also with the short-K/V path forced off.
+Times are CUDA-graph replays (GPU work only; every implementation is timed the same way), with the eager
+times, which include Python launch overhead, in the notes.
+TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import torch
+
+from scripts.bench.common import Row, attn_flops, bench_ms, jagged_lengths, offsets_of, peak_mem_mb
+
+SECTION = "gdpa"
+H, D = 4, 128
+TOKENS = 65536
+
+
+def _ours(q, k, v, oq, mq, ok, mk, **kw):
+    from gem.ops.gdpa import gdpa
+
+    return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+
+
+def _padded_compiled(q, k, v, oq, mq, ok, mk, *, activation, causal):
+    """The user's alternative: pad to [B, H, N, D], matmul, activation, mask, matmul; compiled."""
+    from gem.ops._common import jagged_to_padded
+    from gem.ops.gdpa import activation_fn
+
+    qp, maskq = jagged_to_padded(q.detach(), oq, mq)
+    kp, maskk = jagged_to_padded(k.detach(), ok, mk)
+    vp, _ = jagged_to_padded(v.detach(), ok, mk)
+    qp, kp, vp = (x.transpose(1, 2).contiguous().requires_grad_() for x in (qp, kp, vp))
+    lq, lk = maskq.sum(1), maskk.sum(1)
+    i = torch.arange(mq, device=q.device)[None, :, None]
+    j = torch.arange(mk, device=q.device)[None, None, :]
+    vis = maskq[:, :, None] & maskk[:, None, :]
+    if causal:
+        vis = vis & (j <= i + (lk - lq)[:, None, None])
+    vis = vis[:, None]
+    scale = q.shape[-1] ** -0.5
+
+    def f(qp, kp, vp):
+        s = (qp @ kp.transpose(-1, -2)) * scale
+        a = torch.where(vis, activation_fn(s, activation), 0.0).to(vp.dtype)
+        return a @ vp
+
+    fc = torch.compile(f)
+    return (lambda: fc(qp, kp, vp)), (qp, kp, vp)
+
+
+def _graphed(fn):
+    """fn replayed from a CUDA graph: times the GPU work alone, without Python launch overhead (which
+    dominates short-K/V cases, whose kernels take microseconds). None if fn cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception:  # noqa: BLE001 - fall back to eager timing
+        return None
+
+
+def _measure(section, case, impl, make, inputs, flops, extra=None) -> Row:
+    """fwd and bwd (= fwd+bwd minus fwd) milliseconds; eager (with launch overhead) in extra."""
+    row = Row(section, case, impl, extra=dict(extra or {}))
+    try:
+        fn = make()
+        out = fn()
+        g = torch.randn_like(out)
+
+        def step():
+            # compiled graphs donate buffers, so each backward runs on a fresh forward (no retain_graph)
+            return torch.autograd.grad(fn(), inputs, g)
+
+        fwd_eager = bench_ms(fn)
+        both_eager = bench_ms(step)
+        row.extra["eager_fwd_ms"] = round(fwd_eager, 4)
+        row.extra["eager_bwd_ms"] = round(both_eager - fwd_eager, 4)
+        gf, gb = _graphed(fn), _graphed(step)
+        row.extra["timing"] = "cuda-graph" if gf and gb else "eager"
+        row.fwd_ms = bench_ms(gf) if gf and gb else fwd_eager
+        row.bwd_ms = (bench_ms(gb) if gf and gb else both_eager) - row.fwd_ms
+        row.fwd_tflops = flops / row.fwd_ms / 1e9
+        row.bwd_tflops = 2.5 * flops / row.bwd_ms / 1e9
+        row.mem_mb = peak_mem_mb(fn)
+    except Exception as e:  # noqa: BLE001 - one failing competitor must not sink the section
+        row.extra["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        traceback.print_exc()
+    return row
+
+
+def _jagged(lengths_q, lengths_k, dtype):
+    oq, ok = offsets_of(lengths_q), offsets_of(lengths_k)
+    hk = H
+    q = torch.randn(int(lengths_q.sum()), H, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(int(lengths_k.sum()), hk, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(int(lengths_k.sum()), hk, D, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v, oq, int(lengths_q.max()), ok, int(lengths_k.max())
+
+
+def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True) -> list[Row]:
+    dtype = torch.bfloat16
+    q, k, v, oq, mq, ok, mk = _jagged(lq, lk, dtype)
+    flops = attn_flops(lq, H, D, causal=causal, lengths_k=None if lk is lq else lk)
+    info = {"B": lq.numel(), "tokens": int(lq.sum())}
+    rows = []
+    impls = [("gdpa", {}), ("gdpa poly6", {"approx": "poly6"})] + list(extra_impls)
+    for name, kw in impls:
+        rows.append(
+            _measure(
+                SECTION,
+                case,
+                name,
+                lambda kw=kw: _ours(q, k, v, oq, mq, ok, mk, activation=activation, causal=causal, **kw),
+                (q, k, v),
+                flops,
+                info,
+            )
+        )
+    if compare:
+        holder = {}
+
+        def make():
+            fn, ins = _padded_compiled(q, k, v, oq, mq, ok, mk, activation=activation, causal=causal)
+            holder["ins"] = ins
+            return fn
+
+        row = Row(SECTION, case, "padded torch.compile", extra=dict(info))
+        try:
+            fn = make()
+            row = _measure(SECTION, case, "padded torch.compile", lambda: fn, holder["ins"], flops, info)
+        except Exception as e:  # noqa: BLE001 - as above
+            row.extra["error"] = f"{type(e).__name__}"
+            traceback.print_exc()
+        rows.append(row)
+        ours = rows[0]
+        if math.isfinite(row.fwd_ms) and math.isfinite(ours.fwd_ms):
+            ours.extra["fwd_speedup"] = round(row.fwd_ms / ours.fwd_ms, 2)
+        if math.isfinite(row.bwd_ms) and math.isfinite(ours.bwd_ms):
+            ours.extra["bwd_speedup"] = round(row.bwd_ms / ours.bwd_ms, 2)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _lognormal_lengths(tokens: int, median: float, sigma: float, cap: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    out, total = [], 0
+    while total < tokens:
+        n = int(min(cap, max(1.0, math.exp(math.log(median) + sigma * float(torch.randn(1, generator=g))))))
+        out.append(n)
+        total += n
+    return torch.tensor(out, device="cuda")
+
+
+def run(args) -> list[Row]:
+    quick = bool(getattr(args, "quick", False))
+    tokens = TOKENS // 4 if quick else TOKENS
+    rows: list[Row] = []
+    for n in (512, 2048) if quick else (512, 1024, 2048, 4096):
+        lq = jagged_lengths(n, tokens, seed=n)
+        rows += _case_rows(f"self SiLU causal N={n}", lq, lq, activation="silu", causal=True)
+    cross = [(256, 64), (1024, 256)] if quick else [(256, 64), (512, 128), (1024, 128), (1024, 256)]
+    for n, m in cross:
+        lq = jagged_lengths(n, tokens, seed=n)
+        g = torch.Generator().manual_seed(m)
+        lk = torch.randint(1, m + 1, (lq.numel(),), generator=g).to("cuda")
+        rows += _case_rows(
+            f"cross GELU(tanh) N={n} M={m}",
+            lq,
+            lk,
+            activation="gelu_tanh",
+            causal=False,
+            extra_impls=[("gdpa long-K/V path", {"short_kv": False})],
+        )
+    lq = _lognormal_lengths(tokens, 256, 1.2, 8192)
+    rows += _case_rows(
+        "skew SiLU lognormal",
+        lq,
+        lq,
+        activation="silu",
+        causal=False,
+        extra_impls=[("gdpa unordered", {"ordered": False})],
+        compare=False,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from scripts.bench.common import print_table
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    print_table(run(p.parse_args()), "GDPA")

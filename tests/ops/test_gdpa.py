@@ -1,0 +1,316 @@
+"""GDPA: Triton kernels (interpreted on CPU) against the padded fp32 PyTorch reference, forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gem.ops.gdpa import ACTIVATIONS, POLY6, activation_fn, gdpa, gdpa_reference, poly6
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
+
+
+def _offsets(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
+
+
+def _inputs(lq, lk, h=2, hk=1, d=32, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    oq, ok = _offsets(lq).to(device), _offsets(lk).to(device)
+
+    def r(t, heads):
+        return torch.randn(t, heads, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = r(sum(lq), h), r(sum(lk), hk), r(sum(lk), hk)
+    return q, k, v, oq, max(lq, default=0), ok, max(lk, default=0)
+
+
+def _close(got, want, dtype, what):
+    atol, rtol = TOL[dtype]
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    bound = atol + rtol * (want.float().abs().max().item() if want.numel() else 0.0)
+    assert err <= bound, f"{what}: max abs err {err:.3g} > {bound:.3g}"
+
+
+def _check(lq, lk, *, h=2, hk=1, d=32, dtype=torch.float32, device="cpu", seed=0, **kw):
+    q, k, v, oq, mq, ok, mk = _inputs(lq, lk, h, hk, d, dtype, device, seed)
+    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+    ref_kw = {key: val for key, val in kw.items() if key not in ("ordered", "short_kv")}
+    # reference on fp32 copies of the same (rounded) inputs
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = gdpa_reference(q32, k32, v32, oq, mq, ok, mk, **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _close(out, ref, dtype, "out")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = torch.autograd.grad(ref, (q32, k32, v32), g.float())
+    for name, a, b in zip(("dq", "dk", "dv"), grads, refs):
+        assert a.dtype == dtype
+        _close(a, b, dtype, name)
+    return out, grads
+
+
+# ---------------------------------------------------------------------------------------------- activations
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_each_activation_fwd_bwd(activation):
+    # GQA 4:2, an empty q and an empty k sequence, lengths over and under the 16-row block
+    _check([5, 0, 33, 17], [7, 4, 0, 40], h=4, hk=2, activation=activation)
+
+
+@pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
+def test_poly6_kernel_matches_poly6_reference(activation):
+    _check([9, 21], [30, 3], activation=activation, approx="poly6", causal=True)
+
+
+@pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
+def test_poly6_error_bounds(activation):
+    """Documented max |approx - act| and |approx' - act'| hold on a dense grid and are not loose."""
+    p = POLY6[activation]
+    x = torch.linspace(-4 * p.clamp, 4 * p.clamp, 400001, dtype=torch.float64, requires_grad=True)
+    approx, exact = poly6(x, activation), activation_fn(x, activation)
+    da = torch.autograd.grad(approx.sum(), x)[0]
+    de = torch.autograd.grad(exact.sum(), x)[0]
+    err = (approx - exact).abs().max().item()
+    gerr = (da - de).abs().max().item()
+    assert err <= p.max_abs_err and gerr <= p.max_abs_grad_err
+    assert err > p.max_abs_err / 2 and gerr > p.max_abs_grad_err / 2  # the documented bound is tight
+    assert poly6(torch.zeros(1, dtype=torch.float64), activation).item() == 0.0  # masking relies on act(0) = 0
+    far = torch.tensor([-1e4, 1e4], dtype=torch.float64)  # asymptotes: 0 and x
+    assert (poly6(far, activation) - torch.relu(far)).abs().max() <= p.max_abs_err
+
+
+@pytest.mark.parametrize("activation", ("gelu", "silu"))
+def test_poly6_attention_within_bound_of_exact(activation):
+    q, k, v, oq, mq, ok, mk = _inputs([12, 7], [20, 9], d=16)
+    q = (q * 3).detach()  # spread scores across the fitted range and past the clamp
+    approx = gdpa(q, k, v, oq, mq, ok, mk, activation=activation, approx="poly6", kernel="triton")
+    exact = gdpa_reference(q, k, v, oq, mq, ok, mk, activation=activation)
+    # |sum_j (approx - act)(s_ij) v_j| <= bound * sum_j |v_j|, per sequence
+    vabs = torch.stack([v[ok[b] : ok[b + 1]].abs().sum(0) for b in range(2)])  # [B, H, D]
+    per_row = torch.cat([vabs[b].expand(int(oq[b + 1] - oq[b]), -1, -1) for b in range(2)])
+    assert ((approx - exact).abs() <= POLY6[activation].max_abs_err * per_row + 1e-5).all()
+    assert (approx - exact).abs().max() > 0  # it is an approximation, not the exact path
+
+
+# ---------------------------------------------------------------------------------------------- masking
+@pytest.mark.parametrize("activation", ("silu", "gelu"))
+def test_causal_self(activation):
+    lens = [1, 16, 33, 0, 7]
+    _check(lens, lens, activation=activation, causal=True)
+
+
+def test_causal_cross_bottom_right():
+    _check([40, 3, 5], [9, 20, 5], activation="gelu_tanh", causal=True, short_kv=False)
+
+
+@pytest.mark.parametrize("window", [(4, 2), (0, 0), (7, None), (None, 3)])
+def test_window(window):
+    lens = [37, 18]
+    _check(lens, lens, activation="relu", window=window)
+
+
+def test_window_with_causal():
+    lens = [29, 5]
+    _check(lens, lens, activation="leaky_relu", window=(5, 8), causal=True)
+
+
+@pytest.mark.parametrize("short_kv", [True, False])
+def test_cross_short_kv_paths(short_kv):
+    _check([50, 1, 0, 19], [12, 3, 5, 30], h=4, hk=1, activation="gelu_tanh", short_kv=short_kv)
+
+
+def test_empty_sides_and_all_empty():
+    _check([0, 0, 4], [3, 0, 0], activation="silu")  # q without k gives zeros; k without q gets zero grads
+    _check([0, 0], [0, 0], activation="silu")
+    q, k, v, oq, mq, ok, mk = _inputs([], [])
+    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+    assert out.shape == (0, 2, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    _check([17, 5], [9, 31], h=2, hk=2, dtype=dtype, activation="silu", causal=True)
+
+
+@pytest.mark.parametrize("d", [48, 64])
+def test_head_dims(d):
+    _check([17, 3], [5, 20], d=d, activation="gelu")
+
+
+@pytest.mark.parametrize("normalize", ["max_len_k", 3.0])
+def test_normalize(normalize):
+    _check([6, 11], [13, 2], activation="relu2", normalize=normalize, scale=0.3)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=3),
+    group=st.sampled_from([(1, 1), (2, 1), (2, 2)]),
+    d=st.sampled_from([16, 32]),
+    activation=st.sampled_from(ACTIVATIONS),
+    causal=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_hypothesis_shapes(lens, group, d, activation, causal, seed):
+    lq = [a for a, _ in lens]
+    lk = lq if causal else [b for _, b in lens]
+    _check(lq, lk, h=group[0], hk=group[1], d=d, activation=activation, causal=causal, seed=seed)
+
+
+def test_deterministic_and_order_invariant():
+    args = _inputs([3, 40, 18], [25, 33, 1], h=2, hk=1)
+    q, k, v = args[:3]
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for ordered in (True, True, False):
+        out = gdpa(*args, activation="gelu", kernel="triton", ordered=ordered, short_kv=False)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_work_table_orders_longest_first():
+    from gem.ops.triton_gdpa import work_table
+
+    lens = torch.tensor([5, 40, 0, 17])
+    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True)
+    seqs = table[:, 0].tolist()
+    assert seqs == [1, 1, 1, 3, 0, 3, -1, -1, -1, -1, -1, -1]  # full tiles of the longest first, empty last
+    plain = work_table(lens, lens, 40, 16, -1, -1, ordered=False)
+    assert plain[:, 0].tolist()[:6] == [0, 1, 1, 1, 3, 3]
+    cut = work_table(lens, lens, 40, 16, -1, -1, ordered=True, total=62)  # keeps 62 // 16 + 4 rows
+    assert cut[:, 0].tolist() == [1, 1, 1, 3, 0, 3, -1]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _bad(**kw):
+    q, k, v, oq, mq, ok, mk = _inputs([3], [4], h=kw.pop("h", 2), hk=kw.pop("hk", 1))
+    for name in ("q", "k", "v", "oq", "ok"):
+        if name in kw:
+            val = kw.pop(name)
+            q, k, v, oq, ok = [val if n == name else x for n, x in zip(("q", "k", "v", "oq", "ok"), (q, k, v, oq, ok))]
+    kw.setdefault("kernel", "reference")
+    return gdpa(q, k, v, oq, mq, ok, mk, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"activation": "softmax"}, "expected one of ('gelu'"),
+        ({"activation": "relu", "approx": "poly6"}, "supports activations"),
+        ({"approx": "poly9"}, "approx='poly9'"),
+        ({"h": 3, "hk": 2}, "multiple of k/v heads"),
+        ({"k": torch.randn(4, 1, 32, dtype=torch.bfloat16)}, "dtypes differ"),
+        ({"q": torch.randn(3, 2, 32, dtype=torch.float64)}, "unsupported"),
+        ({"oq": torch.tensor([0, 3.0])}, "offsets_q"),
+        ({"ok": torch.tensor([0, 2, 4], dtype=torch.int32)}, "batch sizes"),
+        ({"window": 5}, "window=5"),
+        ({"normalize": "sum"}, "normalize='sum'"),
+        ({"kernel": "cuda"}, "kernel='cuda'"),
+    ],
+)
+def test_bad_inputs(kw, msg):
+    with pytest.raises(ValueError, match=None) as e:
+        _bad(**kw)
+    assert msg in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def test_torch_compile_and_opcheck():
+    from gem.ops.triton_gdpa import gdpa_fwd_op
+
+    q, k, v, oq, mq, ok, mk = _inputs([5, 9], [7, 2])
+
+    def f(q, k, v):
+        return gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton").square().sum()
+
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    want = f(q, k, v)
+    wgrads = torch.autograd.grad(want, (q, k, v))
+    torch.testing.assert_close(loss, want)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a, b)
+    torch.library.opcheck(
+        gdpa_fwd_op,
+        (q, k, v, oq, ok, mq, mk, "silu", "", -1, -1, 0.2, 1.0, True, -1),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    "activation, approx", [("silu", None), ("gelu", None), ("gelu_tanh", "poly6"), ("relu2", None)]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_self_bf16(activation, approx, causal):
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(1, 700, (9,), generator=g).tolist() + [0, 1, 1024]
+    _check(
+        lens,
+        lens,
+        h=4,
+        hk=2,
+        d=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        activation=activation,
+        approx=approx,
+        causal=causal,
+        scale=1.0 / 128,
+    )
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("short_kv", [None, False])
+def test_gpu_cross_short_kv(d, short_kv):
+    g = torch.Generator().manual_seed(2)
+    lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
+    lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
+    _check(
+        lq,
+        lk,
+        h=4,
+        hk=4,
+        d=d,
+        dtype=torch.bfloat16,
+        device="cuda",
+        activation="gelu_tanh",
+        short_kv=short_kv,
+        normalize="max_len_k",
+    )
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_window_fp32():
+    lens = [300, 129, 1, 513]
+    _check(lens, lens, h=2, hk=1, d=64, dtype=torch.float32, device="cuda", activation="gelu", window=(100, 20))
+
+
+def test_reference_cpu_default_matches():
+    # kernel="auto" follows resolve_kernel; the reference path itself must agree with a direct dense loop
+    q, k, v, oq, mq, ok, mk = _inputs([3, 4], [2, 5], h=2, hk=1, d=8)
+    out = gdpa(q, k, v, oq, mq, ok, mk, activation="gelu", causal=True, kernel="reference")
+    want = torch.zeros_like(out)
+    for b in range(2):
+        qs, ks = slice(int(oq[b]), int(oq[b + 1])), slice(int(ok[b]), int(ok[b + 1]))
+        lq, lk = qs.stop - qs.start, ks.stop - ks.start
+        for i in range(lq):
+            for j in range(lk):
+                if j <= i + lk - lq:
+                    s = (q[qs][i] * k[ks][j]).sum(-1) / math.sqrt(8)  # [H]
+                    want[qs.start + i] += torch.nn.functional.gelu(s)[:, None] * v[ks][j]
+    torch.testing.assert_close(out, want)
