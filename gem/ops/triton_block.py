@@ -1,0 +1,501 @@
+"""Triton kernels for BlockAttention (gem.ops.block), forward and backward, with RoPE fused into tile loads.
+
+Work is a device-built int32 table of (sequence, tile) items, so the grid depends only on T and B (no host sync).
+Forward: one program per (q tile, head); a q tile visits only K tiles of its own block(s), up to the diagonal when
+causal. Tiles wholly inside the allowed region skip the mask; the others mask by block id / causal / length, which
+also covers block_size < tile. Online softmax in fp32 with exp2; the log2-domain lse is kept for the backward.
+Backward (FlashAttention-2 style split, deterministic, no atomics): a delta = rowsum(dO * O) pass, one program per
+(K tile, kv head) accumulating dK/dV over the q heads of its group and the q tiles of its block, and one program
+per (q tile, head) for dQ. P is recomputed in each. Blocks of 64-512 rows do not fit SRAM as a whole (q, k, v, dO
+for 512 x 128 bf16 rows is 512 KB), so a single program per block computing dQ, dK, dV together is not an option.
+
+RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels) and rotated in registers, so
+QK^T is the sum of two or three tl.dot calls over the parts; dQ/dK are accumulated per part and inversely rotated
+before the store. Rotated copies never reach memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gem.ops._common import triton_interpreting
+from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
+
+_LOG2E = 1.4426950408889634
+
+
+def _configs():
+    if triton_interpreting():
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+
+
+_KEY = ["D_B", "BLOCK_M", "BLOCK_N", "CAUSAL", "ROPE", "HAS_PASS", "GROUP"]
+
+
+@triton.jit
+def _load_parts(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, rd, D: tl.constexpr, R: tl.constexpr,
+                HALF_B: tl.constexpr, PASS_B: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """[R, D] tile as (rotated half 1, rotated half 2, pass-through part), all in the input dtype."""
+    ty = ptr.dtype.element_ty
+    if ROPE:
+        a1, a2 = rope_load_rotated(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, HALF_B, INTERLEAVED, 1.0)
+        a1 = a1.to(ty)
+        a2 = a2.to(ty)
+    else:
+        a1 = tl.zeros([R, HALF_B], dtype=ty)
+        a2 = tl.zeros([R, HALF_B], dtype=ty)
+    if HAS_PASS:
+        j = tl.arange(0, PASS_B)
+        ap = tl.load(ptr + row_off[:, None] + rd + j[None, :], mask=ok[:, None] & (j < D - rd)[None, :], other=0.0)
+    else:
+        ap = tl.zeros([R, PASS_B], dtype=ty)
+    return a1, a2, ap
+
+
+@triton.jit
+def _mm(a, b, acc, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + a @ b. DOT_F32 (interpreter only): Triton 3.7's interpreter multiplies the raw bit patterns of bf16
+    operands, so they are widened first; the values are the same bf16-rounded operands the GPU multiplies."""
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _dot_parts(a1, a2, ap, b1, b2, bp, acc, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, PREC: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """acc + A @ B^T with A, B given as (half 1, half 2, pass) parts."""
+    if ROPE:
+        acc = _mm(a1, tl.trans(b1), acc, PREC, DOT_F32)
+        acc = _mm(a2, tl.trans(b2), acc, PREC, DOT_F32)
+    if HAS_PASS:
+        acc = _mm(ap, tl.trans(bp), acc, PREC, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, cos_ptr, sin_ptr, half, rd, D: tl.constexpr,
+                 HALF_B: tl.constexpr, PASS_B: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    """Store a gradient given per part w.r.t. the rotated tensor, applying the inverse rotation first."""
+    if ROPE:
+        g1, g2 = rope_rotate_regs(g1, g2, pos, ok, cos_ptr, sin_ptr, half, HALF_B, -1.0)
+        rope_store_halves(ptr, row_off, ok, g1, g2, half, HALF_B, INTERLEAVED)
+    if HAS_PASS:
+        j = tl.arange(0, PASS_B)
+        tl.store(ptr + row_off[:, None] + rd + j[None, :], gp.to(ptr.dtype.element_ty),
+                 mask=ok[:, None] & (j < D - rd)[None, :])
+
+
+@triton.jit
+def _q_range(m0, length, block_size, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys visited by query rows [m0, m0+BLOCK): [lo, hi), and full_hi: key tiles ending <= full_hi need no mask."""
+    m_last = tl.minimum(m0 + BLOCK, length) - 1
+    b_first = m0 // block_size
+    b_last = m_last // block_size
+    lo = b_first * block_size
+    if CAUSAL:
+        hi = m_last + 1
+        full_hi = m0 + 1
+    else:
+        hi = tl.minimum((b_last + 1) * block_size, length)
+        full_hi = hi
+    full_hi = tl.where(b_first == b_last, full_hi, lo)
+    return lo, hi, full_hi
+
+
+@triton.autotune(configs=_configs(), key=_KEY)
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd,
+                H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
+                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(work + 2 * w)
+    if b < 0:
+        return
+    tile = tl.load(work + 2 * w + 1)
+    start = tl.load(offsets + b)
+    length = tl.load(offsets + b + 1) - start
+    hk = h // GROUP
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < length
+    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED)
+    lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
+    d = tl.arange(0, D_B)
+    d_ok = d < D
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                                 ROPE, HAS_PASS, INTERLEAVED)
+        s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
+                       PREC, DOT_F32)
+        s = s * qk_scale
+        if n0 + BLOCK_N > full_hi:
+            allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = _mm(p.to(v.dtype), v, acc, PREC, DOT_F32)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    tl.store(O + q_row[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + h.to(tl.int64) * T + start + offs_m, m_i + tl.math.log2(l_safe), mask=m_ok)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, D_B)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    off = t.to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
+
+
+@triton.autotune(configs=_configs(), key=_KEY)
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
+                     block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                     GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
+                     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    w = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.load(work + 2 * w)
+    if b < 0:
+        return
+    tile = tl.load(work + 2 * w + 1)
+    start = tl.load(offsets + b)
+    length = tl.load(offsets + b + 1) - start
+    n0 = tile * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < length
+    k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED)
+    d = tl.arange(0, D_B)
+    d_ok = d < D
+    v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    # Query rows that see these keys: same block, and at or after the key when causal.
+    n_last = tl.minimum(n0 + BLOCK_N, length) - 1
+    b_first = n0 // block_size
+    b_last = n_last // block_size
+    if CAUSAL:
+        lo = n0
+    else:
+        lo = b_first * block_size
+    hi = tl.minimum((b_last + 1) * block_size, length)
+    one_block = b_first == b_last
+    dv = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
+    dk1 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
+    dkp = tl.zeros([BLOCK_N, PASS_B], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < hi
+            q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
+            q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
+                                     PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+            r_off = h.to(tl.int64) * T + start + offs_m
+            lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
+            s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE,
+                             HAS_PASS, PREC, DOT_F32)
+            s_t = s_t * qk_scale - lse[None, :]
+            full = one_block & (m0 + BLOCK_M <= hi)
+            if CAUSAL:
+                full = full & (m0 >= n_last)
+            if not full:
+                allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
+                if CAUSAL:
+                    allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
+                s_t = tl.where(allowed, s_t, float("-inf"))
+            p_t = tl.math.exp2(s_t)
+            do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            dv = _mm(p_t.to(do.dtype), do, dv, PREC, DOT_F32)
+            dp_t = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_F32)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+            if ROPE:
+                dk1 = _mm(ds_t, q1, dk1, PREC, DOT_F32)
+                dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
+            if HAS_PASS:
+                dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
+    tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+    _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, half,
+                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+
+
+@triton.autotune(configs=_configs(), key=_KEY)
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
+                   block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+                   D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
+                   PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(work + 2 * w)
+    if b < 0:
+        return
+    tile = tl.load(work + 2 * w + 1)
+    start = tl.load(offsets + b)
+    length = tl.load(offsets + b + 1) - start
+    hk = h // GROUP
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < length
+    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED)
+    d = tl.arange(0, D_B)
+    d_ok = d < D
+    do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    r_off = h.to(tl.int64) * T + start + offs_m
+    lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
+    lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
+    dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
+    dqp = tl.zeros([BLOCK_M, PASS_B], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                                 ROPE, HAS_PASS, INTERLEAVED)
+        v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
+                       PREC, DOT_F32)
+        s = s * qk_scale - lse[:, None]
+        if n0 + BLOCK_N > full_hi:
+            allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        p = tl.math.exp2(s)
+        dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_F32)
+        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
+        if ROPE:
+            dq1 = _mm(ds, k1, dq1, PREC, DOT_F32)
+            dq2 = _mm(ds, k2, dq2, PREC, DOT_F32)
+        if HAS_PASS:
+            dqp = _mm(ds, kp, dqp, PREC, DOT_F32)
+    _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, half,
+                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+@triton.jit
+def _work_kernel(offsets, cum, work, tile, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.load(offsets + b + 1) - tl.load(offsets + b)
+    nt = (n + tile - 1) // tile
+    first = tl.load(cum + b) - nt
+    for j0 in range(0, nt, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < nt
+        dst = work + 2 * (first + j)
+        tl.store(dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
+        tl.store(dst + 1, j, mask=m)
+
+
+def work_table(offsets: torch.Tensor, tile: int, total: int) -> torch.Tensor:
+    """int32 [W, 2] of (sequence, tile index), W = cdiv(total, tile) + B >= the real count; spare rows are (-1, -1).
+
+    Built on device (a prefix sum and one small kernel), so no host sync and a grid size known from shapes alone.
+    """
+    nb = offsets.numel() - 1
+    bound = max(1, triton.cdiv(total, tile) + nb)
+    work = torch.full((bound, 2), -1, dtype=torch.int32, device=offsets.device)
+    if nb == 0:
+        return work
+    offsets = offsets.to(torch.int32)
+    cum = torch.cumsum(torch.div(offsets.diff() + (tile - 1), tile, rounding_mode="floor"), 0, dtype=torch.int32)
+    _work_kernel[(nb,)](offsets, cum, work, tile, BLOCK=16 if triton_interpreting() else 128)
+    return work
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _tiles(block_size: int, backward: bool) -> tuple[int, int]:
+    if triton_interpreting():
+        return 16, 16
+    # Tiles no taller than a block, so small blocks do not pay for masked-out neighbours.
+    cap = 64 if backward else 128
+    bm = max(16, min(cap, _prev_pow2(block_size)))
+    return bm, max(16, min(64, bm))
+
+
+_DUMMY: dict = {}
+
+
+def _rope_tables(rotary_dim: int, base: float, max_len: int, device):
+    if rotary_dim == 0:
+        key = str(device)
+        if key not in _DUMMY:
+            _DUMMY[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        return _DUMMY[key], _DUMMY[key]
+    return cos_sin_table(max(max_len, 1), rotary_dim, base, device)
+
+
+def _meta(q, k, rotary_dim, interleaved, causal):
+    d = q.shape[2]
+    half = rotary_dim // 2
+    return dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
+        H=q.shape[1], HKV=k.shape[1], D=d, GROUP=q.shape[1] // k.shape[1], D_B=triton.next_power_of_2(d),
+        HALF_B=max(16, triton.next_power_of_2(max(half, 1))),
+        PASS_B=max(16, triton.next_power_of_2(max(d - rotary_dim, 1))),
+        CAUSAL=causal, ROPE=rotary_dim > 0, HAS_PASS=d > rotary_dim, INTERLEAVED=interleaved,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F32=triton_interpreting() and q.dtype == torch.bfloat16,
+    )
+
+
+def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    t, h, _ = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    if t == 0 or offsets.numel() < 2:
+        return o.zero_(), lse.zero_()
+    offsets = offsets.to(torch.int32)
+    cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
+    bm, bn = _tiles(block_size, backward=False)
+    work = work_table(offsets, bm, t)
+    _fwd_kernel[(work.shape[0], h)](
+        q, k, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
+        BLOCK_M=bm, BLOCK_N=bn, **_meta(q, k, rotary_dim, interleaved, causal),
+    )
+    return o, lse
+
+
+def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    t, h, d = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if t == 0 or offsets.numel() < 2:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    do = do.contiguous()
+    offsets = offsets.to(torch.int32)
+    delta = torch.empty_like(lse)
+    bt = 16 if triton_interpreting() else 64
+    _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
+    cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
+    bm, bn = _tiles(block_size, backward=True)
+    meta = _meta(q, k, rotary_dim, interleaved, causal)
+    args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
+    work_n = work_table(offsets, bn, t)
+    _bwd_dkdv_kernel[(work_n.shape[0], k.shape[1])](
+        q, k, v, do, lse, delta, dk, dv, offsets, work_n, *args, BLOCK_M=bm, BLOCK_N=bn, **meta)
+    work_m = work_table(offsets, bm, t) if bm != bn else work_n
+    _bwd_dq_kernel[(work_m.shape[0], h)](
+        q, k, v, do, lse, delta, dq, offsets, work_m, *args, BLOCK_M=bm, BLOCK_N=bn, **meta)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("gem::block_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int,
+            block_size: int, causal: bool, scale: float, rope_base: float, rotary_dim: int,
+            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gem::block_attention_bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, offsets: torch.Tensor, max_len: int, block_size: int, causal: bool, scale: float,
+            rope_base: float, rotary_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim,
+                interleaved)
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, offsets, *rest = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, offsets)
+    ctx.rest = rest
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, offsets = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, offsets, *ctx.rest)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _BlockAttentionFn(torch.autograd.Function):
+    """Eager path: same kernels as the custom op, without its per-call dispatch overhead (tens of microseconds,
+    comparable to a whole forward at 64K tokens)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, *rest):
+        o, lse = _fwd(q, k, v, offsets, *rest)
+        ctx.save_for_backward(q, k, v, o, lse, offsets)
+        ctx.rest = rest
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, offsets = ctx.saved_tensors
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest)
+        return (dq, dk, dv) + (None,) * (1 + len(ctx.rest))
+
+
+def block_attention_triton(q, k, v, offsets, max_len, *, block_size, causal=True, rope: RopeConfig | None = None,
+                           scale=None):
+    """Triton path of gem.ops.block.block_attention (inputs already validated)."""
+    d = q.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    rd = rope.resolve_dim(d) if rope is not None else 0
+    base = float(rope.base) if rope is not None else 10000.0
+    interleaved = bool(rope.interleaved) if rope is not None else False
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), offsets, int(max_len), int(block_size), bool(causal),
+            scale, base, rd, interleaved)
+    if torch.compiler.is_compiling():  # the custom op lets torch.compile trace around the kernels
+        return _fwd_op(*args)[0]
+    return _BlockAttentionFn.apply(*args)

@@ -1,0 +1,265 @@
+"""BlockAttention: Triton kernel (under the interpreter on CPU) against the padded fp32 PyTorch reference."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gem.ops.block import block_attention, block_attention_reference
+from gem.ops.rotary import RopeConfig, rope
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (6e-2, 4e-2), torch.float16: (5e-3, 5e-3)}
+
+
+def _offsets(lengths, device="cpu"):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def _inputs(lengths, h, hkv, d, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, n, d, generator=g).to(device=device, dtype=dtype) for n in (h, hkv, hkv))
+    do = torch.randn(t, h, d, generator=g).to(device=device, dtype=dtype)
+    return q, k, v, do, _offsets(lengths, device)
+
+
+def _run(fn, q, k, v, do):
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    o = fn(q, k, v)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _check(lengths, *, h=2, hkv=2, d=32, dtype=torch.float32, block_size=16, causal=True, rope_cfg=None,
+           scale=None, seed=0, device="cpu", tol=None):
+    q, k, v, do, offsets = _inputs(lengths, h, hkv, d, dtype, seed, device)
+    max_len = max(lengths, default=0)
+    kw = {"block_size": block_size, "causal": causal, "rope": rope_cfg, "scale": scale}
+    got = _run(lambda a, b, c: block_attention(a, b, c, offsets, max_len, kernel="triton", **kw), q, k, v, do)
+    # The reference runs in fp32 on fp32 copies of the same (rounded) inputs.
+    ref = _run(lambda a, b, c: block_attention_reference(a, b, c, offsets, max_len, **kw),
+               q.float(), k.float(), v.float(), do.float())
+    atol, rtol = tol or TOL[dtype]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a.float(), b, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+    return got
+
+
+@pytest.mark.parametrize(
+    "block_size,causal,rope_cfg",
+    [
+        (16, True, None),  # block == tile, lengths not multiples of the block
+        (32, True, RopeConfig()),  # block > tile: off-diagonal tiles without mask
+        (20, True, RopeConfig(rotary_dim=16)),  # tile straddles blocks, partial rotary
+        (5, True, RopeConfig(interleaved=True)),  # block < tile: mask by block id
+        (7, False, None),
+        (32, False, RopeConfig(rotary_dim=8, base=500.0)),
+        (40, False, RopeConfig()),  # block >= every length: full attention
+    ],
+)
+def test_matches_reference(block_size, causal, rope_cfg):
+    _check([37, 1, 0, 26], block_size=block_size, causal=causal, rope_cfg=rope_cfg)
+
+
+def test_gqa_and_odd_head_dim():
+    # D = 48 is not a power of two; rotary half 10 is neither; 4 q heads share 2 kv heads.
+    _check([29, 40], h=4, hkv=2, d=48, block_size=16, rope_cfg=RopeConfig(rotary_dim=20))
+    _check([23, 9], h=3, hkv=1, d=64, block_size=8, causal=False, rope_cfg=RopeConfig(interleaved=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    _check([45, 3], h=2, hkv=1, dtype=dtype, block_size=16, rope_cfg=RopeConfig())
+
+
+def test_large_scores_stay_finite():
+    # Scores far from 0 (scale 4 with unit inputs) exercise the running max.
+    _check([33], block_size=16, scale=4.0, rope_cfg=RopeConfig(), tol=(1e-4, 1e-4))
+
+
+@pytest.mark.parametrize("lengths", [[0], [1], [0, 1, 0], [1, 1, 2]])
+def test_empty_and_single_token_sequences(lengths):
+    got = _check(lengths, block_size=4, rope_cfg=RopeConfig())
+    if lengths == [1]:
+        # One token attends to itself only: the output is its value row.
+        _, _, v, _, _ = _inputs(lengths, 2, 2, 32, torch.float32)
+        torch.testing.assert_close(got[0], v)
+
+
+def test_no_sequences():
+    q = torch.zeros(0, 2, 32)
+    offsets = torch.zeros(1, dtype=torch.int32)
+    out = block_attention(q, q, q, offsets, 0, block_size=8, kernel="triton")
+    assert out.shape == (0, 2, 32)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 33), min_size=1, max_size=3),
+    block_size=st.integers(1, 48),
+    causal=st.booleans(),
+    rotary=st.sampled_from([None, 8, 32]),
+    hkv=st.sampled_from([1, 2]),
+)
+def test_hypothesis_shapes(lengths, block_size, causal, rotary, hkv):
+    cfg = None if rotary is None else RopeConfig(rotary_dim=rotary)
+    _check(lengths, h=2, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=cfg)
+
+
+def _sdpa_per_sequence(q, k, v, lengths, causal):
+    outs, s = [], 0
+    for n in lengths:
+        a, b, c = (x[s:s + n].transpose(0, 1) for x in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal).transpose(0, 1))
+        s += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_block_is_full_attention(causal):
+    lengths = [19, 0, 33]
+    q, k, v, _, offsets = _inputs(lengths, 2, 2, 32, torch.float32, seed=3)
+    got = block_attention(q, k, v, offsets, 33, block_size=33, causal=causal, kernel="triton")
+    torch.testing.assert_close(got, _sdpa_per_sequence(q, k, v, lengths, causal), atol=2e-5, rtol=2e-5)
+    try:
+        from gem.ops.jfa import jagged_attention
+    except ImportError:
+        return
+    jfa = jagged_attention(q, k, v, offsets, 33, causal=causal, kernel="reference")
+    torch.testing.assert_close(got, jfa, atol=2e-5, rtol=2e-5)
+
+
+def test_blocks_are_independent():
+    # Block attention over blocks of 8 == full attention over each 8-token chunk treated as its own sequence,
+    # with RoPE positions restarting per chunk only when the chunk starts its sequence: check without rope.
+    lengths = [20, 11]
+    q, k, v, _, offsets = _inputs(lengths, 2, 2, 32, torch.float32, seed=4)
+    got = block_attention(q, k, v, offsets, 20, block_size=8, kernel="triton")
+    chunks = [8, 8, 4, 8, 3]
+    torch.testing.assert_close(got, _sdpa_per_sequence(q, k, v, chunks, True), atol=2e-5, rtol=2e-5)
+
+
+def test_fused_rope_equals_rope_then_attention():
+    lengths = [30, 12]
+    cfg = RopeConfig(rotary_dim=16)
+    q, k, v, _, offsets = _inputs(lengths, 2, 1, 32, torch.float32, seed=5)
+    fused = block_attention(q, k, v, offsets, 30, block_size=16, rope=cfg, kernel="triton")
+    qr = rope(q, offsets, 30, config=cfg, kernel="triton")
+    kr = rope(k, offsets, 30, config=cfg, kernel="triton")
+    unfused = block_attention(qr, kr, v, offsets, 30, block_size=16, kernel="triton")
+    torch.testing.assert_close(fused, unfused, atol=2e-5, rtol=2e-5)
+
+
+def test_torch_compile_forward_backward():
+    q, k, v, do, offsets = _inputs([21, 6], 2, 2, 32, torch.float32, seed=6)
+    cfg = RopeConfig()
+
+    def f(a, b, c):
+        return block_attention(a, b, c, offsets, 21, block_size=8, rope=cfg, kernel="triton") * 2.0
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = _run(compiled, q, k, v, do)
+    ref = _run(lambda a, b, c: 2.0 * block_attention_reference(a, b, c, offsets, 21, block_size=8, rope=cfg),
+               q, k, v, do)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_custom_op_registration():
+    from gem.ops.triton_block import _fwd_op
+
+    q, k, v, _, offsets = _inputs([6, 3], 2, 1, 32, torch.float32, seed=7)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(_fwd_op, (q, k, v, offsets, 6, 4, True, 0.2, 10000.0, 16, False))
+
+
+def test_reference_path_default_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _, offsets = _inputs([9], 2, 2, 32, torch.float32)
+    a = block_attention(q, k, v, offsets, 9, block_size=4)
+    b = block_attention_reference(q, k, v, offsets, 9, block_size=4)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": -3}, "block_size"),
+        ({"block_size": 4, "rope": RopeConfig(rotary_dim=7)}, "rotary_dim"),
+        ({"block_size": 4, "rope": RopeConfig(rotary_dim=64)}, "rotary_dim"),
+        ({"block_size": 4, "rope": RopeConfig(base=1.0)}, "base"),
+        ({"block_size": 4, "scale": -1.0}, "scale"),
+        ({"block_size": 4, "kernel": "cuda"}, "kernel"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        block_attention(q, k, v, offsets, 5, **kwargs)
+
+
+def test_bad_shapes():
+    q, k, v, _, offsets = _inputs([5], 3, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        block_attention(q, k, v, offsets, 5, block_size=4)
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        block_attention(q[0], k, v, offsets, 5, block_size=4)
+    with pytest.raises(ValueError, match="dtype"):
+        block_attention(q.double(), q.double(), q.double(), offsets, 5, block_size=4)
+    with pytest.raises(ValueError, match="k and v"):
+        block_attention(q, q[:4], q[:4], offsets, 5, block_size=4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU (run on the H200): long sequences, real tile sizes and autotuned configs.
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [64, 100, 512])
+@pytest.mark.parametrize("rope_cfg", [None, RopeConfig(), RopeConfig(rotary_dim=64, interleaved=True)])
+def test_gpu_bf16_long(block_size, rope_cfg):
+    lengths = [1500, 1, 0, 777, 2048]
+    _check(lengths, h=4, hkv=2, d=128, dtype=torch.bfloat16, block_size=block_size, rope_cfg=rope_cfg,
+           device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+def test_gpu_fp32_head_dims(d):
+    _check([300, 5, 129], h=2, hkv=1, d=d, dtype=torch.float32, block_size=128, causal=False,
+           rope_cfg=RopeConfig(rotary_dim=d // 2), device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_linear_in_length():
+    # Cost per token must not grow with sequence length for a fixed block.
+    import triton.testing
+
+    def ms(n):
+        q, k, v, _, offsets = _inputs([n] * (65536 // n), 4, 4, 128, torch.bfloat16, device="cuda")
+        fn = lambda: block_attention(q, k, v, offsets, n, block_size=256, rope=RopeConfig())
+        return triton.testing.do_bench(fn, return_mode="median")
+
+    short, long = ms(2048), ms(65536)
+    assert long < 1.5 * short, (short, long)
+    assert math.isfinite(short)
+
+
+@pytest.mark.parametrize("lengths,tile", [([5, 0, 35, 1], 16), ([], 16), ([0, 0], 8), ([100, 17], 32)])
+def test_work_table_lists_every_tile_once(lengths, tile):
+    from gem.ops.triton_block import work_table
+
+    offsets = _offsets(lengths)
+    work = work_table(offsets, tile, sum(lengths)).tolist()
+    expected = [[b, j] for b, n in enumerate(lengths) for j in range(-(-n // tile))]
+    assert work[: len(expected)] == expected
+    assert all(row == [-1, -1] for row in work[len(expected):])
