@@ -1,0 +1,124 @@
+"""`parallelize`: one call that lays a GEM-style model out over the world described by the `parallel:` config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gem.parallel.dims import ParallelDims, init_distributed
+from gem.parallel.embedding import ShardedEmbeddings, shard_embeddings
+from gem.parallel.expert import apply_expert_parallel, find_moe_modules
+from gem.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, wrap_ddp
+
+
+@dataclass
+class Parallelized:
+    """The wrapped model and what the trainer needs around it.
+
+    model: call it as before (`model(batch)`); it is a TorchRec DMP whose inner module is the original model
+        (dense part under DDP or FSDP2). `model.state_dict()` holds the tables as ShardedTensor (one embedding
+        group) or DTensor (several) and, with FSDP, DTensor dense params: hand it to torch.distributed.checkpoint
+        as is (keys do not depend on DDP/FSDP/activation checkpointing). Call `sync_embeddings()` before saving
+        when there are several embedding groups, so every replica holds the same tables.
+    sparse_optimizer: TorchRec KeyedOptimizer of the fused table optimizer (steps inside backward; its
+        `state_dict()` is ShardedTensor based, DCP-ready). Do not call step() on it.
+    """
+
+    model: nn.Module
+    dims: ParallelDims
+    sparse_optimizer: Any
+    embeddings: ShardedEmbeddings | None
+    inner: nn.Module  # the original model object (now holding sharded / wrapped submodules)
+    _dense_params: list[nn.Parameter] = field(default_factory=list, repr=False)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Parameters for the dense optimizer: everything except the embedding tables."""
+        return list(self._dense_params)
+
+    def after_step(self, step: int) -> bool:
+        """Call after each optimizer step (`step` counted from 1). Averages the embedding replicas every
+        `emb_sync_every` steps; returns whether it synced (never with a single embedding group)."""
+        if self.embeddings is None or self.embeddings.n_replicas <= 1:
+            return False
+        if step % self.dims.cfg.emb_sync_every:
+            return False
+        self.embeddings.sync(include_optimizer_state=True)
+        return True
+
+    def sync_embeddings(self) -> None:
+        """Force a replica sync (e.g. before a checkpoint or evaluation, so every replica holds the same tables)."""
+        if self.embeddings is not None:
+            self.embeddings.sync(include_optimizer_state=True)
+
+    def dense_named_parameters(self) -> dict[str, nn.Parameter]:
+        """{name: param} of `dense_parameters()`, named as in the unwrapped model (activation-checkpoint and
+        compile wrappers left out), so optimizer-state keys do not depend on those settings."""
+        ids = {id(p) for p in self._dense_params}
+        return {_canonical(n): p for n, p in self.inner.named_parameters() if id(p) in ids}
+
+
+def _canonical(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: Any = None,
+                device: torch.device | None = None) -> Parallelized:
+    """Shard `model` per `parallel_cfg` (collective: call on every rank with identically initialised models).
+
+    Order: expert parallel dispatchers/weights -> TorchRec DMP for the tables (optimizer fused into their
+    backward) -> activation checkpointing / compile per block -> dense DDP or FSDP2 over the world.
+    """
+    if device is None:
+        device = init_distributed()
+    else:
+        init_distributed()
+    dims = ParallelDims.build(parallel_cfg, device)
+    cfg = dims.cfg
+    model = model.to(device) if next(model.parameters()).device.type != "meta" else model
+
+    moes = find_moe_modules(model)
+    expert_modules = apply_expert_parallel(moes, dims) if cfg.ep > 1 else []
+
+    emb = shard_embeddings(model, dims, sparse_optimizer_cfg, device)
+    dmp = emb.dmp
+    inner = dmp.module
+    table_params = _sharded_params(inner)
+
+    blocks = getattr(inner, "blocks", None)
+    if blocks is not None and not isinstance(blocks, nn.ModuleList):
+        raise TypeError("gem.parallel: model.blocks must be an nn.ModuleList")
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
+        if cfg.compile:
+            apply_compile(blocks)
+
+    if cfg.dense == "fsdp":
+        apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)
+    elif dims.world_size > 1:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+
+        ignore = set(DistributedModelParallel._sharded_parameter_names(inner))
+        dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device, find_unused_parameters=bool(moes))
+
+    table_ids = {id(p) for p in table_params}
+    dense = [p for p in inner.parameters() if id(p) not in table_ids and p.requires_grad]
+    return Parallelized(model=dmp, dims=dims, sparse_optimizer=emb.fused_optimizer, embeddings=emb,
+                        inner=inner, _dense_params=dense)
+
+
+def _sharded_params(module: nn.Module) -> list[nn.Parameter]:
+    from torchrec.distributed.types import ShardedModule
+
+    out, seen = [], set()
+    for m in module.modules():
+        if isinstance(m, ShardedModule):
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out

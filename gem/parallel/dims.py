@@ -1,0 +1,311 @@
+"""One object that turns the `parallel:` config into validated degrees, device meshes and process groups.
+
+Dense side: mesh ("dp_replicate", "dp_shard"); FSDP2 shards over dp_shard and replicates over dp_replicate (HSDP).
+Expert parallelism borrows its degree from dp_shard (dp_shard = dp_shard_mod_ep x ep): experts are split over
+"ep" (consecutive ranks, so the all-to-all stays inside a host) and their weights FSDP-sharded over the
+remaining ("dp_replicate", "dp_shard_mod_ep") dims.
+Sparse side: embedding sharding groups of `emb_shard_group` ranks (TorchRec DMP inside each group) replicated
+across groups; the replica groups link the ranks that hold the same shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ParallelConfigError(ValueError):
+    """A `parallel:` config that cannot be laid out on this world; the message names the key."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the rest of the world
+    ep: int = 1
+    emb_shard_group: int = -1  # ranks per embedding sharding group; -1: the whole world
+    emb_sync_every: int = 1  # steps between embedding replica syncs (only with > 1 group)
+    emb_group_layout: str = "host_local"  # host_local: consecutive ranks shard; strided: rank % n_groups
+    # planner constraints: a list for every table, or {table_name: [types]}; None: defaults for the device
+    sharding_types: Any = None
+    dense: str = "ddp"  # ddp | fsdp
+    param_dtype: str = "fp32"  # FSDP mixed precision: compute/all-gather dtype
+    reduce_dtype: str = "fp32"  # FSDP gradient reduce dtype
+    reshard_after_forward: Any = True  # bool or int (reshard to a smaller group)
+    activation_checkpoint: str = "none"  # none | full | selective
+    ac_every: int = 1  # selective: checkpoint every n-th block
+    compile: bool = False  # torch.compile each transformer block
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> ParallelConfig:
+        """Build from a ParallelConfig, a mapping, an OmegaConf DictConfig or None; unknown keys are errors."""
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, cls):
+            return dataclasses.replace(cfg)
+        if not isinstance(cfg, Mapping):
+            try:  # OmegaConf DictConfig
+                from omegaconf import OmegaConf
+
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+            except Exception as e:
+                raise ParallelConfigError(f"parallel: expected a mapping, got {type(cfg).__name__}") from e
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in cfg:
+            if key not in known:
+                raise ParallelConfigError(f"parallel.{key}: unknown key (known: {', '.join(sorted(known))})")
+        return cls(**dict(cfg))
+
+
+def _check_int(name: str, value: Any, *, allow_minus_one: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParallelConfigError(f"parallel.{name}={value!r}: expected an integer")
+    if value < 1 and not (allow_minus_one and value == -1):
+        raise ParallelConfigError(f"parallel.{name}={value}: must be >= 1" + (" or -1" if allow_minus_one else ""))
+    return value
+
+
+def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
+    """Resolve -1 degrees against `world_size` and check every constraint; returns a resolved copy."""
+    c = dataclasses.replace(cfg)
+    dp_rep = _check_int("dp_replicate", c.dp_replicate)
+    dp_shard = _check_int("dp_shard", c.dp_shard, allow_minus_one=True)
+    if dp_shard == -1:
+        if world_size % dp_rep:
+            raise ParallelConfigError(
+                f"parallel.dp_replicate={dp_rep}: does not divide world size {world_size}"
+            )
+        dp_shard = world_size // dp_rep
+    if dp_rep * dp_shard != world_size:
+        raise ParallelConfigError(
+            f"parallel.dp_shard={dp_shard}: world size {world_size} is not dp_replicate({dp_rep}) x dp_shard({dp_shard})"
+        )
+    ep = _check_int("ep", c.ep)
+    if dp_shard % ep:
+        raise ParallelConfigError(f"parallel.ep={ep}: must divide dp_shard ({dp_shard})")
+    g = _check_int("emb_shard_group", c.emb_shard_group, allow_minus_one=True)
+    if g == -1:
+        g = world_size
+    if world_size % g:
+        raise ParallelConfigError(f"parallel.emb_shard_group={g}: must divide world size {world_size}")
+    _check_int("emb_sync_every", c.emb_sync_every)
+    _check_int("ac_every", c.ac_every)
+    if c.emb_group_layout not in ("host_local", "strided"):
+        raise ParallelConfigError(
+            f"parallel.emb_group_layout={c.emb_group_layout!r}: expected host_local or strided"
+        )
+    if c.dense not in ("ddp", "fsdp"):
+        raise ParallelConfigError(f"parallel.dense={c.dense!r}: expected ddp or fsdp")
+    if c.dense == "ddp" and dp_rep > 1:
+        raise ParallelConfigError(f"parallel.dp_replicate={dp_rep}: HSDP needs parallel.dense=fsdp")
+    if c.dense == "ddp" and ep > 1:
+        raise ParallelConfigError(f"parallel.ep={ep}: expert parallelism needs parallel.dense=fsdp")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(c, key) not in _DTYPES:
+            raise ParallelConfigError(f"parallel.{key}={getattr(c, key)!r}: expected one of {sorted(_DTYPES)}")
+    r = c.reshard_after_forward
+    if not isinstance(r, bool) and not (isinstance(r, int) and r >= 1):
+        raise ParallelConfigError(f"parallel.reshard_after_forward={r!r}: expected true, false or an int >= 1")
+    if c.activation_checkpoint not in ("none", "full", "selective"):
+        raise ParallelConfigError(
+            f"parallel.activation_checkpoint={c.activation_checkpoint!r}: expected none, full or selective"
+        )
+    if not isinstance(c.compile, bool):
+        raise ParallelConfigError(f"parallel.compile={c.compile!r}: expected true or false")
+    _check_sharding_types(c.sharding_types)
+    c.dp_shard, c.emb_shard_group = dp_shard, g
+    return c
+
+
+def _check_sharding_types(st: Any) -> None:
+    if st is None:
+        return
+    if isinstance(st, str):
+        st = [st]
+    lists = st.values() if isinstance(st, Mapping) else [st]
+    for lst in lists:
+        if isinstance(lst, str):
+            lst = [lst]
+        if not isinstance(lst, (list, tuple)) or not lst:
+            raise ParallelConfigError(f"parallel.sharding_types={st!r}: expected a non-empty list of types")
+        for t in lst:
+            if t == "data_parallel":
+                raise ParallelConfigError(
+                    "parallel.sharding_types: data_parallel is not offered (the fused sparse optimizer and the "
+                    "replica sync cover sharded tables only)"
+                )
+            if t not in SHARDING_TYPES:
+                raise ParallelConfigError(
+                    f"parallel.sharding_types: unknown type {t!r} (expected one of {', '.join(SHARDING_TYPES)})"
+                )
+
+
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """Create the default process group once (nccl on CUDA, gloo on CPU) and return this rank's device.
+
+    Under torchrun the env:// variables are used; without them a one-rank group is created in-process, so the
+    same code path (TorchRec DMP, fused optimizer) serves single-process runs.
+    """
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+@dataclass
+class ParallelDims:
+    """Validated degrees plus every mesh / process group the appliers use (built by `build`)."""
+
+    cfg: ParallelConfig
+    world_size: int
+    rank: int
+    local_world_size: int
+    device: torch.device
+    dense_mesh: DeviceMesh | None = None  # ("dp_replicate", "dp_shard")
+    expert_mesh: DeviceMesh | None = None  # ("dp_replicate", "dp_shard_mod_ep", "ep")
+    emb_mesh: DeviceMesh | None = None  # ("emb_replicate", "emb_shard")
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    # ---- degrees ----
+    @property
+    def dp_replicate(self) -> int:
+        return self.cfg.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.cfg.dp_shard
+
+    @property
+    def ep(self) -> int:
+        return self.cfg.ep
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.cfg.dp_shard // self.cfg.ep
+
+    @property
+    def emb_shard_group(self) -> int:
+        return self.cfg.emb_shard_group
+
+    @property
+    def emb_replicas(self) -> int:
+        return self.world_size // self.cfg.emb_shard_group
+
+    @property
+    def dp_world(self) -> int:
+        """Ranks that see different data (every rank: no tensor/pipeline parallelism here)."""
+        return self.world_size
+
+    # ---- layouts (pure functions of the config; no process groups) ----
+    def emb_layout(self) -> torch.Tensor:
+        """[n_groups, group_size] rank table: row i = the ranks of embedding sharding group i."""
+        n, g = self.emb_replicas, self.emb_shard_group
+        ranks = torch.arange(self.world_size)
+        if self.cfg.emb_group_layout == "host_local":
+            return ranks.view(n, g)
+        return ranks.view(g, n).t().contiguous()  # strided: group i = {r : r % n == i}
+
+    def emb_group_ranks(self) -> list[int]:
+        t = self.emb_layout()
+        return t[(t == self.rank).any(dim=1)].flatten().tolist()
+
+    def emb_replica_ranks(self) -> list[int]:
+        t = self.emb_layout()
+        return t[:, (t == self.rank).any(dim=0)].flatten().tolist()
+
+    # ---- process groups ----
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    @property
+    def emb_shard_pg(self) -> dist.ProcessGroup:
+        if self.emb_mesh is None:
+            return dist.group.WORLD
+        return self.emb_mesh.get_group("emb_shard")
+
+    @property
+    def emb_replica_pg(self) -> dist.ProcessGroup | None:
+        if self.emb_mesh is None:
+            return None
+        return self.emb_mesh.get_group("emb_replicate")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Mesh for non-expert dense params: 2D (HSDP) when dp_replicate > 1, else 1D over dp_shard."""
+        assert self.dense_mesh is not None
+        return self.dense_mesh if self.dp_replicate > 1 else self.dense_mesh["dp_shard"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """Mesh that FSDP-shards the (already ep-split) expert weights; None when ep == 1."""
+        if self.expert_mesh is None:
+            return None
+        if self.dp_replicate > 1:
+            return self.expert_mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.expert_mesh["dp_shard_mod_ep"]
+
+    @property
+    def ep_pg(self) -> dist.ProcessGroup | None:
+        return None if self.expert_mesh is None else self.expert_mesh.get_group("ep")
+
+    @classmethod
+    def build(cls, cfg: Any, device: torch.device | None = None) -> ParallelDims:
+        """Validate `cfg` against the initialised world and create the meshes (collective: call on every rank)."""
+        if not dist.is_initialized():
+            raise RuntimeError("gem.parallel: call init_distributed() before ParallelDims.build")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        c = validate(ParallelConfig.from_any(cfg), world)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        dims = cls(cfg=c, world_size=world, rank=rank, local_world_size=local_world, device=device)
+        dtype = device.type
+        ranks = torch.arange(world)
+        dims.dense_mesh = DeviceMesh(
+            dtype, ranks.view(c.dp_replicate, c.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
+        if c.ep > 1:
+            dims.expert_mesh = DeviceMesh(
+                dtype,
+                ranks.view(c.dp_replicate, c.dp_shard // c.ep, c.ep),
+                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"),
+            )
+        if dims.emb_replicas > 1:
+            dims.emb_mesh = DeviceMesh(dtype, dims.emb_layout(), mesh_dim_names=("emb_replicate", "emb_shard"))
+        return dims
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (
+            f"world={self.world_size} dense={c.dense} dp_replicate={c.dp_replicate} dp_shard={c.dp_shard} ep={c.ep} "
+            f"emb_shard_group={c.emb_shard_group} (x{self.emb_replicas} replicas, {c.emb_group_layout}, "
+            f"sync every {c.emb_sync_every})"
+        )
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]

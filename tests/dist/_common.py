@@ -1,0 +1,86 @@
+"""Shared pieces of the multi-rank test scripts: a tiny GEM model + data, batch slicing, torchrun launching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2):
+    from omegaconf import OmegaConf
+
+    from gem.model import ModelConfig
+
+    c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/model/gem_tiny.yaml"))
+    c["kernel"] = "reference"  # the dist tests check the parallel layer, not the kernels
+    c["tower"]["num_blocks"] = blocks
+    c["tower"]["moe_every"] = moe_every
+    c["moe"]["num_experts"] = num_experts
+    c["moe"]["aux_loss_coef"] = aux
+    for t in c["tables"]:
+        t["num_embeddings"] = min(t["num_embeddings"], 500)
+    return ModelConfig.from_dict(c)
+
+
+def dataset(batch_size: int, seed: int = 0):
+    from omegaconf import OmegaConf
+
+    from gem.data import DataConfig, SyntheticDataset
+
+    c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
+    c["schema"]["num_items"] = 500
+    c["schema"]["history"]["max_len"] = 12
+    c["batch_size"] = batch_size
+    c["seed"] = seed
+    d = DataConfig.from_dict(c)
+    return SyntheticDataset(d.schema, d.seed, batch_size)
+
+
+def _slice_kjt(kjt, a: int, b: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths, values = [], []
+    for key in kjt.keys():
+        jt = kjt[key]
+        off = jt.offsets()
+        lengths.append(jt.lengths()[a:b])
+        values.append(jt.values()[off[a]:off[b]])
+    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def slice_batch(batch, a: int, b: int):
+    """Rows [a, b) of a Batch as a Batch of its own."""
+    from gem.data import Batch
+
+    off = batch.seq_offsets[a:b + 1]
+    lens = off[1:] - off[:-1]
+    return Batch(
+        sequence=_slice_kjt(batch.sequence, a, b),
+        sparse=_slice_kjt(batch.sparse, a, b),
+        dense=batch.dense[a:b],
+        labels=batch.labels[a:b],
+        seq_offsets=off - off[0],
+        max_seq_len=int(lens.max()) if lens.numel() else 0,
+    )
+
+
+def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: float = 240) -> dict:
+    """Run tests/dist/<script> on `nproc` gloo ranks; returns the JSON rank 0 wrote to --out."""
+    out = tmp_path / f"out_{nproc}_{len(list(tmp_path.iterdir()))}.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).parent / script), "--out", str(out), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    if r.returncode != 0:
+        raise AssertionError(f"{script} x{nproc} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
+    return json.loads(out.read_text())

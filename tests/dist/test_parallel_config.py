@@ -1,0 +1,107 @@
+"""Single-process checks of the `parallel:` config: validation messages, degree resolution, group layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gem.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims, validate
+from gem.parallel.embedding import sparse_optimizer_spec
+
+
+def _v(world: int, **kw) -> ParallelConfig:
+    return validate(ParallelConfig.from_any(kw), world)
+
+
+@pytest.mark.parametrize("world,kw,msg", [
+    (4, dict(dp_shard=3), "parallel.dp_shard=3: world size 4 is not dp_replicate(1) x dp_shard(3)"),
+    (4, dict(dense="fsdp", dp_replicate=3), "parallel.dp_replicate=3: does not divide world size 4"),
+    (8, dict(dense="fsdp", dp_replicate=2, dp_shard=2), "parallel.dp_shard=2: world size 8 is not dp_replicate(2) x dp_shard(2)"),
+    (4, dict(dense="fsdp", ep=3), "parallel.ep=3: must divide dp_shard (4)"),
+    (8, dict(dense="fsdp", dp_replicate=2, ep=8), "parallel.ep=8: must divide dp_shard (4)"),
+    (4, dict(emb_shard_group=3), "parallel.emb_shard_group=3: must divide world size 4"),
+    (4, dict(emb_shard_group=0), "parallel.emb_shard_group=0: must be >= 1 or -1"),
+    (4, dict(emb_sync_every=0), "parallel.emb_sync_every=0: must be >= 1"),
+    (4, dict(dp_shard=2.0), "parallel.dp_shard=2.0: expected an integer"),
+    (4, dict(ep=True), "parallel.ep=True: expected an integer"),
+    (4, dict(emb_group_layout="diagonal"), "parallel.emb_group_layout='diagonal': expected host_local or strided"),
+    (4, dict(dense="zero3"), "parallel.dense='zero3': expected ddp or fsdp"),
+    (4, dict(dp_replicate=2), "parallel.dp_replicate=2: HSDP needs parallel.dense=fsdp"),
+    (4, dict(ep=2), "parallel.ep=2: expert parallelism needs parallel.dense=fsdp"),
+    (4, dict(dense="fsdp", param_dtype="fp8"), "parallel.param_dtype='fp8': expected one of"),
+    (4, dict(dense="fsdp", reshard_after_forward=0), "parallel.reshard_after_forward=0: expected true, false or an int >= 1"),
+    (4, dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some': expected none, full or selective"),
+    (4, dict(compile="yes"), "parallel.compile='yes': expected true or false"),
+    (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: unknown type 'diagonal'"),
+    (4, dict(sharding_types={"item": []}), "parallel.sharding_types={'item': []}: expected a non-empty list"),
+    (4, dict(sharding_types=["data_parallel"]), "parallel.sharding_types: data_parallel is not offered"),
+])
+def test_bad_configs_give_one_line_naming_the_key(world, kw, msg):
+    with pytest.raises(ParallelConfigError) as e:
+        _v(world, **kw)
+    text = str(e.value)
+    assert text.startswith(msg), text
+    assert "\n" not in text
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ParallelConfigError, match=r"^parallel\.dp_sahrd: unknown key"):
+        ParallelConfig.from_any({"dp_sahrd": 2})
+
+
+def test_omegaconf_and_presets_load():
+    from hydra import compose, initialize_config_dir
+
+    from tests.dist._common import ROOT
+
+    expect = {"single": (1, 4, 1, 4), "ddp": (1, 4, 1, 4), "default": (1, 4, 1, 4), "hsdp": (2, 2, 1, 4),
+              "hsdp_ep": (2, 2, 2, 4), "full_5d": (2, 2, 2, 2)}
+    with initialize_config_dir(config_dir=str(ROOT / "configs/parallel"), version_base="1.3"):
+        for name, (rep, shard, ep, g) in expect.items():
+            c = validate(ParallelConfig.from_any(compose(config_name=name)), 4)
+            assert (c.dp_replicate, c.dp_shard, c.ep, c.emb_shard_group) == (rep, shard, ep, g), name
+    full = validate(ParallelConfig.from_any({"dense": "fsdp", "dp_replicate": 2, "ep": 2}), 8)
+    assert (full.dp_shard, full.emb_shard_group) == (4, 8)
+
+
+def _dims(world: int, rank: int, **kw) -> ParallelDims:
+    return ParallelDims(cfg=_v(world, **kw), world_size=world, rank=rank, local_world_size=4,
+                        device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("world,g", [(8, 2), (8, 4), (8, 8), (8, 1), (6, 3), (1, 1), (12, 4)])
+@pytest.mark.parametrize("layout", ["host_local", "strided"])
+def test_embedding_groups_partition_the_world(world, g, layout):
+    n = world // g
+    groups, replicas = set(), set()
+    for r in range(world):
+        d = _dims(world, r, emb_shard_group=g, emb_group_layout=layout)
+        grp, rep = d.emb_group_ranks(), d.emb_replica_ranks()
+        assert r in grp and r in rep and len(grp) == g and len(rep) == n
+        assert len(set(grp) & set(rep)) == 1  # a group and a replica set meet in this rank only
+        if layout == "host_local":
+            assert grp == list(range(r // g * g, r // g * g + g))
+        else:
+            assert grp == [x for x in range(world) if x % n == r % n]
+        # local index inside the group is what torchrec's 2D env computes (rank % g, or rank // n strided)
+        assert grp.index(r) == (r % g if layout == "host_local" else r // n)
+        groups.add(tuple(grp))
+        replicas.add(tuple(rep))
+    assert sorted(x for grp in groups for x in grp) == list(range(world))
+    assert sorted(x for rep in replicas for x in rep) == list(range(world))
+    # replica sets line up shard positions: the k-th member of every group is in one replica set
+    for rep in replicas:
+        ks = {_dims(world, r, emb_shard_group=g, emb_group_layout=layout).emb_group_ranks().index(r) for r in rep}
+        assert len(ks) == 1
+
+
+def test_sparse_optimizer_spec():
+    from torchrec.optim import RowWiseAdagrad
+
+    assert sparse_optimizer_spec(None) == (RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8})
+    assert sparse_optimizer_spec({"name": "sgd", "lr": 0.5}) == (torch.optim.SGD, {"lr": 0.5})
+    assert sparse_optimizer_spec({"name": "adam", "lr": 1, "eps": 1e-6})[1] == {"lr": 1.0, "eps": 1e-6}
+    with pytest.raises(ParallelConfigError, match=r"^sparse_optimizer\.name='lamb'"):
+        sparse_optimizer_spec({"name": "lamb"})
+    with pytest.raises(ParallelConfigError, match=r"^sparse_optimizer\.betaz: unknown key"):
+        sparse_optimizer_spec({"name": "adam", "betaz": 1})
