@@ -1,0 +1,1 @@
+"""Command-line entry points (console scripts declared in pyproject.toml)."""

@@ -1,0 +1,205 @@
+"""`python -m gem.train [overrides...]`: the Hydra entry point (single process or under torchrun).
+
+Before Hydra runs the job: the config is composed and checked once (a bad value prints one line naming the key
+and exits 2), the process group is created (once, outside the job), and rank 0 picks the run name that every
+rank then shares (`GEM_RUN_ID`; Hydra's default `${now:...}` would differ per rank). Only rank 0 writes Hydra's
+files and logs. `--check` validates the config and exits (0 if it is good).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[2] / "configs")
+EXIT_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def _err(msg: str) -> None:
+    print(f"gem-train: error: {msg}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    """A one-line message for a config exception, naming the key where the exception knows it."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
+        group, name = exc.missing_cfg_file.rsplit("/", 1)
+        options = f" (options: {', '.join(exc.options)})" if exc.options else ""
+        return f"{group}={name}: no such config{options}"
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        first = str(cause).splitlines()[0].strip()
+        text = str(exc).splitlines()[0].strip()
+        if "not in struct" in str(cause) or "Could not override" in text:
+            return f"{cause.full_key}: unknown config key (append a new key with '+{cause.full_key}=...')"
+        if "Missing mandatory value" in first:
+            return f"{cause.full_key}: missing value (set {cause.full_key}=...)"
+        return f"{cause.full_key}: {first}"
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def _split_args(argv: list[str]) -> tuple[list[str], bool]:
+    check = "--check" in argv
+    return [a for a in argv if a != "--check"], check
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    """The config overrides among the arguments (Hydra's own flags and their values left out)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("-"):
+            skip = a in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+            continue
+        out.append(a)
+    return out
+
+
+def preflight(overrides: list[str], world_size: int | None) -> str | None:
+    """Compose the config and run every validator; returns None if good, else a one-line message."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    _register_resolvers()
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR, job_name="gem_train"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - any composition problem is a config error
+        return _one_line(e)
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        from gem.train.trainer import build_configs
+
+        build_configs(cfg, world_size)
+    except (ValueError, TypeError, KeyError) as e:
+        return _one_line(e)
+    except Exception as e:  # noqa: BLE001 - omegaconf interpolation / missing-value errors
+        return _one_line(e)
+    return None
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("gem_run_id"):
+        OmegaConf.register_new_resolver("gem_run_id", lambda: os.environ.get("GEM_RUN_ID", "local"), use_cache=True)
+
+
+def _agree_on_run_id(rank: int, world_size: int) -> None:
+    """Every rank gets rank 0's GEM_RUN_ID (a timestamp unless already set)."""
+    import torch.distributed as dist
+
+    run_id = [os.environ.get("GEM_RUN_ID") or time.strftime("%Y-%m-%d/%H-%M-%S")]
+    if world_size > 1:
+        dist.broadcast_object_list(run_id, src=0)
+    os.environ["GEM_RUN_ID"] = run_id[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, check_only = _split_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if any(a in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
+        return _run_hydra(argv, rank, None)
+
+    problem = preflight(_overrides(argv), world_size)
+    if problem is not None:
+        if rank == 0:
+            _err(problem)
+        return EXIT_CONFIG
+    if check_only:
+        if rank == 0:
+            print("gem-train: config ok", flush=True)
+        return 0
+
+    from gem.parallel.dims import init_distributed
+
+    init_distributed()  # once per process, outside Hydra's job
+    _agree_on_run_id(rank, world_size)
+    state: dict = {}
+    code = _run_hydra(argv, rank, state)
+    if code:
+        return code
+    if "error" in state:
+        err, code = state["error"]
+        if rank == 0 or code != EXIT_CONFIG:
+            _err(err)
+        return code
+    return 0
+
+
+def _run_hydra(argv: list[str], rank: int, state: dict | None) -> int:
+    import hydra
+
+    _register_resolvers()
+    extra = []
+    if rank != 0:
+        # Ranks other than 0 write no .hydra/ files and no log file; their warnings still reach stderr.
+        extra = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
+
+    def task(cfg) -> None:
+        _job(cfg, rank, state if state is not None else {})
+
+    app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(task)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "gem-train"] + argv + extra
+    try:
+        app()
+    except SystemExit as e:  # hydra exits 1 on errors it reports itself
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _job(cfg, rank: int, state: dict) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from gem.train.trainer import BadBatchError, Trainer, summary_line
+
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    run_dir = HydraConfig.get().runtime.output_dir
+    trainer = None
+    try:
+        trainer = Trainer(cfg, run_dir=run_dir)
+        result = trainer.fit()
+        if rank == 0:
+            print(summary_line(result, trainer.tasks), flush=True)
+    except BadBatchError as e:
+        state["error"] = (str(e), EXIT_FAILURE)
+    except FloatingPointError as e:
+        state["error"] = (str(e), EXIT_FAILURE)
+    except (ValueError, TypeError) as e:
+        if trainer is None:  # raised while building from the config (e.g. the layout on this world)
+            state["error"] = (_one_line(e), EXIT_CONFIG)
+        else:
+            raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    code = main()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.exit(code)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Train GEM (installs the CPU stack into .venv on first use). Works from any directory.
+#   scripts/train.sh                              embedded default: 2 ranks on CPU (experiment=tiny_cpu)
+#   scripts/train.sh train.steps=600 model.tower.num_blocks=4     Hydra overrides pass through
+#   scripts/train.sh --nproc 1 experiment=gpu_base                rank count (or NPROC=...); 1 = plain python
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+
+NPROC=${NPROC:-2}
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --nproc) NPROC="$2"; shift 2 ;;
+        --nproc=*) NPROC="${1#--nproc=}"; shift ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+case "$NPROC" in ''|*[!0-9]*|0) echo "train.sh: --nproc must be a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export GEM_CONFIG_DIR="${GEM_CONFIG_DIR:-$ROOT/configs}"
+
+# Check the config in one process first: a bad key gives one line and exit 2, not one report per rank.
+WORLD_SIZE="$NPROC" python -m gem.train --check "${ARGS[@]+"${ARGS[@]}"}" >/dev/null || exit $?
+
+if [ "$NPROC" -eq 1 ]; then
+    exec python -m gem.train "${ARGS[@]+"${ARGS[@]}"}"
+fi
+# torchrun leaves torchelastic_* scratch directories in TMPDIR: keep them in a private temp dir.
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/gem-train.XXXXXX")"
+trap 'rm -rf "$SCRATCH"' EXIT
+TMPDIR="$SCRATCH" python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    -m gem.train "${ARGS[@]+"${ARGS[@]}"}"

@@ -1,0 +1,78 @@
+"""Helpers for the trainer tests: a small config composed from configs/ and the entry-point command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(ROOT / "configs")
+
+# Small and fast on CPU. kernel=reference explicitly: tests run with TRITON_INTERPRET=1, under which `auto`
+# would pick the (slow) interpreted Triton kernels.
+SMALL = [
+    "model.kernel=reference",
+    "model.tower.num_blocks=2",
+    "data.batch_size=32",
+    "data.eval_batches=2",
+    "data.schema.history.max_len=16",
+    "train.warmup_steps=2",
+    "train.log_every=1",
+    "train.tensorboard=false",
+]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gem.train.__main__ import _register_resolvers
+
+    _register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
+            return hydra_compose(config_name="config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def env(tmp_path: Path) -> dict:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    e = dict(os.environ)
+    e.update(
+        PYTHONPATH=str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else ""),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        TMPDIR=str(scratch),  # torchrun's torchelastic_* scratch stays in the test's directory
+        GEM_CONFIG_DIR=CONFIG_DIR,
+    )
+    e.pop("GEM_RUN_ID", None)
+    return e
+
+
+def train_cmd(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "gem.train"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "gem.train",
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(run_dir: Path) -> dict:
+    """step -> logged training loss (mean over ranks) from <run_dir>/metrics.jsonl."""
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}

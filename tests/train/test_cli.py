@@ -1,0 +1,124 @@
+"""The entry point as users run it: config errors (one line, exit 2) and short end-to-end runs (1 and 2 ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.train._util import SMALL, env, read_jsonl, step_losses, train_cmd
+
+
+def _run(tmp_path: Path, args, nproc: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        train_cmd(nproc) + list(args),
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _error_lines(stderr: str):
+    return [ln for ln in stderr.splitlines() if ln.startswith("gem-train:")]
+
+
+def test_config_error_exits_2_with_one_line(tmp_path):
+    """The real entry point in a subprocess: an unknown key, one line naming it, exit code 2, no traceback."""
+    p = _run(tmp_path, ["train.steps=20", "train.no_such_key=1"], timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = _error_lines(p.stderr)
+    assert len(lines) == 1 and "train.no_such_key" in lines[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    assert not (tmp_path / "outputs").exists()  # failed before any run directory was made
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.no_such_key=1", "train.no_such_key"),  # unknown key (struct mode)
+        ("+train.extra=1", "train.extra"),  # a key added with + is still unknown to the trainer
+        ("train.warmup_steps=50", "train.warmup_steps"),  # inconsistent with train.steps=20
+        ("model.num_dense=3", "model.num_dense"),  # inconsistent with the data schema
+        ("data.batch_size=0", "data.batch_size"),
+        ("parallel.dp_shard=3", "parallel.dp_shard"),  # cannot lay out on 1 rank
+        ("model.tower.num_blocks=???", "model.tower.num_blocks"),  # missing value
+        ("train.lr=fast", "train.lr"),  # wrong type
+        ("experiment=no_such_experiment", "experiment=no_such_experiment"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, monkeypatch, capsys, override, key):
+    from gem.train.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train.steps=20", override]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gem-train: error: ") and key in lines[0], err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_check_flag_accepts_a_good_config(tmp_path):
+    p = _run(tmp_path, ["--check", *SMALL], timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "config ok" in p.stdout
+
+
+def _summary(stdout: str) -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("gem-train summary:")]
+    assert len(lines) == 1, stdout[-3000:]
+    return lines[0]
+
+
+def _loss_falls(losses: dict) -> None:
+    steps = sorted(losses)
+    head = sum(losses[s] for s in steps[:5]) / 5
+    tail = sum(losses[s] for s in steps[-5:]) / 5
+    assert tail < head - 0.02, (head, tail)
+
+
+def test_train_one_rank(tmp_path):
+    p = _run(tmp_path, [*SMALL, "train.steps=30", "train.eval_every=15", "train.tensorboard=true", "hydra.run.dir=run"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = _summary(p.stdout)
+    for part in ("steps 30", "click NE", "AUC", "conversion NE", "samples/s", "run dir"):
+        assert part in line, line
+    run = tmp_path / "run"
+    losses = step_losses(run)
+    assert sorted(losses) == list(range(1, 31))
+    _loss_falls(losses)
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/click/auc" in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert any((run / "tb").iterdir())
+
+
+def test_train_two_ranks_and_resume(tmp_path):
+    """torchrun, 2 ranks on gloo: loss falls, one run directory; resuming from step 10 retraces steps 11..20."""
+    import shutil
+
+    args = [*SMALL, "train.steps=20", "train.eval_every=0", "train.checkpoint.every=10", "hydra.run.dir=run"]
+    first = _run(tmp_path, args, nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "steps 20" in _summary(first.stdout)
+    run = tmp_path / "run"
+    # one run directory for both ranks (no per-rank timestamp directories)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and p.name != "tmp") == ["run"]
+    a = [r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in a] == list(range(1, 21))
+    _loss_falls({r["step"]: r["train/loss"] for r in a})
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_10", "step_20"]
+
+    shutil.rmtree(ckpts / "step_20")  # as if the job had died after step 10's checkpoint
+    second = _run(tmp_path, [*args, "train.resume=true"], nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr + second.stdout
+    b = [r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r][20:]
+    assert [r["step"] for r in b] == list(range(11, 21))
+    for ra, rb in zip(a[10:], b):
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], abs=1e-6), rb["step"]

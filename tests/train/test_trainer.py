@@ -1,0 +1,149 @@
+"""The Trainer in-process on one rank: resume parity, bad batches, checkpoints, TensorBoard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem.data import Batch
+from gem.train.checkpoint import list_checkpoints
+from gem.train.trainer import BadBatchError, Trainer
+from tests.train._util import SMALL, compose
+
+
+def _trainer(run_dir: Path, *overrides: str) -> Trainer:
+    return Trainer(compose(SMALL + list(overrides)), run_dir=str(run_dir))
+
+
+def _fit(run_dir: Path, *overrides: str):
+    t = _trainer(run_dir, *overrides)
+    try:
+        return t.fit(), t
+    finally:
+        t.close()
+
+
+def test_resume_continues_the_same_trajectory(tmp_path):
+    common = ("train.steps=20", "train.eval_every=0", "train.seed=3")
+    straight, _ = _fit(tmp_path / "a", *common)
+    first, _ = _fit(tmp_path / "b", *common, "train.stop_at_step=10", "train.checkpoint.every=5")
+    assert first.steps == 10
+    assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [5, 10]
+    second, t = _fit(tmp_path / "b", *common, "train.resume=true", "train.checkpoint.every=0")
+    assert t.step == 20 and second.steps == 20
+    assert len(straight.losses) == 20 and len(first.losses) == 10 and len(second.losses) == 10
+    # the loss must actually move, or equality would prove nothing
+    assert max(straight.losses) - min(straight.losses) > 1e-3
+    torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses[:10]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(straight.losses[10:]), rtol=0, atol=1e-6)
+    for k, v in straight.eval_metrics.items():
+        assert second.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path):
+    result, _ = _fit(tmp_path, "train.steps=2", "train.resume=true", "train.eval_every=0")
+    assert result.steps == 2 and len(result.losses) == 2
+
+
+class _Corrupting:
+    """Wraps a dataset: yields its batches, but batch number `at` (0-based) is corrupted by `corrupt`."""
+
+    def __init__(self, ds, at: int, corrupt) -> None:
+        self.ds, self.at, self.corrupt = ds, at, corrupt
+
+    def __iter__(self):
+        for i, b in enumerate(self.ds):
+            yield self.corrupt(b) if i == self.at else b
+
+    def state_dict(self):
+        return self.ds.state_dict()
+
+
+def _out_of_range(feature: str, card: int):
+    def corrupt(b: Batch) -> Batch:
+        kjt = b.sparse
+        values = kjt.values().clone()
+        keys = list(kjt.keys())
+        per_key = kjt.length_per_key()
+        start = sum(per_key[: keys.index(feature)])
+        values[start] = card  # one past the table
+        sparse = KeyedJaggedTensor(keys=keys, values=values, lengths=kjt.lengths())
+        return Batch(b.sequence, sparse, b.dense, b.labels, b.seq_offsets, b.max_seq_len)
+
+    return corrupt
+
+
+def _nan_label(b: Batch) -> Batch:
+    labels = b.labels.clone()
+    labels[3, 1] = float("nan")
+    return Batch(b.sequence, b.sparse, b.dense, labels, b.seq_offsets, b.max_seq_len)
+
+
+@pytest.mark.parametrize("kind", ["id", "nan_label"])
+def test_bad_batch_raises_before_the_step_and_writes_no_checkpoint(tmp_path, kind):
+    t = _trainer(tmp_path, "train.steps=8", "train.eval_every=0", "train.checkpoint.every=2")
+    card = t.schema.cardinalities()["context"]
+    corrupt = _out_of_range("context", card) if kind == "id" else _nan_label
+    t.train_data = _Corrupting(t.train_data, at=4, corrupt=corrupt)  # the batch of step 5
+    params_seen = {}
+    real_step = t.optimizer.step
+
+    def step_and_snapshot():
+        real_step()
+        params_seen[t.optimizer.step_count] = [p.detach().clone() for p in t.par.dense_parameters()]
+
+    t.optimizer.step = step_and_snapshot
+    try:
+        with pytest.raises(BadBatchError) as err:
+            t.fit()
+    finally:
+        t.close()
+    msg = str(err.value)
+    assert "step 5" in msg
+    assert ("'context'" in msg and str(card) in msg) if kind == "id" else ("labels" in msg and "nan" in msg)
+    assert "\n" not in msg
+    assert t.step == 4 and max(params_seen) == 4  # no optimizer step for the bad batch
+    for p, q in zip(params_seen[4], t.par.dense_parameters()):
+        assert torch.equal(p, q.detach())
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 4]
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_tensorboard_scalars_and_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result, _ = _fit(tmp_path, "train.steps=4", "train.eval_every=2", "train.tensorboard=true")
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "perf/samples_per_s",
+        "perf/tflops_per_device",
+        "eval/click/ne",
+        "eval/click/auc",
+        "eval/conversion/calibration",
+        "eval/conversion/logloss",
+    ):
+        assert tag in tags, tag
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval/click/auc")] == [2, 4]
+    lrs = [e.value for e in acc.Scalars("train/lr")]
+    assert lrs[0] < lrs[1]  # warmup
+    assert result.eval_metrics["click/auc"] == pytest.approx(acc.Scalars("eval/click/auc")[-1].value, abs=1e-6)
+
+
+def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path):
+    """`train.pipeline=sparse_dist` trains the same steps as the plain loop (through torchrec's pipeline where the
+    model traces for it, else through the fallback that replays the batches the pipeline had pulled)."""
+    common = ("train.steps=6", "train.eval_every=0")
+    plain, _ = _fit(tmp_path / "plain", *common, "train.pipeline=none")
+    piped, _ = _fit(tmp_path / "piped", *common, "train.pipeline=sparse_dist")
+    assert len(piped.losses) == 6
+    torch.testing.assert_close(torch.tensor(piped.losses), torch.tensor(plain.losses), rtol=0, atol=1e-6)
+    for k, v in plain.eval_metrics.items():
+        assert piped.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
