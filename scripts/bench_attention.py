@@ -1,6 +1,7 @@
 """Attention benchmark: our Triton kernels beside the anchors of shared/PERF.md, on one GPU.
 
     python scripts/bench_attention.py [--sections jfa,swa,gdpa,block] [--quick] [--json out.json] [--plot out.png]
+                                      [--jfa-variants all|base,rowmajor,...] [--jfa-anchors all|none|varlen_attn,...]
 
 Prints the measured bf16 matmul peak, then one markdown table per section. A section whose module is missing
 or fails is reported and skipped; inside a section each competitor that cannot run says why in its notes.
@@ -73,6 +74,10 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write every row to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s vs N per implementation")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of skipped competitors")
+    p.add_argument("--jfa-variants", default=None,
+                   help="extra rows for JFA kernel variants: 'all' or a comma list of gem.ops.triton_jfa.VARIANTS")
+    p.add_argument("--jfa-anchors", default="all",
+                   help="competitors timed in the jfa/swa sections: 'all', 'none' or a comma list of row names")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():

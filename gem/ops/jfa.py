@@ -114,6 +114,7 @@ def jagged_attention(
     kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
     mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf.
+    The Triton kernel variant comes from GEM_JFA_VARIANT (gem.ops.triton_jfa.VARIANTS; default "base").
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
     if mask_mode not in ("sub", "inf"):

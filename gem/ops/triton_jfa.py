@@ -14,6 +14,8 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - Softmax in base 2 with log2(e) folded into the scale; lse is stored in natural log, [H, Tq] fp32.
 - Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
   dQ is a separate pass. No atomics.
+- Variants (GEM_JFA_VARIANT, see VARIANTS): the first kernels ("base") and v2 kernels with pre-scaled operands,
+  row-major K/V loads, optional TMA descriptors and an optional persistent forward grid.
 """
 
 from __future__ import annotations
@@ -56,6 +58,76 @@ def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexp
     """Transposed _vis: [len(cols), len(rows)]."""
     ii = rows[None, :] + shift
     m = (rows[None, :] < Lq) & (cols[:, None] < Lk)
+    if HAS_LEFT:
+        m = m & (cols[:, None] >= ii - win_left)
+    if HAS_RIGHT:
+        m = m & (cols[:, None] <= ii + win_right)
+    return m
+
+
+@triton.jit
+def _work_item(WORK, w, KEYED: tl.constexpr):
+    """Entry w of a work table: b * NT + tile, or -1. KEYED tables hold sorted int64 keys (see _work_keys)."""
+    if KEYED:
+        key = tl.load(WORK + w)
+        return tl.where(key < 0, -1, 4294967295 - (key & 4294967295)).to(tl.int32)
+    else:
+        return tl.load(WORK + w)
+
+
+@triton.jit
+def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
+                      Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """Sort key per tile (b, t) of the A sequences: (partner rows visited + 1) << 32 | ~index, or -1 when the tile
+    starts past the sequence end. Sorted descending: heaviest first, ties by index; one launch instead of a dozen."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    b = idx // NT
+    start = (idx % NT) * block
+    a0 = tl.load(OFF_A + b, mask=ok, other=0).to(tl.int32)
+    la = tl.load(OFF_A + b + 1, mask=ok, other=0).to(tl.int32) - a0
+    b0 = tl.load(OFF_B + b, mask=ok, other=0).to(tl.int32)
+    lb = tl.load(OFF_B + b + 1, mask=ok, other=0).to(tl.int32) - b0
+    last = tl.minimum(start + block, la) - 1
+    lo = tl.zeros_like(start)
+    hi = lb
+    if Q_SIDE:  # q tiles over keys (A = queries): shift = Lk - Lq
+        if HAS_LEFT:
+            lo = tl.maximum(start + (lb - la) - win_left, 0)
+        if HAS_RIGHT:
+            hi = tl.minimum(last + (lb - la) + win_right + 1, lb)
+    else:  # k tiles over queries (A = keys): shift = Lk - Lq = la - lb
+        if HAS_RIGHT:
+            lo = tl.maximum(start - (la - lb) - win_right, 0)
+        if HAS_LEFT:
+            hi = tl.minimum(last - (la - lb) + win_left + 1, lb)
+    cost = (tl.maximum(hi - lo, 0) + 1).to(tl.int64)
+    key = tl.where(start < la, cost * 4294967296 + (4294967295 - idx.to(tl.int64)), -1)
+    tl.store(KEYS + idx, key, mask=ok)
+
+
+@triton.jit
+def _vis2(rows, cols, shift, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+          RIGHT_CLOSED: tl.constexpr):
+    """_vis for the v2 kernels, without the checks they do not need: rows past Lq are never stored and rows do not
+    mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
+    ii = rows[:, None] + shift
+    m = cols[None, :] >= 0
+    if not RIGHT_CLOSED:
+        m = cols[None, :] < Lk
+    if HAS_LEFT:
+        m = m & (cols[None, :] >= ii - win_left)
+    if HAS_RIGHT:
+        m = m & (cols[None, :] <= ii + win_right)
+    return m
+
+
+@triton.jit
+def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Transposed _vis2 for dK/dV: no in-sequence checks at all (queries past Lq have lse = +inf, so p = 0, and
+    keys past Lk are never stored)."""
+    ii = rows[None, :] + shift
+    m = cols[:, None] >= 0
     if HAS_LEFT:
         m = m & (cols[:, None] >= ii - win_left)
     if HAS_RIGHT:
@@ -217,6 +289,168 @@ def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
     tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=in_q)
 
 
+# ----------------------------------------------------------------------------------------------- forward, v2
+# Variants "rowmajor", "tma", "persistent", "tma_persistent" (see VARIANTS below): q is scaled by scale*log2(e)
+# once in registers, K is loaded as [BLOCK_N, D] rows (contiguous) and fed to the dot transposed, P @ V
+# accumulates straight into acc. TMA: per-sequence tensor descriptors of shape [Lk, D], so rows past Lk come back
+# as zeros from the copy engine (the subtraction scheme's masked rows) with no address math or predicates.
+
+
+@triton.jit
+def _mm_acc(a, b, acc, DOT_PREC: tl.constexpr):
+    if DOT_PREC == "interp":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
+               shift, Lq, Lk, win_left, win_right,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
+               TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
+    cols = n + offs_n
+    if TMA:
+        k = desc_k.load([n, 0])
+        v = desc_v.load([n, 0])
+    else:
+        in_k = cols < Lk
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+    s = _mm(q, tl.trans(k), DOT_PREC)  # log2 units: q carries the scale
+    if MASKED:
+        vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _mm_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
+               win_left, win_right, lo, n_t, k_lo, k_hi,
+               SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr,
+               DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_D: tl.constexpr):
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for t in range(k_lo):  # left window edge
+        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                   True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+    k_full = k_hi
+    if not SUB:
+        k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
+    for t in range(k_lo, k_full):  # no mask at all
+        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                   False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+    for t in range(k_full, n_t):  # right edge / causal diagonal
+        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                   True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+    n_masked = 0
+    if SUB:
+        n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
+        n_masked = tl.where(k_hi > k_lo, n_masked, 0)
+    return acc, l_i, m_i, n_masked
+
+
+@triton.jit
+def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+              stride_lh, qk_scale, win_left, win_right, NT,
+              GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    b = item // NT
+    m0 = (item % NT) * BLOCK_M
+    q_start = tl.load(OFF_Q + b).to(tl.int32)
+    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(OFF_K + b).to(tl.int32)
+    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    shift = Lk - Lq
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    in_q = offs_m < Lq
+    q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=in_q[:, None], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)  # scale and log2(e) once, not per score tile
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    desc_k = None
+    desc_v = None
+    if TMA:
+        # rows >= Lk are out of the descriptor: zero-filled. Lk = 0 never loads (no tiles); keep the shape valid.
+        desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, HEAD_D])
+        desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, HEAD_D])
+    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    acc, l_i, m_i, n_masked = _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
+                                         offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo, k_hi,
+                                         SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                                         HEAD_D)
+    if SUB:
+        l_raw = l_i
+        l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
+        bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
+        if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
+            acc, l_i, m_i, _unused = _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
+                                                 offs_n, offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo,
+                                                 k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
+                                                 BLOCK_M, BLOCK_N, HEAD_D)
+    empty = l_i <= 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=in_q[:, None])
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=in_q)
+
+
+@triton.jit
+def _jfa_fwd_kernel2(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK, N_WORK,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     stride_lh, qk_scale, win_left, win_right, NT,
+                     H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
+                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
+                     TMA: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HEAD_D: tl.constexpr):
+    if PERSISTENT:
+        # grid = one program per SM; work w -> (item w // H, head w % H), heaviest first. Rounds of P items go
+        # out in snake order (program p takes p, then 2P-1-p, ...) so the per-program totals even out.
+        P = tl.num_programs(0)
+        pid = tl.program_id(0)
+        for r in range(tl.cdiv(N_WORK * H, P)):
+            w = r * P + tl.where(r % 2 == 0, pid, P - 1 - pid)
+            item = _work_item(WORK, tl.minimum(w, N_WORK * H - 1) // H, True)
+            item = tl.where(w < N_WORK * H, item, -1)
+            if item >= 0:
+                _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, w % H, stride_qt, stride_qh, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left, win_right, NT,
+                          GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N, HEAD_D)
+    else:
+        # flat grid, item-major: the heaviest (item, head) pairs of all heads go out first
+        item = _work_item(WORK, tl.program_id(0) // H, True)
+        if item >= 0:
+            _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, tl.program_id(0) % H, stride_qt, stride_qh, stride_kt,
+                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
+                      win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                      HEAD_D)
+
+
 # ----------------------------------------------------------------------------------------------- backward
 
 
@@ -235,24 +469,43 @@ def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, m, offs_m, offs_n,
-               offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, stride_qt, stride_dot, m,
+               offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
+               ROWMAJOR: tl.constexpr, TMA: tl.constexpr):
     rows = m + offs_m
     in_q = rows < Lq
-    qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
-    do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
+    if TMA:  # rows >= Lq come back as zeros
+        do = desc_do.load([m, 0])
+    else:
+        do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
     lse2 = tl.load(lse_base + rows, mask=in_q, other=float("inf"))  # log2 domain; +inf -> p = 0
     delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
-    sT = _mm(k, qT, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+    if ROWMAJOR:  # q as contiguous [BLOCK_M, D] rows; k was pre-scaled by scale*log2(e)
+        if TMA:
+            q = desc_q.load([m, 0])
+        else:
+            q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        sT = _mm(k, tl.trans(q), DOT_PREC)  # [BLOCK_N, BLOCK_M]
+    else:
+        qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
+        sT = _mm(k, qT, DOT_PREC) * qk_scale
     pT = tl.math.exp2(sT - lse2[None, :])
     if MASKED:
-        vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        if ROWMAJOR:
+            vis = _vis2_t(rows, offs_n, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        else:
+            vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         pT = tl.where(vis, pT, 0.0)
-    dv += _mm(pT.to(do.dtype), do, DOT_PREC)
     dpT = _mm(v, tl.trans(do), DOT_PREC)
-    dsT = pT * (dpT - delta[None, :])
-    dk += _mm(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
+    if ROWMAJOR:
+        dv = _mm_acc(pT.to(do.dtype), do, dv, DOT_PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = _mm_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
+    else:
+        dv += _mm(pT.to(do.dtype), do, DOT_PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += _mm(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
     return dk, dv
 
 
@@ -261,12 +514,17 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                          qk_scale, sm_scale, win_left, win_right, NT,
-                         GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    item = tl.load(WORK + tl.program_id(0))
+                         H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    if ROWMAJOR:  # v2: keyed table, flat item-major grid (heaviest pairs of all heads first)
+        item = _work_item(WORK, tl.program_id(0) // H_GRID, True)
+        kvh = tl.program_id(0) % H_GRID
+    else:
+        item = _work_item(WORK, tl.program_id(0), False)
+        kvh = tl.program_id(1)
     if item < 0:
         return
-    kvh = tl.program_id(1)
     b = item // NT
     n0 = (item % NT) * BLOCK_N
     q_start = tl.load(OFF_Q + b).to(tl.int32)
@@ -283,6 +541,8 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                 mask=in_k[:, None], other=0.0)
     v = tl.load(V + (k_start + offs_n[:, None]).to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :],
                 mask=in_k[:, None], other=0.0)
+    if ROWMAJOR:  # k is stationary: fold scale*log2(e) into it once
+        k = (k.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
     dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
@@ -293,18 +553,28 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
         do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
         lse_base = LSE2 + h * stride_lh + q_start
         delta_base = DELTA + h * stride_lh + q_start
+        desc_q = None
+        desc_do = None
+        if TMA:  # Lq = 0 never loads (no tiles); keep the shape valid
+            desc_q = tl.make_tensor_descriptor(q_base, shape=[tl.maximum(Lq, 1), HEAD_D], strides=[stride_qt, 1],
+                                               block_shape=[BLOCK_M, HEAD_D])
+            desc_do = tl.make_tensor_descriptor(do_base, shape=[tl.maximum(Lq, 1), HEAD_D],
+                                                strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_D])
         for t in range(k_lo):  # rows still left of the causal / right-window edge
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
+                                stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_lo, k_hi):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
+                                stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_hi, n_t):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
+                                stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=in_k[:, None])
@@ -313,38 +583,62 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk,
-             win_left, win_right, qk_scale,
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
+             shift, Lq, Lk, win_left, win_right, qk_scale,
              MASKED: tl.constexpr, CLAMP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             DOT_PREC: tl.constexpr):
+             DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
     in_k = cols < Lk
-    kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
-    vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
-    s = _mm(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
+    if ROWMAJOR:  # contiguous [BLOCK_N, D] rows, transposed for free in the dot; q carries the scale
+        if TMA:
+            k = desc_k.load([n, 0])
+            v = desc_v.load([n, 0])
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), DOT_PREC) - lse2[:, None]
+    else:
+        kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
+        vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
+        s = _mm(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
     if CLAMP:  # zero-loaded keys: p <= 1 holds for real keys, the clamp keeps masked ones finite (times k = 0)
         s = tl.minimum(s, 0.0)
     p = tl.math.exp2(s)
     if MASKED:
-        vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        if ROWMAJOR:
+            vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
+        else:
+            vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         p = tl.where(vis, p, 0.0)
-    dp = _mm(do, vT, DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    dq += _mm(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
+    if ROWMAJOR:
+        dp = _mm(do, tl.trans(v), DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = _mm_acc(ds.to(k.dtype), k, dq, DOT_PREC)
+    else:
+        dp = _mm(do, vT, DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
     return dq
 
 
 @triton.jit
-def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, OFF_Q, OFF_K, WORK,
+def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dqt, stride_dqh, stride_lh, qk_scale, sm_scale, win_left, win_right, NT,
-                       GROUP: tl.constexpr, SUB: tl.constexpr, MASK_EDGE: tl.constexpr, HAS_LEFT: tl.constexpr,
-                       HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HEAD_D: tl.constexpr):
-    item = tl.load(WORK + tl.program_id(0))
+                       stride_dqt, stride_dqh, stride_ot, stride_oh, stride_lh, qk_scale, sm_scale, win_left,
+                       win_right, NT,
+                       H_GRID: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, MASK_EDGE: tl.constexpr,
+                       HAS_LEFT: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
+                       ROWMAJOR: tl.constexpr, TMA: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    if ROWMAJOR:  # v2: keyed table, flat item-major grid (heaviest pairs of all heads first)
+        item = _work_item(WORK, tl.program_id(0) // H_GRID, True)
+        h = tl.program_id(0) % H_GRID
+    else:
+        item = _work_item(WORK, tl.program_id(0), False)
+        h = tl.program_id(1)
     if item < 0:
         return
-    h = tl.program_id(1)
     b = item // NT
     m0 = (item % NT) * BLOCK_M
     q_start = tl.load(OFF_Q + b).to(tl.int32)
@@ -362,30 +656,44 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, OFF_Q, OFF_K, WORK,
     q = tl.load(Q + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=in_q[:, None], other=0.0)
     do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=in_q[:, None], other=0.0)
     lse2 = tl.load(LSE2 + h * stride_lh + q_start + offs_m, mask=in_q, other=float("inf"))
-    delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
+    if FUSE_DELTA:  # delta = rowsum(O * dO) here, for the dK/dV pass that runs after this one
+        o = tl.load(O + rows * stride_ot + h * stride_oh + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=in_q)
+    else:
+        delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
+    if ROWMAJOR:
+        q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    desc_k = None
+    desc_v = None
+    if TMA:  # rows >= Lk come back as zeros; Lk = 0 never loads
+        desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, HEAD_D])
+        desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, HEAD_D])
     rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     for t in range(k_lo):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_lo, k_full):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_full, k_hi):  # the fully visible tile crossing Lk
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      MASK_EDGE, SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      MASK_EDGE, SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_hi, n_t):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                      offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
@@ -407,6 +715,17 @@ def _work_table(offsets_a, offsets_b, max_len_a: int, block: int, cost_span) -> 
     order = torch.argsort(cost, descending=True, stable=True)
     items = torch.where(cost[order] >= 0, order.to(torch.int32), -1)
     return items, nt
+
+
+def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
+    """_work_table as one Triton launch + one sort: sorted int64 keys that the kernels decode (_work_item)."""
+    nt = max(1, triton.cdiv(max_len_a, block))
+    n = (offsets_a.numel() - 1) * nt
+    keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
+    kb = 16 if triton_interpreting() else 1024
+    _work_keys_kernel[(triton.cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0),
+                                             Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BLOCK=kb)
+    return torch.sort(keys, descending=True).values, nt
 
 
 def _q_span(block, left, right):
@@ -431,27 +750,78 @@ def _k_span(block, left, right):
     return span
 
 
+# Kernel variants, chosen per call by GEM_JFA_VARIANT (default "base"); each one is tested against the reference.
+#   base            the first kernels: K/V loaded pointer-transposed, scale applied per score tile
+#   rowmajor        forward v2 (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc) and
+#                   backward v2 (same loads, k pre-scaled in dK/dV, delta fused into the dQ pass, dQ runs first);
+#                   lean masks on edge tiles; work tables from one Triton launch + one sort (_work_keys); a flat
+#                   grid ordered item-major, so the heaviest (tile, head) pairs of every head start first
+#   tma             rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V,
+#                   dQ pass K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
+#   persistent      rowmajor, forward on a persistent grid (a few programs per SM striding the work table)
+#   tma_persistent  both
+VARIANTS = ("base", "rowmajor", "tma", "persistent", "tma_persistent")
+
+
+def variant() -> str:
+    v = os.environ.get("GEM_JFA_VARIANT", "base")
+    if v not in VARIANTS:
+        raise ValueError(f"GEM_JFA_VARIANT={v!r}: expected one of {VARIANTS}")
+    return v
+
+
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
-def _fwd_configs(d: int):
+def _fwd_configs(d: int, var: str = "base"):
     if triton_interpreting():
         return [(16, 16, 4, 1)]
+    if var == "base":
+        if d <= 64:
+            return [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+        if d <= 128:
+            return [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+        return [(64, 64, 4, 2), (128, 32, 8, 2)]
+    # v2: a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
+    # two programs can share an SM and hide each other's pipeline fill (short jagged rows, causal diagonals).
     if d <= 64:
-        return [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+        return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
     if d <= 128:
-        return [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+        return [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2)]
     return [(64, 64, 4, 2), (128, 32, 8, 2)]
 
 
-def _bwd_configs(d: int):
+def _bwd_configs(d: int, var: str = "base"):
     """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages)."""
     if triton_interpreting():
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
-        return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
+        if var == "base":
+            return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
+        return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
 _TUNED: dict = {}
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 2  # interpreter: a handful of programs is enough to exercise the striding
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for in-kernel TMA descriptors (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ok(*tensors) -> bool:
+    """TMA needs 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and (t.stride(1) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def _len_bucket(n: int) -> int:
@@ -493,19 +863,41 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     lse = torch.empty((h, tq), device=q.device, dtype=torch.float32)
     if tq == 0 or offsets_q.numel() <= 1:
         return out, lse
+    var = variant()
+    tma = var in ("tma", "tma_persistent")
+    if tma and q.is_cuda:
+        if not _tma_ok(k, v):
+            var = var.replace("tma_", "").replace("tma", "rowmajor")
+            tma = False
+        else:
+            triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
+    persistent = var in ("persistent", "tma_persistent")
+    common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
+              "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
-        work, nt = _work_table(offsets_q, offsets_k, max_len_q, bm, _q_span(bm, left, right))
-        _jfa_fwd_kernel[(work.numel(), h)](
-            q, k, v, out, lse, offsets_q, offsets_k, work,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0), max(right, 0), nt,
-            GROUP=group, SUB=not mask_inf, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, DOT_PREC=_dot_prec(q.dtype),
-            BLOCK_M=bm, BLOCK_N=bn, HEAD_D=d, num_warps=warps, num_stages=stages)
+        if var == "base":
+            work, nt = _work_table(offsets_q, offsets_k, max_len_q, bm, _q_span(bm, left, right))
+        else:
+            work, nt = _work_keys(offsets_q, offsets_k, max_len_q, bm, left, right, True)
+        args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0), max(right, 0), nt)
+        if var == "base":
+            _jfa_fwd_kernel[(work.numel(), h)](q, k, v, out, lse, offsets_q, offsets_k, work, *args,
+                                                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                                                **common)
+            return
+        grid = (work.numel() * h,)
+        if persistent:  # GEM_JFA_PERSISTENT_PER_SM programs per SM (2: what the smaller tile configs fit)
+            per_sm = int(os.environ.get("GEM_JFA_PERSISTENT_PER_SM", "2"))
+            grid = (max(1, min(work.numel() * h, per_sm * _num_sms(q.device))),)
+        _jfa_fwd_kernel2[grid](q, k, v, out, lse, offsets_q, offsets_k, work, work.numel(), *args, H=h, TMA=tma,
+                               RIGHT_CLOSED=right == 0, PERSISTENT=persistent, BLOCK_M=bm, BLOCK_N=bn,
+                               num_warps=warps, num_stages=stages, **common)
 
-    key = (d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
-    launch(_pick("fwd", key, _fwd_configs(d), launch))
+    key = (var, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
+    launch(_pick("fwd", key, _fwd_configs(d, var), launch))
     return out, lse
 
 
@@ -521,34 +913,64 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         return dq, dk.zero_(), dv.zero_()
     if tq == 0:  # keys without any query: zero gradient
         return dq, dk.zero_(), dv.zero_()
+    var = variant()
+    v2 = var != "base"
+    tma = "tma" in var and (not q.is_cuda or _tma_ok(q, k, v, do))
+    if tma and q.is_cuda:
+        triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
     lse2 = lse * LOG2E
-    pre_block = 16 if triton_interpreting() else 128
-    _jfa_bwd_pre_kernel[(triton.cdiv(tq, pre_block), h)](
-        out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-        BLOCK=pre_block, HEAD_D=d)
-    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
+    if not v2:
+        pre_block = 16 if triton_interpreting() else 128
+        _jfa_bwd_pre_kernel[(triton.cdiv(tq, pre_block), h)](
+            out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+            BLOCK=pre_block, HEAD_D=d)
+    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d,
+              "ROWMAJOR": v2, "TMA": tma}
 
     def launch(cfg):
         bm1, bn1, bm2, bn2, warps, stages = cfg
-        if tk:
-            work_k, nt_k = _work_table(offsets_k, offsets_q, max_len_k, bn1, _k_span(bn1, left, right))
-            _jfa_bwd_dkdv_kernel[(work_k.numel(), h_kv)](
+
+        def dkdv():
+            if not tk:
+                return
+            if v2:
+                work_k, nt_k = _work_keys(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
+            else:
+                work_k, nt_k = _work_table(offsets_k, offsets_q, max_len_k, bn1, _k_span(bn1, left, right))
+            grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
+            _jfa_bwd_dkdv_kernel[grid_k](
                 q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                 do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                 scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
-                GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
-        work_q, nt_q = _work_table(offsets_q, offsets_k, max_len_q, bm2, _q_span(bm2, left, right))
-        _jfa_bwd_dq_kernel[(work_q.numel(), h)](
-            q, k, v, do, lse2, delta, dq, offsets_q, offsets_k, work_q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), scale * LOG2E, scale, max(left, 0),
-            max(right, 0), nt_q,
-            GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
+                H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
-    key = (d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, group)
-    launch(_pick("bwd", key, _bwd_configs(d), launch))
+        def dq_pass():
+            if v2:
+                work_q, nt_q = _work_keys(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
+            else:
+                work_q, nt_q = _work_table(offsets_q, offsets_k, max_len_q, bm2, _q_span(bm2, left, right))
+            grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
+            _jfa_bwd_dq_kernel[grid_q](
+                q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                do.stride(1), dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                scale * LOG2E, scale, max(left, 0), max(right, 0), nt_q,
+                H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
+                BLOCK_M=bm2, BLOCK_N=bn2,
+                num_warps=warps, num_stages=stages, **common)
+
+        if v2:  # the dQ pass writes delta, which dK/dV reads
+            dq_pass()
+            dkdv()
+        else:
+            dkdv()
+            dq_pass()
+
+    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
+           _len_bucket(max_len_k), left, right, group)
+    launch(_pick("bwd", key, _bwd_configs(d, "v2" if v2 else "base"), launch))
     return dq, dk, dv
 
 

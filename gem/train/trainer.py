@@ -158,10 +158,9 @@ class Trainer:
         self.inner = self.par.inner
         torch.manual_seed(tc.seed + 1000003 * (self.rank + 1))  # per-rank stream for anything random in training
 
-        dense = self.par.dense_parameters()
-        names = {id(p): n for n, p in self.inner.named_parameters()}
+        # Names without wrapper prefixes, so optimizer-state keys don't depend on checkpointing/compile settings.
         self.optimizer = TrainOptimizer(
-            [(names[id(p)], p) for p in dense],
+            list(self.par.dense_named_parameters().items()),
             self.par.sparse_optimizer,
             lr=tc.lr,
             betas=tuple(tc.betas),

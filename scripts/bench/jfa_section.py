@@ -7,12 +7,18 @@ Timings: forward alone under no_grad; backward alone = torch.autograd.grad on a 
 not in the backward figure). Padded SDPA times the attention call on already padded tensors (padding and
 unpadding excluded); FlexAttention's block mask is built once outside the timed region.
 TFLOP/s count real tokens only: fwd = 4*H*D*sum(L^2) (halved when causal; SWA counts visible pairs), bwd = 2.5 x fwd.
+
+--jfa-variants all (or a comma list of gem.ops.triton_jfa.VARIANTS) adds one row per kernel variant
+("ours [variant]", sub mask), each timed with GEM_JFA_VARIANT set for its forward and backward.
+--jfa-anchors varlen_attn (comma list, or "none") keeps only those competitors (default: all of them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
 import traceback
 
 import torch
@@ -196,6 +202,57 @@ def _measure(section, case, impl, make, b, fwd_flops, args) -> Row:
     return row
 
 
+@contextlib.contextmanager
+def _variant_env(variant):
+    old = os.environ.get("GEM_JFA_VARIANT")
+    if variant is not None:
+        os.environ["GEM_JFA_VARIANT"] = variant
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GEM_JFA_VARIANT", None)
+        else:
+            os.environ["GEM_JFA_VARIANT"] = old
+
+
+def _variants(args) -> list[str]:
+    """Kernel variants to time as extra rows (--jfa-variants all / a comma list); none by default."""
+    spec = getattr(args, "jfa_variants", None)
+    if not spec:
+        return []
+    from gem.ops.triton_jfa import VARIANTS
+
+    names = list(VARIANTS) if spec == "all" else [v.strip() for v in spec.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown JFA variants {bad}: known {VARIANTS}")
+    return names
+
+
+def _keep(impl, args) -> bool:
+    """Our own rows always; competitors as --jfa-anchors says."""
+    spec = getattr(args, "jfa_anchors", None)
+    if impl.startswith("ours") or not spec or spec == "all":
+        return True
+    return impl in [a.strip() for a in spec.split(",")]
+
+
+def _measure_ours(section, case, b, flops, args, rows):
+    """The default rows of our kernel, then one row per requested variant (sub mask)."""
+    for variant in _variants(args):
+        with _variant_env(variant):
+            r = _measure(section, case, f"ours [{variant}]", _ours("sub"), b, flops, args)
+        r.extra["N"] = b["max_len_n"]
+        rows.append(r)
+
+
+def _add_variant_ratios(rows):
+    for r in list(rows):
+        if r.impl.startswith("ours ["):
+            _add_ratios(rows, ours=r.impl, others=("varlen_attn", "ours (sub mask)"))
+
+
 def _add_ratios(rows, ours="ours (sub mask)", others=("varlen_attn", "padded SDPA", "FlexAttention doc mask",
                                                         "FBGEMM sll JFA", "FlexAttention sliding window",
                                                         "ours full causal")):
@@ -221,10 +278,14 @@ def run_jfa(args) -> list[Row]:
         case = f"{'causal' if causal else 'full'} N={n} H={heads} D={dim} B={lengths.numel()}"
         case_rows = []
         for impl, make in JFA_IMPLS.items():
+            if not _keep(impl, args):
+                continue
             r = _measure("jfa", case, impl, make, b, flops, args)
             r.extra["N"] = n
             case_rows.append(r)
+        _measure_ours("jfa", case, dict(b, max_len_n=n), flops, args, case_rows)
         _add_ratios(case_rows)
+        _add_variant_ratios(case_rows)
         rows += case_rows
         del b
     return rows
@@ -254,15 +315,19 @@ def run_swa(args) -> list[Row]:
         flops = _swa_flops(lengths, 4, 128, SWA_WINDOW)
         case_rows = []
         for impl, make in impls.items():
+            if not _keep(impl, args):
+                continue
             r = _measure("swa", case, impl, make, b, flops, args)
             r.extra["N"] = n
             case_rows.append(r)
+        _measure_ours("swa", case, dict(b, max_len_n=n), flops, args, case_rows)
         full = dict(b, window=None)
         r = _measure("swa", case, "ours full causal", _ours("sub"), full, attn_flops(lengths, 4, 128, causal=True),
                      args)
         r.extra["N"] = n
         case_rows.append(r)
         _add_ratios(case_rows)
+        _add_variant_ratios(case_rows)
         rows += case_rows
         del b, full
     return rows

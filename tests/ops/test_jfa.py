@@ -114,7 +114,9 @@ def test_bfloat16(causal):
     window=st.one_of(st.none(), st.integers(0, 20), st.tuples(st.integers(0, 20), st.integers(0, 20))),
     seed=st.integers(0, 1000),
 )
-def test_hypothesis_shapes(lens, group, causal, window, seed):
+@pytest.mark.parametrize("variant", ["base", "tma_persistent"])
+def test_hypothesis_shapes(variant, lens, group, causal, window, seed, monkeypatch):
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
     q, k, v = _inputs(lens, h=2, h_kv=2 // group, seed=seed)
     got, want = _run(q, k, v, lens, causal=causal, window=window, seed=seed)
     _check(got, want, torch.float32)
@@ -206,6 +208,110 @@ def test_reference_kernel_on_cpu_matches_triton():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+# ------------------------------------------------------------------------------------- kernel variants
+
+FAST_VARIANTS = ["rowmajor", "tma", "persistent", "tma_persistent"]
+VARIANT_CASES = [
+    {"lens": [5, 0, 17, 1, 33]},
+    {"lens": [5, 0, 17, 1, 33], "causal": True},
+    {"lens": [40, 15, 0, 2], "window": (5, 3)},
+    {"lens": [40, 9], "window": (None, 4), "mask_mode": "inf"},
+    {"lens": [33, 20, 1], "lens_k": [9, 40, 0], "causal": True},
+    {"lens": [19, 7, 33], "h": 4, "h_kv": 2, "d": 32, "causal": True, "max_q": 64},
+    {"lens": [5, 0, 17, 1, 33], "dtype": torch.bfloat16, "causal": True},
+]
+
+
+# every case on the two variants that cover all v2 code (pointer / TMA loads, plain / persistent grid, v2
+# backward); the masks that differ between them on the other two
+_VARIANT_PARAMS = [(v, c) for v in ("rowmajor", "tma_persistent") for c in VARIANT_CASES] + [
+    (v, VARIANT_CASES[i]) for v in ("tma", "persistent") for i in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("variant,case", _VARIANT_PARAMS,
+                         ids=[f"{v}-" + "-".join(f"{k}={x}" for k, x in c.items()) for v, c in _VARIANT_PARAMS])
+def test_variants_match_reference(variant, case, monkeypatch):
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    case = dict(case)
+    lens, lens_k = case.pop("lens"), case.pop("lens_k", None)
+    shape = {k: case.pop(k) for k in ("h", "h_kv", "d", "dtype") if k in case}
+    shape = {"h": 2, "h_kv": 1, **shape}
+    q, k, v = _inputs(lens, lens_k, **shape)
+    got, want = _run(q, k, v, lens, lens_k, **case)
+    _check(got, want, shape.get("dtype", torch.float32))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("variant", ["rowmajor", "tma_persistent"])
+def test_variants_large_negative_scores(variant, monkeypatch):
+    """The subtraction scheme's cancellation fallback in the v2 forward, and the v2 backward's clamp."""
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    lens = [20, 3, 37]
+    q, k, v = _inputs(lens, h=1, h_kv=1)
+    with torch.no_grad():
+        q.copy_(q.abs() + 1.0)
+        k.copy_(-(k.abs() + 1.0))
+    got, want = _run(q, k, v, lens, scale=25.0)
+    _check(got, want, torch.float32, tol=1e-3)
+
+
+def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
+    lens = [17, 33, 5]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for variant in ["base", "persistent", "persistent"]:
+        monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+        out = jagged_attention(q, k, v, off, 33, causal=True, kernel="triton")
+        res = (out, *torch.autograd.grad(out, (q, k, v), g))
+        if variant in results:
+            for a, b in zip(results[variant], res):
+                assert torch.equal(a, b)
+        results[variant] = res
+    for a, b in zip(results["base"], results["persistent"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_work_table_orders_heaviest_tiles_first():
+    """Causal: a q tile costs its end position (late tiles of long rows first); a k tile costs Lq - its start."""
+    from gem.ops.triton_jfa import _k_span, _q_span, _work_table
+
+    off = _offsets([300, 100, 0, 129])
+    items, nt = _work_table(off, off, 300, 128, _q_span(128, -1, 0))
+    assert nt == 3
+    # (sequence, tile): (0, 2) ends at 300, (0, 1) at 256, (3, 1) at 129, (0, 0) and (3, 0) at 128, (1, 0) at 100
+    want = [0 * 3 + 2, 0 * 3 + 1, 3 * 3 + 1, 0 * 3 + 0, 3 * 3 + 0, 1 * 3 + 0]
+    assert items.tolist() == want + [-1] * (items.numel() - len(want))
+    items, _ = _work_table(off, off, 300, 128, _k_span(128, -1, 0))
+    # k tile costs: (0, 0) 300, (0, 1) 172, (3, 0) 129, (1, 0) 100, (0, 2) 44, (3, 1) 1
+    assert items.tolist()[:6] == [0, 1, 9, 3, 2, 10]
+    # not causal: every tile of a sequence costs its length, longer sequences first
+    items, _ = _work_table(off, off, 300, 128, _q_span(128, -1, -1))
+    assert items.tolist()[:6] == [0, 1, 2, 9, 10, 3]
+
+
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 0), (3, 7), (-1, 2), (20, -1)])
+def test_keyed_work_table_matches_torch_table(left, right):
+    """The one-launch table of the v2 kernels decodes to the torch-built table, both sides, cross lengths."""
+    from gem.ops.triton_jfa import _k_span, _q_span, _work_keys, _work_table
+
+    off_q, off_k = _offsets([300, 100, 0, 129, 17]), _offsets([40, 100, 7, 0, 300])
+    for a, b, max_a, span, q_side in ((off_q, off_k, 300, _q_span, True), (off_k, off_q, 300, _k_span, False)):
+        keys, nt = _work_keys(a, b, max_a, 32, left, right, q_side)
+        items = torch.where(keys < 0, -1, 2**32 - 1 - (keys & (2**32 - 1)))
+        want, nt_want = _work_table(a, b, max_a, 32, span(32, left, right))
+        assert nt == nt_want
+        assert items.tolist() == want.tolist()
+
+
+def test_unknown_variant_raises(monkeypatch):
+    monkeypatch.setenv("GEM_JFA_VARIANT", "fastest")
+    q, k, v = _inputs([4], h=2, h_kv=1)
+    with pytest.raises(ValueError, match="GEM_JFA_VARIANT"):
+        jagged_attention(q, k, v, _offsets([4]), 4, kernel="triton")
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
@@ -250,11 +356,18 @@ def _need_gpu():
         pytest.skip("TRITON_INTERPRET=1 is set: run the GPU tests with TRITON_INTERPRET=0")
 
 
+_GPU_MASKS = [(False, None), (True, None), (False, 256), (False, (100, 30))]
+# every mask on base, rowmajor (pointer loads) and tma_persistent (TMA, persistent grid); tma and persistent alone
+# on the masks whose code differs most
+_GPU_PARAMS = [(v, d, c, w) for v in ("base", "rowmajor", "tma_persistent") for d in (64, 128) for c, w in _GPU_MASKS]
+_GPU_PARAMS += [(v, 128, c, w) for v in ("tma", "persistent") for c, w in _GPU_MASKS[1::2]]
+
+
 @gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 256), (False, (100, 30))])
-def test_gpu_matches_reference(d, causal, window, no_autotune):
+@pytest.mark.parametrize("variant,d,causal,window", _GPU_PARAMS)
+def test_gpu_matches_reference(d, causal, window, variant, no_autotune, monkeypatch):
     _need_gpu()
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
     g = torch.Generator().manual_seed(d)
     lens = torch.randint(1, 2049, (6,), generator=g).tolist() + [0, 1, 2048, 129]
     q, k, v = _inputs(lens, h=4, h_kv=2, d=d, dtype=torch.bfloat16, device="cuda")
@@ -263,9 +376,11 @@ def test_gpu_matches_reference(d, causal, window, no_autotune):
 
 
 @gpu
+@pytest.mark.parametrize("variant", ["base", "rowmajor", "tma_persistent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_dtypes_and_cross(dtype, no_autotune):
+def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
     _need_gpu()
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
     lens_q, lens_k = [300, 0, 1, 777, 64], [1000, 5, 0, 100, 64]
     q, k, v = _inputs(lens_q, lens_k, h=4, h_kv=1, d=64, dtype=dtype, device="cuda")
     got, want = _run(q, k, v, lens_q, lens_k, causal=True)
@@ -273,8 +388,10 @@ def test_gpu_dtypes_and_cross(dtype, no_autotune):
 
 
 @gpu
-def test_gpu_large_negative_and_determinism(no_autotune):
+@pytest.mark.parametrize("variant", ["base", "tma", "persistent"])
+def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
     _need_gpu()
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
     lens = [1000, 3, 517]
     q, k, v = _inputs(lens, h=2, h_kv=2, d=128, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
@@ -285,3 +402,25 @@ def test_gpu_large_negative_and_determinism(no_autotune):
     again, _ = _run(q, k, v, lens, scale=2.0)
     for a, b in zip(got, again):
         assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["rowmajor", "tma"])  # the persistent ones share these configs
+def test_gpu_variants_every_config(variant, monkeypatch):
+    """Every config in the v2 lists compiles and matches (the tuner would silently drop one that fails)."""
+    _need_gpu()
+    from gem.ops import triton_jfa
+
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    lens = [1, 700, 2048, 63, 0, 1500]
+    q, k, v = _inputs(lens, h=4, h_kv=4, d=128, dtype=torch.bfloat16, device="cuda")
+    fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128, variant), triton_jfa._bwd_configs(128, variant)
+    for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
+        f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
+        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, var, f=f: [f])
+        monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var, b=b: [b])
+        triton_jfa._TUNED.clear()
+        for causal in (False, True):
+            got, want = _run(q, k, v, lens, causal=causal, max_q=2048)
+            _check(got, want, torch.bfloat16, tol=3e-2)
+    triton_jfa._TUNED.clear()
