@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
 from gem.model.config import ModelConfig, TableConfig
@@ -47,19 +47,20 @@ def build_embeddings(cfg: ModelConfig, device: torch.device | str = "cpu"
     return ec, ebc
 
 
-def lookup_sequence(ec: torch.nn.Module, features: KeyedJaggedTensor, names: list[str]) -> list[torch.Tensor]:
-    """Per sequence feature (in `names` order) the jagged embeddings [T, dim] of every history token."""
-    out = ec(features)
+def sequence_embeddings(out, names: list[str]) -> list[torch.Tensor]:
+    """Per sequence feature (in `names` order) the jagged embeddings [T, dim] of every history token, from an
+    EmbeddingCollection's output (a mapping feature -> JaggedTensor, sharded or not)."""
     missing = [n for n in names if n not in out]
     if missing:
         raise KeyError(f"sequence features {missing} missing from the EmbeddingCollection output {list(out)}")
     return [out[n].values() for n in names]
 
 
-def lookup_pooled(ebc: torch.nn.Module, features: KeyedJaggedTensor, names: list[str]) -> list[torch.Tensor]:
-    """Per sparse feature (in `names` order) its pooled embedding [B, dim].
-
-    Indexed by key: a sharded EBC's KeyedTensor lists features in plan order, not config order.
-    """
-    kt = ebc(features)
+def pooled_embeddings(kt, names: list[str]) -> list[torch.Tensor]:
+    """Per sparse feature (in `names` order) its pooled embedding [B, dim], from an EmbeddingBagCollection's
+    KeyedTensor. Indexed by key: a sharded EBC's KeyedTensor lists features in plan order, not config order."""
+    keys = kt.keys()
+    missing = [n for n in names if n not in keys]
+    if missing:
+        raise KeyError(f"sparse features {missing} missing from the EmbeddingBagCollection output {list(keys)}")
     return [kt[n] for n in names]

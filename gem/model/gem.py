@@ -22,8 +22,40 @@ from gem import ops
 from gem.model import flops as flops_mod
 from gem.model.attention import build_blocks, make_norm
 from gem.model.config import ModelConfig
-from gem.model.embeddings import build_embeddings, lookup_pooled, lookup_sequence
+from gem.model.embeddings import build_embeddings, pooled_embeddings, sequence_embeddings
 from gem.model.heads import MultiTaskHeads, mlp, mlp_out_dim
+
+# TorchRec's TrainPipelineSparseDist fx-traces forward to find each sharded embedding module's input, which must be
+# a plain attribute of the batch. Its tracer treats only the model's direct children as leaves, so what would need
+# Python control flow on traced values (the embedding outputs' key checks and per-feature loops, the blocks' jagged
+# ops) runs inside these fx-wrapped functions, recorded as single calls. They live here because torch.fx.wrap
+# patches the globals of the module whose forward is traced.
+
+
+def history_input(ec_out, names: list[str], combine: str) -> torch.Tensor:
+    """The tower's input [T, sum (concat) or one (sum) embedding dim] from the EmbeddingCollection's output."""
+    embs = sequence_embeddings(ec_out, names)
+    return torch.cat(embs, dim=-1) if combine == "concat" else torch.stack(embs).sum(0)
+
+
+def pooled_features(kt, names: list[str]) -> tuple[torch.Tensor, ...]:
+    """Per sparse feature (in `names` order) its pooled embedding [B, dim] from the EmbeddingBagCollection."""
+    return tuple(pooled_embeddings(kt, names))
+
+
+def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer blocks over the jagged histories -> (x, summed MoE aux loss fp32)."""
+    aux = torch.zeros((), dtype=torch.float32, device=x.device)
+    for blk in blocks:
+        x, a = blk(x, offsets, max_len)
+        aux = aux + a
+    return x, aux
+
+
+torch.fx.wrap("history_input")
+torch.fx.wrap("pooled_features")
+torch.fx.wrap("run_tower")
 
 
 @dataclass
@@ -99,21 +131,21 @@ class GEMModel(nn.Module):
 
     def encode_history(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Tower output [T, d_model] over the jagged histories, and the summed MoE aux loss."""
-        embs = lookup_sequence(self.ec, batch.sequence, self.sequence_features)
-        x = torch.cat(embs, dim=-1) if self.cfg.tower.seq_combine == "concat" else torch.stack(embs).sum(0)
-        x = self.input_proj(x)
-        aux = torch.zeros((), dtype=torch.float32, device=x.device)
-        for blk in self.blocks:
-            x, a = blk(x, batch.seq_offsets, batch.max_seq_len)
-            aux = aux + a
-        return self.final_norm(x), aux
+        return self._tower(self.ec(batch.sequence), batch)
+
+    def _tower(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.input_proj(history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine))
+        tower = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len)
+        return self.final_norm(tower[0]), tower[1]
 
     def forward(self, batch) -> ModelOutput:
-        seq, aux = self.encode_history(batch)
+        # The embedding modules are called on the batch's attributes directly (see the note at the top).
+        seq, aux = self._tower(self.ec(batch.sequence), batch)
+        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features)
         dense = batch.dense
         b = dense.shape[0]
-        pooled = lookup_pooled(self.ebc, batch.sparse, self.sparse_features)
-        tokens = [proj(p) for proj, p in zip(self.sparse_proj, pooled)]
+        # Indexing, not iterating: under tracing `pooled` is a single Proxy.
+        tokens = [proj(pooled[i]) for i, proj in enumerate(self.sparse_proj)]
         tokens.append(self.dense_token(dense))
         tokens.append(self.summary_token.to(seq.dtype).expand(b, -1))
         tokens = torch.stack([t.to(seq.dtype) for t in tokens], dim=1)  # [B, n, d]

@@ -1,7 +1,8 @@
 """The training loop: data -> validated batches -> sharded GEM model -> multitask loss -> fused sparse + AdamW.
 
-CPU: a plain loop. CUDA: torchrec's TrainPipelineSparseDist (host-to-device copy and the embeddings' input
-all-to-all of the next batches overlap this batch's compute) when the model traces for it, else the plain loop.
+`train.pipeline`: torchrec's TrainPipelineSparseDist (host-to-device copy and the embeddings' input all-to-all of
+the next batches overlap this batch's compute; `auto` uses it on CUDA, `sparse_dist` on CPU too), else the plain
+loop; a model the pipeline cannot trace falls back to the plain loop with a warning (`Trainer.loop` says which ran).
 Rank 0 logs (console, TensorBoard, `<run dir>/metrics.jsonl`); every rank takes part in evaluation and
 checkpoints.
 """
@@ -197,6 +198,8 @@ class Trainer:
             self.measured_peak = measure_matmul_peak(self.device)
 
         self.step = 0  # optimizer steps done
+        self.loop = "plain"  # what fit() runs: "plain" or "sparse_dist" (torchrec's TrainPipelineSparseDist)
+        self.pipeline_fallback: str | None = None  # why a requested pipeline fell back to the plain loop
         self.last_eval: dict[str, float] = {}
         if tc.resume:
             self._resume()
@@ -290,9 +293,8 @@ class Trainer:
 
         params = inspect.signature(TrainPipelineSparseDist.__init__).parameters
         if "custom_model_fwd" not in params or not hasattr(TrainPipelineSparseDist, "detach"):
-            self.logger.info(
-                "pipeline: this torchrec's TrainPipelineSparseDist lacks custom_model_fwd/detach; plain loop"
-            )
+            self.pipeline_fallback = "this torchrec's TrainPipelineSparseDist lacks custom_model_fwd/detach"
+            log.warning(f"pipeline: {self.pipeline_fallback}; using the plain loop")
             return None
         holder = {}
 
@@ -333,6 +335,7 @@ class Trainer:
         batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step)
         pipeline = self._make_pipeline(batches)
         first_progress = pipeline is not None
+        self.loop = "sparse_dist" if pipeline is not None else "plain"
         if pipeline is not None:
             self.logger.info("pipeline: torchrec TrainPipelineSparseDist")
         global_batch = self.cfgs.data.batch_size * self.world_size
@@ -357,11 +360,12 @@ class Trainer:
                 except (BadBatchError, FloatingPointError):
                     raise
                 except Exception as e:  # noqa: BLE001
-                    log.warning(
-                        f"pipeline: TrainPipelineSparseDist failed on the first batch ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); using the plain loop"
+                    self.pipeline_fallback = (
+                        f"TrainPipelineSparseDist failed on the first batch ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})"
                     )
-                    pipeline, first_progress = None, False
+                    log.warning(f"pipeline: {self.pipeline_fallback}; using the plain loop")
+                    pipeline, first_progress, self.loop = None, False, "plain"
                     raw = _Recording(itertools.chain(raw.recorded, raw.source))
                     raw.stop_recording()
                     batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step)

@@ -202,3 +202,56 @@ def test_interaction_leaves_tokens_of_empty_histories_unchanged():
     s = torch.einsum("qhd,khd->hqk", q, k) / dh ** 0.5
     o = torch.einsum("hqk,khd->qhd", torch.nn.functional.gelu(s), v) / cfg.interaction.normalize
     torch.testing.assert_close(out[1], tokens[1] + inter.out(o.reshape(-1, h * dh)), rtol=1e-5, atol=1e-5)
+
+
+def _pipeline_trace(m):
+    """The graph torchrec's train pipeline traces: its Tracer with the model's direct children as leaves (what
+    `_get_leaf_module_names` yields once ec/ebc are sharded; here the unsharded ec/ebc are leaves by name)."""
+    from torchrec.distributed.train_pipeline.utils import Tracer
+
+    return Tracer(leaf_modules=[n for n, _ in m.named_children()]).trace(m)
+
+
+@pytest.mark.parametrize("combine,moe_every", [("concat", 2), ("sum", 0)])
+def test_forward_traces_for_the_sparse_dist_pipeline_and_the_graph_matches_eager(combine, moe_every):
+    """The pipeline can only move an embedding module's input dist ahead if that input is a getattr chain on
+    forward's argument; the traced graph must also compute exactly what eager forward does."""
+    cfg = tiny_cfg(seq_combine=combine, moe_every=moe_every)
+    m = _model(cfg)
+    graph = _pipeline_trace(m)
+    (placeholder,) = [n for n in graph.nodes if n.op == "placeholder"]
+    calls = {n.target: n for n in graph.nodes if n.op == "call_module" and n.target in ("ec", "ebc")}
+    assert set(calls) == {"ec", "ebc"}
+    for name, attr in (("ec", "sequence"), ("ebc", "sparse")):
+        (arg,) = calls[name].args
+        assert not calls[name].kwargs
+        assert arg.op == "call_function" and arg.target is getattr and arg.args == (placeholder, attr), name
+    gm = torch.fx.GraphModule(m, graph)
+    for lengths in ([5], [0], [0, 3, 0, 7, 1], [1, 1], [0, 0, 0], [16, 2, 9]):
+        batch = make_batch(cfg, lengths, seed=len(lengths))
+        want, got = m(batch), gm(batch)
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.aux_loss, want.aux_loss), lengths
+        m.zero_grad()
+        (want.logits.sum() + want.aux_loss).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad()
+        (got.logits.sum() + got.aux_loss).backward()
+        assert grads.keys() == {n for n, p in m.named_parameters() if p.grad is not None}
+        for n, g in grads.items():
+            assert torch.equal(m.get_parameter(n).grad, g), (lengths, n)
+
+
+def test_missing_embedding_outputs_are_named():
+    from torchrec import JaggedTensor, KeyedTensor
+
+    from gem.model.embeddings import pooled_embeddings, sequence_embeddings
+
+    jt = JaggedTensor(values=torch.randn(3, 4), lengths=torch.tensor([1, 2]))
+    assert torch.equal(sequence_embeddings({"a": jt}, ["a"])[0], jt.values())
+    with pytest.raises(KeyError, match=r"sequence features \['b'\] missing"):
+        sequence_embeddings({"a": jt}, ["a", "b"])
+    kt = KeyedTensor(keys=["x", "y"], length_per_key=[2, 3], values=torch.randn(4, 5))
+    x, y = pooled_embeddings(kt, ["y", "x"])  # by key, in the asked order
+    assert torch.equal(y, kt.values()[:, :2]) and torch.equal(x, kt.values()[:, 2:])
+    with pytest.raises(KeyError, match=r"sparse features \['z'\] missing"):
+        pooled_embeddings(kt, ["x", "z"])

@@ -137,13 +137,39 @@ def test_tensorboard_scalars_and_jsonl(tmp_path):
     assert result.eval_metrics["click/auc"] == pytest.approx(acc.Scalars("eval/click/auc")[-1].value, abs=1e-6)
 
 
-def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path):
-    """`train.pipeline=sparse_dist` trains the same steps as the plain loop (through torchrec's pipeline where the
-    model traces for it, else through the fallback that replays the batches the pipeline had pulled)."""
-    common = ("train.steps=6", "train.eval_every=0")
-    plain, _ = _fit(tmp_path / "plain", *common, "train.pipeline=none")
-    piped, _ = _fit(tmp_path / "piped", *common, "train.pipeline=sparse_dist")
+def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path, monkeypatch, caplog):
+    """`train.pipeline=sparse_dist` really runs torchrec's TrainPipelineSparseDist (both embedding modules'
+    forwards rewritten for it, not the fallback) and trains the same steps as the plain loop, across an
+    evaluation in the middle (which detaches and re-attaches the pipeline). A model the pipeline cannot trace
+    falls back to the plain loop with a warning naming why, and still trains the same steps."""
+    from torchrec.distributed.train_pipeline.utils import PipelinedForward
+
+    from gem.model import GEMModel
+
+    common = ("train.steps=6", "train.eval_every=3")
+    plain, tp = _fit(tmp_path / "plain", *common, "train.pipeline=none")
+    piped, t = _fit(tmp_path / "piped", *common, "train.pipeline=sparse_dist")
+    assert tp.loop == "plain"
+    assert t.loop == "sparse_dist" and t.pipeline_fallback is None
+    for name in ("ec", "ebc"):
+        assert isinstance(t.inner.get_submodule(name).forward, PipelinedForward), name
+        assert not isinstance(tp.inner.get_submodule(name).forward, PipelinedForward), name
     assert len(piped.losses) == 6
+    assert max(plain.losses) - min(plain.losses) > 1e-3  # the loss moves, so equality says something
     torch.testing.assert_close(torch.tensor(piped.losses), torch.tensor(plain.losses), rtol=0, atol=1e-6)
+    assert plain.eval_metrics
     for k, v in plain.eval_metrics.items():
         assert piped.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
+
+    traceable = GEMModel.forward
+
+    def untraceable(self, batch):
+        assert list(batch.sparse.keys())  # an fx Proxy cannot be iterated: TraceError
+        return traceable(self, batch)
+
+    monkeypatch.setattr(GEMModel, "forward", untraceable)
+    with caplog.at_level("WARNING", logger="gem.train"):
+        fallback, tf = _fit(tmp_path / "fallback", *common, "train.pipeline=sparse_dist")
+    assert tf.loop == "plain" and "TraceError" in tf.pipeline_fallback
+    assert any("TraceError" in r.getMessage() and "plain loop" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(torch.tensor(fallback.losses), torch.tensor(plain.losses), rtol=0, atol=1e-6)
