@@ -151,11 +151,13 @@ def _check_sharding_types(st: Any) -> None:
                 )
 
 
-def init_distributed(timeout_s: float = 600.0) -> torch.device:
+def init_distributed(timeout_s: float = 600.0, store: dist.Store | None = None) -> torch.device:
     """Create the default process group once (nccl on CUDA, gloo on CPU) and return this rank's device.
 
     Under torchrun the env:// variables are used; without them a one-rank group is created in-process, so the
-    same code path (TorchRec DMP, fused optimizer) serves single-process runs.
+    same code path (TorchRec DMP, fused optimizer) serves single-process runs. With torchrun's agent `store`, the
+    group's keys go under a prefix per restart attempt: the store keeps a failed attempt's keys, and a restarted
+    attempt would otherwise read its dead peers' addresses and fail to connect (pytorch/pytorch#135712).
     """
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -168,7 +170,16 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
         return device
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if store is not None:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"gem/attempt_{attempt}/", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -2,7 +2,8 @@
 
 Before Hydra runs the job: the config is composed and checked once (a bad value prints one line naming the key
 and exits 2), the process group is created (once, outside the job), and rank 0 picks the run name that every
-rank then shares (`GEM_RUN_ID`; Hydra's default `${now:...}` would differ per rank). Only rank 0 writes Hydra's
+rank then shares (`GEM_RUN_ID`; Hydra's default `${now:...}` would differ per rank), the same for every attempt of
+one torchrun job, so a restarted job resumes in its run dir (`train.resume=auto`). Only rank 0 writes Hydra's
 files and logs. `--check` validates the config and exits (0 if it is good).
 """
 
@@ -98,11 +99,35 @@ def _register_resolvers() -> None:
         OmegaConf.register_new_resolver("gem_run_id", lambda: os.environ.get("GEM_RUN_ID", "local"), use_cache=True)
 
 
-def _agree_on_run_id(rank: int, world_size: int) -> None:
-    """Every rank gets rank 0's GEM_RUN_ID (a timestamp unless already set)."""
+def _elastic_store():
+    """A client of torchrun's own key-value store, which outlives the workers of one attempt; None when the workers
+    are not given it (not under torchrun, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    run_id = [os.environ.get("GEM_RUN_ID") or time.strftime("%Y-%m-%d/%H-%M-%S")]
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=600)
+    )
+
+
+def _agree_on_run_id(rank: int, world_size: int, store) -> None:
+    """Every rank gets rank 0's GEM_RUN_ID: the environment's, else the one the first attempt of this torchrun job
+    kept in torchrun's store (so a restarted job writes to the same run dir and resumes there), else a timestamp."""
+    import torch.distributed as dist
+
+    run_id = [os.environ.get("GEM_RUN_ID")]
+    if rank == 0 and not run_id[0]:
+        run_id[0] = time.strftime("%Y-%m-%d/%H-%M-%S")
+        if store is not None:  # compare_set stores it if absent and returns the stored value
+            run_id[0] = store.compare_set(f"gem/run_id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", run_id[0])
+            run_id[0] = run_id[0].decode() if isinstance(run_id[0], bytes) else run_id[0]
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            logging.getLogger("gem.train").warning(
+                "restarted without torchrun's shared store: new run dir; pin hydra.run.dir to resume in the old one"
+            )
     if world_size > 1:
         dist.broadcast_object_list(run_id, src=0)
     os.environ["GEM_RUN_ID"] = run_id[0]
@@ -128,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from gem.parallel.dims import init_distributed
 
-    init_distributed()  # once per process, outside Hydra's job
-    _agree_on_run_id(rank, world_size)
+    store = _elastic_store()
+    init_distributed(store=store)  # once per process, outside Hydra's job
+    _agree_on_run_id(rank, world_size, store)
     state: dict = {}
     code = _run_hydra(argv, rank, state)
     if code:

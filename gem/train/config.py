@@ -7,7 +7,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 class TrainConfigError(ValueError):
@@ -47,7 +47,9 @@ class TrainConfig:
     eval_every: int = 100  # 0: evaluate only at the end
     check_finite: bool = True  # raise on a non-finite loss before backward (one host sync per step)
     stop_at_step: int | None = None  # end this run early (the schedule still spans `steps`), e.g. to split a job
-    resume: bool = False
+    # true: continue from the newest complete checkpoint in the checkpoint dir | false: start fresh | auto: like
+    # true when there is a checkpoint dir (a new run dir starts fresh, a torchrun restart reuses its run dir)
+    resume: Literal[True, False, "auto"] = "auto"
     tensorboard: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mfu: MFUConfig = field(default_factory=MFUConfig)
@@ -91,6 +93,11 @@ class TrainConfig:
             "pipeline",
             f"must be auto, sparse_dist or none, got {self.pipeline!r}",
         )
+        need(
+            self.resume is True or self.resume is False or self.resume == "auto",
+            "resume",
+            f"must be {_one_of((True, False, 'auto'))}, got {self.resume!r}",
+        )
         need(self.log_every >= 1, "log_every", f"must be >= 1, got {self.log_every}")
         need(self.eval_every >= 0, "eval_every", f"must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.stop_at_step is not None:
@@ -127,12 +134,22 @@ def _plain(cfg: Any) -> Any:
     return cfg
 
 
+def _one_of(options) -> str:
+    names = [str(o).lower() if isinstance(o, bool) else str(o) for o in options]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):  # X | None
         if value is None and type(None) in args:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin is typing.Literal:
+        # compare types too: 1 == True, but `resume: 1` is not `resume: true`
+        if any(type(value) is type(a) and value == a for a in args):
+            return value
+        raise TrainConfigError(f"{key}: must be {_one_of(args)}, got {value!r}")
     if value is None:
         raise TrainConfigError(f"{key}: must not be null")
     if dataclasses.is_dataclass(tp):

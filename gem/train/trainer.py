@@ -87,6 +87,20 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (0: the first attempt, or not under torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _fault_injection_step(rank: int) -> int | None:
+    """Test hook for fault tolerance: GEM_FAULT_AT_STEP=<step> and GEM_FAULT_RANK=<rank> (default 0) make that
+    rank exit hard right after that step, on the first attempt only (so a torchrun restart can succeed)."""
+    at = os.environ.get("GEM_FAULT_AT_STEP")
+    if not at or _restart_count() > 0 or int(os.environ.get("GEM_FAULT_RANK", "0")) != rank:
+        return None
+    return int(at)
+
+
 class _ValidatedBatches:
     """Iterates a dataset's batches, validating each (before it reaches the model) and noting its FLOPs."""
 
@@ -184,7 +198,7 @@ class Trainer:
 
         ckpt_dir = tc.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None)
         self.checkpointer = Checkpointer(ckpt_dir, keep=tc.checkpoint.keep) if ckpt_dir else None
-        if (tc.checkpoint.every > 0 or tc.resume) and self.checkpointer is None:
+        if (tc.checkpoint.every > 0 or tc.resume is True) and self.checkpointer is None:
             raise ValueError("train.checkpoint.dir: checkpoints need a directory (no run directory to default to)")
 
         if run_dir and self.rank == 0:
@@ -201,8 +215,9 @@ class Trainer:
         self.loop = "plain"  # what fit() runs: "plain" or "sparse_dist" (torchrec's TrainPipelineSparseDist)
         self.pipeline_fallback: str | None = None  # why a requested pipeline fell back to the plain loop
         self.last_eval: dict[str, float] = {}
-        if tc.resume:
-            self._resume()
+        self._fault_step = _fault_injection_step(self.rank)
+        if tc.resume is True or (tc.resume == "auto" and self.checkpointer is not None):
+            self._resume(report_none=tc.resume is True or _restart_count() > 0)
 
     # -- state ------------------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -230,14 +245,15 @@ class Trainer:
         self.logger.info(f"checkpoint: {path}")
         return str(path)
 
-    def _resume(self) -> None:
+    def _resume(self, report_none: bool = True) -> None:
         assert self.checkpointer is not None
         found = latest_checkpoint(self.checkpointer.dir)
         steps = [found[0] if found else -1]
         if self.world_size > 1:  # every rank must pick the same checkpoint
             dist.broadcast_object_list(steps, src=0)
         if steps[0] < 0:
-            self.logger.info(f"resume: no checkpoint in {self.checkpointer.dir}, starting from step 0")
+            if report_none:
+                self.logger.info(f"resume: no checkpoint in {self.checkpointer.dir}, starting from step 0")
             return
         path = self.checkpointer.dir / f"step_{steps[0]}"
         self.optimizer.init_state()
@@ -257,7 +273,8 @@ class Trainer:
             torch.set_rng_state(rng["torch"])
             if self.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.logger.info(f"resumed from {path} at step {self.step}")
+        restart = f" (torchrun restart {_restart_count()})" if _restart_count() else ""
+        self.logger.info(f"resumed from {path} at step {self.step}{restart}")
 
     # -- one step ---------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -409,6 +426,9 @@ class Trainer:
             if tc.checkpoint.every > 0 and (self.step % tc.checkpoint.every == 0 or self.step == end):
                 result.last_checkpoint = self.save_checkpoint()
                 window_t0 = time.perf_counter()
+            if self.step == self._fault_step:
+                log.warning(f"GEM_FAULT_AT_STEP: rank {self.rank} exits after step {self.step} (test hook)")
+                os._exit(1)
         result.steps = self.step
         result.losses = torch.stack(step_losses).float().cpu().tolist() if step_losses else []
         result.eval_metrics = dict(self.last_eval)
