@@ -5,4 +5,4 @@ from gem.ops.gdpa import gdpa
 from gem.ops.jfa import jagged_attention
 from gem.ops.rotary import rope
 
-__all__ = ["jagged_attention", "gdpa", "block_attention", "rope"]
+__all__ = ["block_attention", "gdpa", "jagged_attention", "rope"]

@@ -103,7 +103,7 @@ def resolve_sharding_types(model: nn.Module, sharding_types: Any, device: torch.
     if isinstance(st, Mapping):
         unknown = set(st) - set(tables)
         if unknown:
-            raise ParallelConfigError(f"parallel.sharding_types: unknown table {sorted(unknown)[0]!r}")
+            raise ParallelConfigError(f"parallel.sharding_types: unknown table {min(unknown)!r}")
     out = {}
     for name, is_bag in tables.items():
         if st is None:
@@ -341,8 +341,8 @@ def _sharding_env_2d(dims: ParallelDims):
     from torchrec.distributed.types import ShardingEnv2D
 
     params = inspect.signature(ShardingEnv2D.__init__).parameters
-    kwargs: dict[str, Any] = dict(sharding_pg=dims.emb_shard_pg, global_pg=dist.group.WORLD,
-                                  device_mesh=dims.emb_mesh)
+    kwargs: dict[str, Any] = {"sharding_pg": dims.emb_shard_pg, "global_pg": dist.group.WORLD,
+                                  "device_mesh": dims.emb_mesh}
     if "replica_pg" in params:
         kwargs["replica_pg"] = dims.emb_replica_pg
     if "node_group_size" in params:
@@ -362,9 +362,9 @@ def _dmp_collection(model, dims: ParallelDims, plan, sharders, device):
     from torchrec.distributed.model_parallel import DMPCollection
 
     params = inspect.signature(DMPCollection.__init__).parameters
-    kwargs: dict[str, Any] = dict(module=model, device=device, plan=plan, world_size=dims.world_size,
-                                  sharding_group_size=dims.emb_shard_group, global_pg=dist.group.WORLD,
-                                  sharders=sharders, data_parallel_wrapper=_NoDataParallel())
+    kwargs: dict[str, Any] = {"module": model, "device": device, "plan": plan, "world_size": dims.world_size,
+                                  "sharding_group_size": dims.emb_shard_group, "global_pg": dist.group.WORLD,
+                                  "sharders": sharders, "data_parallel_wrapper": _NoDataParallel()}
     host_local = dims.cfg.emb_group_layout == "host_local"
     if "use_inter_host_allreduce" in params:
         # DMPCollection's default keeps replicas on one host (sharding groups strided); inter-host allreduce

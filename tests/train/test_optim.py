@@ -35,7 +35,7 @@ def _model(seed=0):
 @pytest.mark.parametrize("clip", [0.0, 0.05, 100.0])
 def test_train_optimizer_matches_torch_adamw(clip):
     ours, ref = _model(), _model()
-    kw = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
+    kw = {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.1}
     opt = TrainOptimizer(
         list(ours.named_parameters()), None, warmup_steps=2, total_steps=6, min_lr_ratio=0.2, grad_clip=clip, **kw
     )
