@@ -173,7 +173,7 @@ class StepRecorder:
 
 def replay_batches(trainer, total: int) -> tuple[list[dict], float]:
     """tokens / samples / model FLOPs of the trainer's first `total` batches on this rank (same data stream), and
-    the host milliseconds one batch takes to produce (the trainer makes its batches the same way, inside its loop)."""
+    the host milliseconds one batch takes to produce (on the training thread unless data.num_workers > 0)."""
     from gem.data import build_dataset
 
     ds = build_dataset(trainer.cfgs.data, trainer.rank, trainer.world_size, split="train")

@@ -228,9 +228,9 @@ class ParquetDataset(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        i = self._position
+        i = start = self._position
         while self.cycle or i < self.batches_per_pass:
-            if i % workers == worker:
+            if (i - start) % workers == worker:  # worker 0 takes the first batch, in any start position
                 b = self.batch(i)
                 self._position = i + 1
                 yield b

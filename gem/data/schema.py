@@ -230,6 +230,7 @@ class DataConfig:
     eval_batches: int = 8
     paths: tuple[str, ...] = ()
     eval_paths: tuple[str, ...] = ()
+    num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "parquet"):
@@ -238,6 +239,8 @@ class DataConfig:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
         if self.eval_batches < 0:
             raise ValueError(f"data.eval_batches must be >= 0, got {self.eval_batches}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.source == "parquet" and not self.paths:
             raise ValueError("data.paths: the parquet source needs at least one training file")
 
@@ -254,6 +257,7 @@ class DataConfig:
             eval_batches=int(d.get("eval_batches", 8)),
             paths=tuple(str(p) for p in (d.get("paths") or ())),
             eval_paths=tuple(str(p) for p in (d.get("eval_paths") or ())),
+            num_workers=int(d.get("num_workers", 0)),
         )
 
 

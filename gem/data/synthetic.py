@@ -19,11 +19,10 @@ i-th batch, so the union over ranks is the same stream for any world size. Batch
 seeded by (seed, split, g) alone: deterministic, random-access and resumable by batch index. `eval` draws from a
 different seed stream than `train` (held out) over the same hidden world.
 
-DataLoader workers: with num_workers = n > 1, worker w yields this rank's batches i = w, w + n, ... and the
-DataLoader's round-robin restores the single-process order. Use `batch_size=None` in the DataLoader (the dataset
+DataLoader workers: with num_workers = n > 1, worker w yields this rank's batches start + w, start + w + n, ...
+(start = the current position) and the DataLoader's round-robin restores the single-process order. Use `batch_size=None` in the DataLoader (the dataset
 yields whole batches). The dataset's position (`state_dict`) only advances in the process that iterates, so with
-workers the trainer should count consumed batches and restore with `load_state_dict({"batch_index": n})`; the
-trainer in this project uses num_workers = 0 (a batch is generated in about a millisecond).
+workers the trainer counts consumed batches and restores with `load_state_dict({"batch_index": n})` (`data.num_workers`).
 """
 
 from __future__ import annotations
@@ -177,9 +176,9 @@ class SyntheticDataset(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        i = self._position
+        i = start = self._position
         while self.num_batches is None or i < self.num_batches:
-            if i % workers == worker:
+            if (i - start) % workers == worker:  # worker 0 takes the first batch, in any start position
                 b = self.batch(i)
                 self._position = i + 1
                 yield b

@@ -4,7 +4,8 @@
 the next batches overlap this batch's compute; `auto` uses it on CUDA, `sparse_dist` on CPU too), else the plain
 loop; a model the pipeline cannot trace falls back to the plain loop with a warning (`Trainer.loop` says which ran).
 Rank 0 logs (console, TensorBoard, `<run dir>/metrics.jsonl`); every rank takes part in evaluation and
-checkpoints.
+checkpoints. `data.num_workers` > 0: DataLoader worker processes make and validate the training batches (the
+training thread only receives them); evaluation batches are made inline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
 
 from gem.data import Batch, DataConfig, build_dataset, validate_batch
 from gem.model import GEMModel, ModelConfig, losses, validate_against_schema
@@ -101,14 +103,92 @@ def _fault_injection_step(rank: int) -> int | None:
     return int(at)
 
 
-class _ValidatedBatches:
-    """Iterates a dataset's batches, validating each (before it reaches the model) and noting its FLOPs."""
+class _Failed:
+    """What a DataLoader worker sends instead of a batch that failed (a worker's exception would reach the training
+    process wrapped in a traceback dump; this carries the one-line message). `invalid`: failed validation."""
 
-    def __init__(self, it: Iterator[Batch], schema, flops_of: Callable[[Batch], float], first_step: int) -> None:
+    def __init__(self, message: str, invalid: bool) -> None:
+        self.message, self.invalid = message, invalid
+
+
+class _WorkerBatches(IterableDataset):
+    """Runs in DataLoader workers: yields (index, batch) with the batch already validated, or (index, _Failed) and
+    stops. `index`: the batch's position in the dataset's stream (None when the dataset has no `state_dict`)."""
+
+    def __init__(self, dataset, schema) -> None:
+        super().__init__()
+        self.dataset, self.schema = dataset, schema
+
+    def __iter__(self) -> Iterator[tuple[int | None, Batch | _Failed]]:
+        it = iter(self.dataset)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except ValueError as e:
+                yield None, _Failed(str(e), invalid=False)
+                return
+            # The datasets advance their position to just past the batch they yield.
+            index = int(self.dataset.state_dict()["batch_index"]) - 1 if hasattr(self.dataset, "state_dict") else None
+            try:
+                validate_batch(batch, self.schema)
+            except ValueError as e:
+                yield index, _Failed(str(e), invalid=True)
+                return
+            yield index, batch
+
+
+class _InOrder:
+    """The (index, item) pairs of a worker DataLoader put back in stream order from `start`.
+
+    The workers of a dataset started mid-stream need not take turns in stream order (worker w makes the batches
+    i = w mod n), so up to one round of batches is held back until its turn; a failure surfaces at its turn too.
+    """
+
+    def __init__(self, it: Iterator[tuple[int | None, Any]], start: int) -> None:
+        self._it = it
+        self._next = start
+        self._held: dict[int, Any] = {}
+
+    def __iter__(self) -> _InOrder:
+        return self
+
+    def __next__(self):
+        while self._next not in self._held:
+            try:
+                index, item = next(self._it)
+            except StopIteration:
+                if not self._held:
+                    raise
+                self._next = min(self._held)  # a finite stream's tail
+                break
+            if index is None:  # a dataset without a position, or its own error: as it comes
+                return item
+            if index == self._next:
+                self._next += 1
+                return item
+            self._held[index] = item
+        item = self._held.pop(self._next)
+        self._next += 1
+        return item
+
+
+class _ValidatedBatches:
+    """Iterates a dataset's batches, validating each (before it reaches the model) and noting its FLOPs.
+
+    `validate=False`: the batches were validated where they were made (DataLoader workers), which send a _Failed in
+    place of a bad one; it raises here, in the training process, with the same message as inline validation.
+    """
+
+    def __init__(
+        self, it: Iterator[Any], schema, flops_of: Callable[[Batch], float], first_step: int, validate: bool = True
+    ) -> None:
         self._it = it
         self._schema = schema
         self._flops_of = flops_of
         self._next_step = first_step
+        self._validate = validate
         self.flops: collections.deque[float] = collections.deque()
 
     def __iter__(self) -> _ValidatedBatches:
@@ -118,10 +198,15 @@ class _ValidatedBatches:
         batch = next(self._it)
         step = self._next_step
         self._next_step += 1
-        try:
-            validate_batch(batch, self._schema)
-        except ValueError as e:
-            raise BadBatchError(f"training batch of step {step + 1}: {e}") from None
+        if isinstance(batch, _Failed):
+            if batch.invalid:
+                raise BadBatchError(f"training batch of step {step + 1}: {batch.message}")
+            raise ValueError(batch.message)  # noqa: TRY004 (the dataset raised this ValueError)
+        if self._validate:
+            try:
+                validate_batch(batch, self._schema)
+            except ValueError as e:
+                raise BadBatchError(f"training batch of step {step + 1}: {e}") from None
         self.flops.append(self._flops_of(batch))
         return batch
 
@@ -212,6 +297,11 @@ class Trainer:
             self.measured_peak = measure_matmul_peak(self.device)
 
         self.step = 0  # optimizer steps done
+        # This rank's data position is step + offset: one batch per step (prefetched batches do not count); the
+        # offset is nonzero only after resuming a checkpoint of another world size (positions are rescaled).
+        self._data_offset = 0
+        self._loader: DataLoader | None = None  # data.num_workers > 0: the workers' loader during fit()
+        self._loader_iter: Iterator[Any] | None = None
         self.loop = "plain"  # what fit() runs: "plain" or "sparse_dist" (torchrec's TrainPipelineSparseDist)
         self.pipeline_fallback: str | None = None  # why a requested pipeline fell back to the plain loop
         self.last_eval: dict[str, float] = {}
@@ -222,7 +312,7 @@ class Trainer:
     # -- state ------------------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         data_state = dict(self.train_data.state_dict())
-        data_state["batch_index"] = self.step  # one batch per step (prefetched batches do not count)
+        data_state["batch_index"] = self.step + self._data_offset
         rng = {"torch": torch.get_rng_state()}
         if self.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -268,6 +358,7 @@ class Trainer:
         self.step = int(state["progress"]["step"])
         self.optimizer.load_state_dict(state["optim"], step_count=self.step)
         self.train_data.load_state_dict({k: int(v) for k, v in state["data"].items()})
+        self._data_offset = int(self.train_data.state_dict()["batch_index"]) - self.step
         if same_world:
             rng = state[f"rng_rank{self.rank}"]
             torch.set_rng_state(rng["torch"])
@@ -348,8 +439,49 @@ class Trainer:
         end = tc.stop_at_step or tc.steps
         result = TrainResult(steps=self.step, run_dir=self.run_dir)
         self.model.train()
-        raw = _Recording(iter(self.train_data))
-        batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step)
+        source, in_workers = self._train_batches()
+        try:
+            return self._fit(result, end, source, in_workers)
+        finally:
+            self._close_loader()
+
+    def _train_batches(self) -> tuple[Iterator[Any], bool]:
+        """The training stream from the batches this trainer consumed, and whether workers validate it.
+
+        With `data.num_workers` > 0, DataLoader worker processes make and validate the batches. The dataset's own
+        position then only advances inside the workers (and runs ahead of training by the prefetched batches), so
+        the stream is restarted at the trainer's count.
+        """
+        position = self.step + self._data_offset
+        if hasattr(self.train_data, "load_state_dict"):
+            self.train_data.load_state_dict({"batch_index": position})
+        k = self.cfgs.data.num_workers
+        if k == 0:
+            return iter(self.train_data), False
+        self._loader = DataLoader(
+            _WorkerBatches(self.train_data, self.schema),
+            batch_size=None,  # the dataset yields whole batches
+            num_workers=k,
+            pin_memory=self.is_cuda,
+            prefetch_factor=2,
+            persistent_workers=True,
+            # Worker seeds come from this generator, not the global RNG, so the training RNG stream (and resume
+            # parity) does not depend on num_workers.
+            generator=torch.Generator().manual_seed(self.tcfg.seed),
+        )
+        self._loader_iter = iter(self._loader)
+        return _InOrder(self._loader_iter, position), True
+
+    def _close_loader(self) -> None:
+        it = getattr(self, "_loader_iter", None)
+        self._loader_iter = self._loader = None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # now, not when a traceback holding the iterator is freed
+
+    def _fit(self, result: TrainResult, end: int, source: Iterator[Any], in_workers: bool) -> TrainResult:
+        tc = self.tcfg
+        raw = _Recording(source)
+        batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step, validate=not in_workers)
         pipeline = self._make_pipeline(batches)
         first_progress = pipeline is not None
         self.loop = "sparse_dist" if pipeline is not None else "plain"
@@ -385,7 +517,7 @@ class Trainer:
                     pipeline, first_progress, self.loop = None, False, "plain"
                     raw = _Recording(itertools.chain(raw.recorded, raw.source))
                     raw.stop_recording()
-                    batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step)
+                    batches = _ValidatedBatches(raw, self.schema, self.inner.flops, self.step, validate=not in_workers)
                     self.optimizer.zero_grad()
                     loss, out = self._plain_step(batches)
             elif pipeline is not None:
@@ -498,6 +630,7 @@ class Trainer:
             self._jsonl.flush()
 
     def close(self) -> None:
+        self._close_loader()
         self.logger.close()
         if self._jsonl is not None:
             self._jsonl.close()

@@ -101,6 +101,8 @@ def test_reset_and_bad_shapes():
 def _gather_worker(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
+    if dist.is_initialized():  # a forked rank must not inherit the parent's one-rank group
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(23, 2, generator=g)  # the same global data on every rank
