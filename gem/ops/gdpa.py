@@ -165,12 +165,15 @@ def gdpa_reference(
     normalize=None,
 ):
     """Padded fp32 PyTorch with an explicit visibility mask (masked scores are dropped after the activation)."""
+    consts = _resolve(q, max_len_k, causal, window, scale, normalize)
+    return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts)
+
+
+def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, float, float]:
+    """(left, right, scale, out_scale) from the public options; scale defaults to 1/sqrt(D)."""
     left, right = _window(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out_scale = _out_scale(normalize, max_len_k)
-    return _reference(
-        q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale
-    )
+    return left, right, scale, _out_scale(normalize, max_len_k)
 
 
 def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale):
@@ -227,46 +230,17 @@ def gdpa(
     short_kv: force (True/False) the whole-K/V-in-SRAM forward path; None picks by max_len_k.
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
-    left, right = _window(causal, window)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out_scale = _out_scale(normalize, max_len_k)
-    which = resolve_kernel(kernel, q, k, v, offsets_q, offsets_k)
-    if which == "reference":
-        return _reference(
-            q,
-            k,
-            v,
-            offsets_q,
-            int(max_len_q),
-            offsets_k,
-            int(max_len_k),
-            activation,
-            approx,
-            left,
-            right,
-            scale,
-            out_scale,
-        )
+    consts = _resolve(q, max_len_k, causal, window, scale, normalize)
+    lengths = (int(max_len_q), int(max_len_k))
+    if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
+        return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts)
     if not 16 <= q.shape[-1] <= 256:
         raise ValueError(f"head dim {q.shape[-1]} unsupported by the Triton kernel: expected 16..256")
     from gem.ops import triton_gdpa
 
+    short = -1 if short_kv is None else int(bool(short_kv))
     return triton_gdpa.gdpa_op(
-        q,
-        k,
-        v,
-        offsets_q,
-        offsets_k,
-        int(max_len_q),
-        int(max_len_k),
-        activation,
-        approx or "",
-        left,
-        right,
-        scale,
-        out_scale,
-        bool(ordered),
-        -1 if short_kv is None else int(bool(short_kv)),
+        q, k, v, offsets_q, offsets_k, *lengths, activation, approx or "", *consts, bool(ordered), short
     )
 
 

@@ -155,6 +155,70 @@ def _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: 
     return cut
 
 
+@triton.jit
+def _edge_mask(x, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """x [M, N] with the invisible entries zeroed, checked only on tiles that cross the window edge."""
+    if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
+        x = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), x, 0.0)
+    return x
+
+
+@triton.jit
+def _work_item(WORK, NUM_HEADS):
+    """(sequence, tile, head) of this program; one flat grid, head fastest, so the work order holds across heads."""
+    pid = tl.program_id(0) // NUM_HEADS
+    return tl.load(WORK + 2 * pid), tl.load(WORK + 2 * pid + 1), tl.program_id(0) % NUM_HEADS
+
+
+@triton.jit
+def _seq_bounds(OFF_Q, OFF_K, b):
+    """(q_start, lq, k_start, lk) of sequence b; starts in int64 so large token counts do not overflow."""
+    q_start = tl.load(OFF_Q + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(OFF_K + b).to(tl.int64)
+    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    return q_start, lq, k_start, lk
+
+
+@triton.jit
+def _rows(P, offs, stride, offs_d):
+    """Pointers [R, BLOCK_D] to rows offs of a [T, D] slice with row stride `stride`."""
+    return P + offs[:, None] * stride + offs_d[None, :]
+
+
+@triton.jit
+def _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt):
+    """K and V rows offs_n (zeros past lk or D), and their mask."""
+    kmask = (offs_n[:, None] < lk) & d_ok[None, :]
+    k = tl.load(_rows(Kb, offs_n, stride_kt, offs_d), mask=kmask, other=0.0)
+    v = tl.load(_rows(Vb, offs_n, stride_vt, offs_d), mask=kmask, other=0.0)
+    return k, v, kmask
+
+
+@triton.jit
+def _scaled(q, scale):
+    # fold the scale into q once, not into every score
+    return (q.to(tl.float32) * scale).to(q.dtype)
+
+
+@triton.jit
+def _partner_range(p0, n, off, BELOW, ABOVE, MASKED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[lo, hi) of the partners (of n) that rows [p0, p0+BLOCK_P) see, row p seeing p+off-BELOW .. p+off+ABOVE.
+
+    lo is aligned to BLOCK_R. Keys of a q tile: (m0, lk, doff, LEFT, RIGHT); queries of a key tile: the mirror,
+    (n0, lq, -doff, RIGHT, LEFT).
+    """
+    lo = 0
+    hi = n
+    if MASKED:
+        if BELOW >= 0:
+            lo = tl.maximum(p0 + off - BELOW, 0)
+            lo = (lo // BLOCK_R) * BLOCK_R
+        if ABOVE >= 0:
+            hi = tl.minimum(p0 + BLOCK_P + off + ABOVE, n)
+    return lo, hi
+
+
 # ------------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_kernel(
@@ -199,17 +263,10 @@ def _fwd_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # one flat grid, head fastest: the (longest-first) work order then holds across all heads
-    pid = tl.program_id(0) // NUM_HEADS
-    head = tl.program_id(0) % NUM_HEADS
-    b = tl.load(WORK + 2 * pid)
+    b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    group_id = tl.load(WORK + 2 * pid + 1)
-    q_start = tl.load(OFF_Q + b).to(tl.int64)
-    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(OFF_K + b).to(tl.int64)
-    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     kvh = head // GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,18 +278,13 @@ def _fwd_kernel(
     Vb = V + k_start * stride_vt + kvh * stride_vh
     if SHORT_KV:
         # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item
-        kmask = (offs_n0[:, None] < lk) & d_ok[None, :]
-        k_all = tl.load(Kb + offs_n0[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
-        v_all = tl.load(Vb + offs_n0[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+        k_all, v_all, _ = _load_kv(Kb, Vb, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt)
     for t in range(TILES):
         m0 = (group_id * TILES + t) * BLOCK_M
         if m0 < lq:
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < lq
-            q = tl.load(
-                Qb + offs_m[:, None] * stride_qt + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
-            )
-            q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # fold the scale into q once, not into every score
+            qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+            q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             if SHORT_KV:
                 s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
@@ -241,31 +293,16 @@ def _fwd_kernel(
                     a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
                 acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
             else:
-                lo = 0
-                hi = lk
-                if MASKED:
-                    if LEFT >= 0:
-                        lo = tl.maximum(m0 + doff - LEFT, 0)
-                        lo = (lo // BLOCK_N) * BLOCK_N
-                    if RIGHT >= 0:
-                        hi = tl.minimum(m0 + BLOCK_M + doff + RIGHT, lk)
+                lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
                 for n0 in range(lo, hi, BLOCK_N):
                     offs_n = n0 + offs_n0
-                    kmask = (offs_n[:, None] < lk) & d_ok[None, :]
-                    k = tl.load(Kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
-                    v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+                    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
                     s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
                     a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-                    if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
-                        if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
-                            a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+                    if MASKED:
+                        a = _edge_mask(a, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N)
                     acc = _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
-            acc = acc * out_scale
-            tl.store(
-                Ob + offs_m[:, None] * stride_ot + offs_d[None, :],
-                acc.to(O.dtype.element_ty),
-                mask=m_ok[:, None] & d_ok[None, :],
-            )
+            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -316,38 +353,22 @@ def _bwd_dkdv_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0) // NUM_HEADS
-    kvh = tl.program_id(0) % NUM_HEADS
-    b = tl.load(WORK + 2 * pid)
+    b, tile, kvh = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    n0 = tl.load(WORK + 2 * pid + 1) * BLOCK_N
-    q_start = tl.load(OFF_Q + b).to(tl.int64)
-    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(OFF_K + b).to(tl.int64)
-    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    n0 = tile * BLOCK_N
+    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kmask = (offs_n[:, None] < lk) & d_ok[None, :]
-    k = tl.load(
-        K + k_start * stride_kt + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0
-    )
-    v = tl.load(
-        V + k_start * stride_vt + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0
-    )
+    Kb = K + k_start * stride_kt + kvh * stride_kh
+    Vb = V + k_start * stride_vt + kvh * stride_vh
+    k, v, kmask = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # q rows whose window meets this key tile: n0 - doff - right <= i <= n0 + BN - 1 - doff + left
-    lo = 0
-    hi = lq
-    if MASKED:
-        if RIGHT >= 0:
-            lo = tl.maximum(n0 - doff - RIGHT, 0)
-            lo = (lo // BLOCK_M) * BLOCK_M
-        if LEFT >= 0:
-            hi = tl.minimum(n0 + BLOCK_N - doff + LEFT, lq)
+    lo, hi = _partner_range(n0, lq, -doff, RIGHT, LEFT, MASKED, BLOCK_N, BLOCK_M)
     for g in range(GROUP):
         head = kvh * GROUP + g
         Qb = Q + q_start * stride_qt + head * stride_qh
@@ -355,9 +376,9 @@ def _bwd_dkdv_kernel(
         for m0 in range(lo, hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = tl.load(Qb + offs_m[:, None] * stride_qt + offs_d[None, :], mask=qmask, other=0.0)
-            do = tl.load(DOb + offs_m[:, None] * stride_dot + offs_d[None, :], mask=qmask, other=0.0)
-            q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # scaled q serves both S^T and dK
+            q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
+            do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
+            q = _scaled(q, scale)  # scaled q serves both S^T and dK
             st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
             at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             dpt = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
@@ -369,18 +390,10 @@ def _bwd_dkdv_kernel(
                     dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
             dv = _mma(at.to(do.dtype), do, dv, DOT_PREC, UPCAST)
             dk = _mma(dst.to(q.dtype), q, dk, DOT_PREC, UPCAST)
-    dk = dk * out_scale
-    dv = dv * out_scale
-    tl.store(
-        DK + k_start * stride_dkt + kvh * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=kmask,
-    )
-    tl.store(
-        DV + k_start * stride_dvt + kvh * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kmask,
-    )
+    DKb = DK + k_start * stride_dkt + kvh * stride_dkh
+    DVb = DV + k_start * stride_dvt + kvh * stride_dvh
+    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * out_scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DV.dtype.element_ty), mask=kmask)
 
 
 @triton.jit
@@ -427,63 +440,36 @@ def _bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # one flat grid, head fastest: the (longest-first) work order then holds across all heads
-    pid = tl.program_id(0) // NUM_HEADS
-    head = tl.program_id(0) % NUM_HEADS
-    b = tl.load(WORK + 2 * pid)
+    b, tile, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
-    q_start = tl.load(OFF_Q + b).to(tl.int64)
-    lq = (tl.load(OFF_Q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(OFF_K + b).to(tl.int64)
-    lk = (tl.load(OFF_K + b + 1) - k_start).to(tl.int32)
+    m0 = tile * BLOCK_M
+    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     kvh = head // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_m = m0 + tl.arange(0, BLOCK_M)
     qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-    q = tl.load(
-        Q + q_start * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-        mask=qmask,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + q_start * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-        mask=qmask,
-        other=0.0,
-    )
-    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)
+    Qb = Q + q_start * stride_qt + head * stride_qh
+    DOb = DO + q_start * stride_dot + head * stride_doh
+    q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+    do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    hi = lk
-    if MASKED:
-        if LEFT >= 0:
-            lo = tl.maximum(m0 + doff - LEFT, 0)
-            lo = (lo // BLOCK_N) * BLOCK_N
-        if RIGHT >= 0:
-            hi = tl.minimum(m0 + BLOCK_M + doff + RIGHT, lk)
+    lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kmask = (offs_n[:, None] < lk) & d_ok[None, :]
-        k = tl.load(Kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+        k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
         s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
         dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST)
         ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-        if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
-            if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
-                ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), ds, 0.0)
+        if MASKED:
+            ds = _edge_mask(ds, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N)
         dq = _mma(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
-    dq = dq * (scale * out_scale)
-    tl.store(
-        DQ + q_start * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=qmask,
-    )
+    DQb = DQ + q_start * stride_dqt + head * stride_dqh
+    tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), mask=qmask)
 
 
 # --------------------------------------------------------------------------------------------- autotuning
@@ -608,172 +594,23 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fwd(
-    q,
-    k,
-    v,
-    offsets_q,
-    offsets_k,
-    max_len_q,
-    max_len_k,
-    activation,
-    approx,
-    left,
-    right,
-    scale,
-    out_scale,
-    ordered,
-    short_kv,
-):
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    t, h, d = q.shape
-    out = torch.zeros_like(q)
-    if t == 0 or max_len_q == 0 or h == 0:
-        return out
-    lq = offsets_q[1:] - offsets_q[:-1]
-    lk = offsets_k[1:] - offsets_k[:-1]
-    block_m, _ = _blocks(d)
-    kv_tile = _bucket(max_len_k)
-    use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
-    masked = left >= 0 or right >= 0
-    if use_short:
-        # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
-        est_tiles = (t // block_m + offsets_q.numel()) * h
-        tiles = 1
-        while tiles < 8 and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
-            tiles *= 2
-    else:
-        tiles = 1
-    table = work_table(lq, lk, max_len_q, block_m * tiles, left, right, ordered, total=t)
-    common = dict(
-        GROUP=h // k.shape[1],
-        HEAD_DIM=d,
-        BLOCK_D=_bucket(d),
-        BLOCK_M=block_m,
-        TILES=tiles,
-        MASKED=masked,
+def _common(q, k, left, right, activation, approx) -> dict:
+    """Constexprs shared by the forward and both backward kernels."""
+    return dict(
+        GROUP=q.shape[1] // k.shape[1],
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=_bucket(q.shape[2]),
+        MASKED=left >= 0 or right >= 0,
         DOT_PREC=_prec(q.dtype),
         UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
         **_consts(activation, approx),
     )
-    args = (
-        q,
-        k,
-        v,
-        out,
-        offsets_q,
-        offsets_k,
-        table,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        scale,
-        out_scale,
-        left,
-        right,
-        _bucket(max_len_k),
-        h,
-    )
-    grid = (table.shape[0] * h,)
-    if use_short:
-        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, **common)
-    else:
-        _fwd_long[grid](*args, SHORT_KV=False, **common)
-    return out
 
 
-def bwd(
-    do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered
-):
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
-    t, h, d = q.shape
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    if h == 0 or (max_len_q == 0 and max_len_k == 0):
-        return dq, dk, dv
-    lq = offsets_q[1:] - offsets_q[:-1]
-    lk = offsets_k[1:] - offsets_k[:-1]
-    block_m, block_n = _blocks(d)
-    masked = left >= 0 or right >= 0
-    common = dict(
-        GROUP=h // k.shape[1],
-        HEAD_DIM=d,
-        BLOCK_D=_bucket(d),
-        MASKED=masked,
-        DOT_PREC=_prec(q.dtype),
-        UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
-        **_consts(activation, approx),
-    )
-    if k.shape[0] and max_len_k > 0:
-        ktab = work_table(lk, lq, max_len_k, block_n, left, right, ordered, transpose=True, total=k.shape[0])
-        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](
-            q,
-            k,
-            v,
-            do,
-            dk,
-            dv,
-            offsets_q,
-            offsets_k,
-            ktab,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            do.stride(0),
-            do.stride(1),
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
-            scale,
-            out_scale,
-            left,
-            right,
-            _bucket(max_len_q),
-            k.shape[1],
-            BLOCK_N=block_n,
-            **common,
-        )
-    if t and max_len_q > 0:
-        qtab = work_table(lq, lk, max_len_q, block_m, left, right, ordered, total=t)
-        _bwd_dq[(qtab.shape[0] * h,)](
-            q,
-            k,
-            v,
-            do,
-            dq,
-            offsets_q,
-            offsets_k,
-            qtab,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            do.stride(0),
-            do.stride(1),
-            dq.stride(0),
-            dq.stride(1),
-            scale,
-            out_scale,
-            left,
-            right,
-            _bucket(max_len_k),
-            h,
-            BLOCK_M=block_m,
-            **common,
-        )
-    return dq, dk, dv
+def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, right, max_len, heads) -> tuple:
+    """The kernels' runtime arguments: tensors, offsets, work table, (token, head) strides of each tensor, scalars."""
+    strides = [s for x in tensors for s in (x.stride(0), x.stride(1))]
+    return (*tensors, offsets_q, offsets_k, table, *strides, scale, out_scale, left, right, _bucket(max_len), heads)
 
 
 # ------------------------------------------------------------------------------------ custom ops + autograd
@@ -795,43 +632,35 @@ def gdpa_fwd_op(
     ordered: bool,
     short_kv: int,
 ) -> torch.Tensor:
-    return fwd(
-        q,
-        k,
-        v,
-        offsets_q,
-        offsets_k,
-        max_len_q,
-        max_len_k,
-        activation,
-        approx,
-        left,
-        right,
-        scale,
-        out_scale,
-        ordered,
-        short_kv,
-    )
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    t, h, d = q.shape
+    out = torch.zeros_like(q)
+    if t == 0 or max_len_q == 0 or h == 0:
+        return out
+    lq = offsets_q[1:] - offsets_q[:-1]
+    lk = offsets_k[1:] - offsets_k[:-1]
+    block_m, _ = _blocks(d)
+    kv_tile = _bucket(max_len_k)
+    use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
+    tiles = 1
+    if use_short:
+        # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
+        est_tiles = (t // block_m + offsets_q.numel()) * h
+        while tiles < 8 and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
+            tiles *= 2
+    table = work_table(lq, lk, max_len_q, block_m * tiles, left, right, ordered, total=t)
+    common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
+    args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
+    grid = (table.shape[0] * h,)
+    if use_short:
+        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, **common)
+    else:
+        _fwd_long[grid](*args, SHORT_KV=False, **common)
+    return out
 
 
 @gdpa_fwd_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    offsets_q,
-    offsets_k,
-    max_len_q,
-    max_len_k,
-    activation,
-    approx,
-    left,
-    right,
-    scale,
-    out_scale,
-    ordered,
-    short_kv,
-):
+def _(q, *args):
     return torch.empty_like(q)
 
 
@@ -853,95 +682,47 @@ def gdpa_bwd_op(
     out_scale: float,
     ordered: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return bwd(
-        do,
-        q,
-        k,
-        v,
-        offsets_q,
-        offsets_k,
-        max_len_q,
-        max_len_k,
-        activation,
-        approx,
-        left,
-        right,
-        scale,
-        out_scale,
-        ordered,
-    )
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    t, h, d = q.shape
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    if h == 0 or (max_len_q == 0 and max_len_k == 0):
+        return dq, dk, dv
+    lq = offsets_q[1:] - offsets_q[:-1]
+    lk = offsets_k[1:] - offsets_k[:-1]
+    block_m, block_n = _blocks(d)
+    common = _common(q, k, left, right, activation, approx)
+    if k.shape[0] and max_len_k > 0:
+        ktab = work_table(lk, lq, max_len_k, block_n, left, right, ordered, transpose=True, total=k.shape[0])
+        args = _launch_args(
+            (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
+        )
+        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
+    if t and max_len_q > 0:
+        qtab = work_table(lq, lk, max_len_q, block_m, left, right, ordered, total=t)
+        args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
+        _bwd_dq[(qtab.shape[0] * h,)](*args, BLOCK_M=block_m, **common)
+    return dq, dk, dv
 
 
 @gdpa_bwd_op.register_fake
-def _(
-    do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered
-):
+def _(do, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
     q, k, v, offsets_q, offsets_k, *rest = inputs
     ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
-    ctx.rest = rest
+    ctx.rest = rest[:-1]  # all but short_kv, which the backward does not take
 
 
 def _backward(ctx, do):
-    q, k, v, offsets_q, offsets_k = ctx.saved_tensors
-    max_len_q, max_len_k, activation, approx, left, right, scale, out_scale, ordered, _ = ctx.rest
-    dq, dk, dv = gdpa_bwd_op(
-        do,
-        q,
-        k,
-        v,
-        offsets_q,
-        offsets_k,
-        max_len_q,
-        max_len_k,
-        activation,
-        approx,
-        left,
-        right,
-        scale,
-        out_scale,
-        ordered,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = gdpa_bwd_op(do, *ctx.saved_tensors, *ctx.rest)
+    return (dq, dk, dv) + (None,) * 12  # nothing for offsets, lengths and the constants
 
 
 gdpa_fwd_op.register_autograd(_backward, setup_context=_setup)
 
-
-def gdpa_op(
-    q,
-    k,
-    v,
-    offsets_q,
-    offsets_k,
-    max_len_q,
-    max_len_k,
-    activation,
-    approx,
-    left,
-    right,
-    scale,
-    out_scale,
-    ordered,
-    short_kv,
-):
-    return gdpa_fwd_op(
-        q,
-        k,
-        v,
-        offsets_q,
-        offsets_k,
-        max_len_q,
-        max_len_k,
-        activation,
-        approx,
-        left,
-        right,
-        scale,
-        out_scale,
-        ordered,
-        short_kv,
-    )
+# the differentiable entry point gdpa() calls
+gdpa_op = gdpa_fwd_op
