@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import get_worker_info
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
@@ -61,3 +63,20 @@ class Batch(Pipelineable):
     def seq_lengths(self) -> torch.Tensor:
         """History lengths [B] (int64), from the offsets."""
         return self.seq_offsets[1:] - self.seq_offsets[:-1]
+
+
+def stream_batches(dataset, end: int | None) -> Iterator[Batch]:
+    """Yield `dataset.batch(i)` from its `_position` up to `end` (None: endless), advancing the position.
+
+    Under DataLoader workers, worker w takes the batches start + w, start + w + n, ...; the DataLoader's
+    round-robin over workers then restores the single-process order from any start position."""
+    info = get_worker_info()
+    worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+    i = start = dataset._position
+    while end is None or i < end:
+        if (i - start) % workers == worker:
+            b = dataset.batch(i)
+            dataset._position = i + 1
+            yield b
+        i += 1
+    dataset._position = 0

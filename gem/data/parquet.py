@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.batch import Batch
+from gem.data.batch import Batch, stream_batches
 from gem.data.schema import DataSchema, expand_paths
 
 
@@ -226,16 +226,7 @@ class ParquetDataset(IterableDataset):
         return table_to_batch(self._rows(g * self.batch_size, (g + 1) * self.batch_size), self.schema)
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        i = start = self._position
-        while self.cycle or i < self.batches_per_pass:
-            if (i - start) % workers == worker:  # worker 0 takes the first batch, in any start position
-                b = self.batch(i)
-                self._position = i + 1
-                yield b
-            i += 1
-        self._position = 0
+        return stream_batches(self, None if self.cycle else self.batches_per_pass)
 
     def __len__(self) -> int:
         if self.cycle:

@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.batch import Batch
+from gem.data.batch import Batch, stream_batches
 from gem.data.schema import CAND_ITEM, HIST_ACTION, HIST_ITEM, DataSchema
 
 _SPLITS = {"train": 0, "eval": 1}
@@ -174,16 +174,7 @@ class SyntheticDataset(IterableDataset):
 
     # ---- streaming and position ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        i = start = self._position
-        while self.num_batches is None or i < self.num_batches:
-            if (i - start) % workers == worker:  # worker 0 takes the first batch, in any start position
-                b = self.batch(i)
-                self._position = i + 1
-                yield b
-            i += 1
-        self._position = 0
+        return stream_batches(self, self.num_batches)
 
     def __len__(self) -> int:
         if self.num_batches is None:
