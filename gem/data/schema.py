@@ -34,21 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gem._config import to_plain
+
 HIST_ITEM = "hist_item"
 HIST_ACTION = "hist_action"
 CAND_ITEM = "cand_item"
-
-
-def _plain(cfg: Any) -> Any:
-    """DictConfig / ListConfig -> plain containers (resolving interpolations); plain values pass through."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # omegaconf is optional for plain-dict users
-        pass
-    return cfg
 
 
 def _check_keys(where: str, d: Mapping[str, Any], allowed: set[str], required: set[str] = frozenset()) -> None:
@@ -172,7 +162,7 @@ class DataSchema:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> DataSchema:
-        d = dict(_plain(cfg))
+        d = dict(to_plain(cfg))
         _check_keys(
             "data.schema",
             d,
@@ -246,7 +236,7 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> DataConfig:
-        d = dict(_plain(cfg))
+        d = dict(to_plain(cfg))
         allowed = {f.name for f in dataclasses.fields(cls)}
         _check_keys("data", d, allowed, {"schema"})
         return cls(

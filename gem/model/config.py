@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gem._config import to_plain
+
 KERNELS = ("auto", "triton", "reference")
 ATTENTION_KINDS = ("jfa", "swa", "block")
 TABLE_KINDS = ("sequence", "bag")
@@ -154,7 +156,7 @@ class ModelConfig:
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: Any) -> ModelConfig:
-        data = _to_plain(cfg)
+        data = to_plain(cfg)
         if not isinstance(data, Mapping):
             raise ConfigError(f"model: expected a mapping, got {type(data).__name__}")
         out = _build(cls, data, "model")
@@ -278,7 +280,7 @@ def validate_against_schema(model_cfg: ModelConfig, schema: Any) -> None:
     `schema` is the data config's `schema:` (DictConfig / mapping) or an object with the same attributes
     (`sequence_features`, `sparse_features`, `num_dense`, `tasks`).
     """
-    schema = _to_plain(schema)
+    schema = to_plain(schema)
     if isinstance(schema, Mapping) and "num_items" in schema:
         # A raw `schema:` mapping: let the data layer fill defaults (hist_item / cand_item cardinalities).
         from gem.data.schema import DataSchema
@@ -315,17 +317,6 @@ def validate_against_schema(model_cfg: ModelConfig, schema: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------------------------
 # Mapping -> dataclass with key-naming errors
-
-
-def _to_plain(cfg: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
-    return cfg
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

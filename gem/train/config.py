@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gem._config import to_plain
+
 
 class TrainConfigError(ValueError):
     """A `train:` config problem; the message names the key."""
@@ -56,7 +58,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, cfg: Any) -> TrainConfig:
-        data = _plain(cfg)
+        data = to_plain(cfg)
         if not isinstance(data, Mapping):
             raise TrainConfigError(f"train: expected a mapping, got {type(data).__name__}")
         out = _build(cls, data, "train")
@@ -121,17 +123,6 @@ class TrainConfig:
             need(self.mfu.measured_peak_flops > 0, "mfu.measured_peak_flops", "must be > 0")
         if self.mfu.single_device_mfu is not None:
             need(0 < self.mfu.single_device_mfu <= 1, "mfu.single_device_mfu", "must be in (0, 1]")
-
-
-def _plain(cfg: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except ImportError:
-        pass
-    return cfg
 
 
 def _one_of(options) -> str:
