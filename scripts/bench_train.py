@@ -18,6 +18,7 @@ measured in this run (8192^3 by default), peak memory per rank and, with N > 1 r
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import math
@@ -436,6 +437,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    if os.environ.get("GEM_DUMP_STACKS_AFTER"):  # a hung run shows where each rank waits before it is killed
+        faulthandler.dump_traceback_later(float(os.environ["GEM_DUMP_STACKS_AFTER"]), exit=False)
     try:
         code = run(args, overrides)
     except BenchError as e:

@@ -64,6 +64,20 @@ class LocalDispatcher:
         return y_local
 
 
+class _MaskGrad(torch.autograd.Function):
+    """Identity on [E, ...] weights whose backward zeroes the gradient of experts where `keep` is False."""
+
+    @staticmethod
+    def forward(ctx, w, keep):
+        ctx.save_for_backward(keep)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * keep.view(-1, *([1] * (g.dim() - 1))).to(g.dtype), None
+
+
 def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
@@ -172,7 +186,10 @@ class MoE(nn.Module):
         dest = start_p[expert] + torch.arange(m, device=x.device) - start[expert]
         buf = x.new_zeros((m + e * a, x.shape[1]), dtype=torch.bfloat16).index_copy(0, dest, x.to(torch.bfloat16))
         offs = torch.cumsum(padded, 0).to(torch.int32)
-        w1, w3, w2 = (w.to(torch.bfloat16) for w in (w1, w3, w2))
+        # The weight gradient of a group with only padding rows came back non-zero on the H200 (torch 2.11):
+        # experts without tokens get their gradient masked to zero.
+        used = counts > 0
+        w1, w3, w2 = (_MaskGrad.apply(w.to(torch.bfloat16), used) for w in (w1, w3, w2))
         h = F.silu(torch._grouped_mm(buf, w1, offs=offs)) * torch._grouped_mm(buf, w3, offs=offs)
         return torch._grouped_mm(h, w2, offs=offs)[dest]
 

@@ -12,6 +12,8 @@ over the Q tiles of every head of its GQA group, another per (Q tile, head) make
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -488,6 +490,8 @@ else:  # a small space: each config costs a compile per key
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
     _DKDV_CFG = _configs(("BLOCK_M",), [(m, w, 2) for m in (32, 64) for w in (4, 8)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
+    if os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0":  # first config only: fast compiles (GPU tests)
+        _FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG = (c[:1] for c in (_FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG))
 
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES"])(_fwd_kernel)

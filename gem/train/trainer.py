@@ -506,14 +506,16 @@ class Trainer:
                     loss = pipeline._gem_loss["loss"]
                     first_progress = False
                     raw.stop_recording()
-                except (BadBatchError, FloatingPointError):
-                    raise
+                except (BadBatchError, FloatingPointError, torch.OutOfMemoryError):
+                    raise  # a real failure of the step, not of tracing
                 except Exception as e:  # noqa: BLE001
                     self.pipeline_fallback = (
                         f"TrainPipelineSparseDist failed on the first batch ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})"
                     )
                     log.warning(f"pipeline: {self.pipeline_fallback}; using the plain loop")
+                    # The pipeline swapped the sharded modules' forwards for its pipelined ones: restore them.
+                    pipeline.detach()
                     pipeline, first_progress, self.loop = None, False, "plain"
                     raw = _Recording(itertools.chain(raw.recorded, raw.source))
                     raw.stop_recording()

@@ -176,3 +176,16 @@ def test_padded_grouped_gemm_layout_matches_the_loop_forward():
     ref = torch.cat([(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
                      for e, xe in enumerate(torch.split(x, counts.tolist())) if xe.shape[0]])
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_mask_grad_zeroes_only_unused_experts():
+    from gem.model.moe import _MaskGrad
+
+    w = torch.randn(4, 3, 5, requires_grad=True)
+    keep = torch.tensor([True, False, True, False])
+    out = _MaskGrad.apply(w, keep)
+    assert torch.equal(out, w)
+    g = torch.randn(4, 3, 5)
+    out.backward(g)
+    assert torch.equal(w.grad[keep], g[keep])
+    assert w.grad[~keep].abs().sum() == 0
