@@ -12,11 +12,16 @@ for 512 x 128 bf16 rows is 512 KB), so a single program per block computing dQ, 
 RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels) and rotated in registers, so
 QK^T is the sum of two or three tl.dot calls over the parts; dQ/dK are accumulated per part and inversely rotated
 before the store. Rotated copies never reach memory.
+
+Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (`_pick`),
+since the work table, hence the grid, depends on the tile height.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import torch
 import triton
@@ -26,15 +31,6 @@ from gem.ops._common import triton_interpreting
 from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
 
 _LOG2E = 1.4426950408889634
-
-
-def _configs():
-    if triton_interpreting():
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
-
-
-_KEY = ["D_B", "BLOCK_M", "BLOCK_N", "CAUSAL", "ROPE", "HAS_PASS", "GROUP"]
 
 
 @triton.jit
@@ -112,7 +108,6 @@ def _q_range(m0, length, block_size, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
     return lo, hi, full_hi
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd,
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
@@ -134,6 +129,8 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
                              ROPE, HAS_PASS, INTERLEAVED)
+    # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
+    # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
     d = tl.arange(0, D_B)
     d_ok = d < D
@@ -180,7 +177,6 @@ def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.con
     tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
                      block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -214,6 +210,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
         lo = b_first * block_size
     hi = tl.minimum((b_last + 1) * block_size, length)
     one_block = b_first == b_last
+    # Checked: every q tile in [lo, hi) sees some key of this tile; only diagonal, ragged-end and straddling
+    # tiles take the mask.
     dv = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
     dk1 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
     dk2 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
@@ -255,7 +253,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
@@ -352,13 +349,93 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _tiles(block_size: int, backward: bool) -> tuple[int, int]:
-    if triton_interpreting():
-        return 16, 16
-    # Tiles no taller than a block, so small blocks do not pay for masked-out neighbours.
+def _default_tiles(block_size: int, backward: bool) -> tuple[int, int]:
+    """The pre-tuner heuristic (what GEM_BLOCK_AUTOTUNE=0 runs): tiles no taller than a block."""
     cap = 64 if backward else 128
     bm = max(16, min(cap, _prev_pow2(block_size)))
     return bm, max(16, min(64, bm))
+
+
+# Candidate tiles (BLOCK_M, BLOCK_N), crossed with num_warps x num_stages below. dK/dV keeps a BLOCK_N key tile
+# resident and streams BLOCK_M query tiles; dQ the reverse, so their useful shapes are mirrored.
+FWD_TILES = ((128, 64), (64, 64), (64, 128), (128, 128))
+DKDV_TILES = ((64, 64), (32, 128), (64, 128), (128, 128))
+DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
+
+
+def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for kind in fwd/dkdv/dq; the first is the default.
+
+    Tiles are clamped to max(16, next_pow2(block_size)) (larger ones only add masked-out work in block-local
+    attention) and deduplicated. Under the interpreter: one small config, so CPU tests stay fast.
+    """
+    if triton_interpreting():
+        return [(16, 16, 4, 1)]
+    cap = max(16, triton.next_power_of_2(block_size))
+    tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
+    bm, bn = _default_tiles(block_size, kind != "fwd")
+    out = [(bm, bn, 8 if bm * bn >= 128 * 64 else 4, 3)]  # default warps/stages: a guess, not measured
+    # One warps count per tile and two stages: every candidate costs a compile per key, in the first training step.
+    for tm, tn in tiles:
+        tm, tn = min(tm, cap), min(tn, cap)
+        cfg = (tm, tn, 8 if tm * tn >= 128 * 64 else 4, 2)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+_TUNED: dict = {}
+
+
+def _bench(fn) -> float:
+    """Milliseconds per call: triton's do_bench on the GPU; one wall-clock run elsewhere (tuner tests on CPU)."""
+    if torch.cuda.is_available() and not triton_interpreting():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=20)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _pick(kind: str, key: tuple, cands: list, launch, device) -> tuple:
+    """Best config for (kind, key): each candidate timed once per key and remembered (GEM_BLOCK_AUTOTUNE=0 keeps
+    the first). `launch` must be idempotent (the kernels only store), since timing runs it repeatedly."""
+    full_key = (kind,) + key
+    if full_key in _TUNED:
+        return _TUNED[full_key]
+    if len(cands) == 1 or os.environ.get("GEM_BLOCK_AUTOTUNE", "1") == "0":
+        _TUNED[full_key] = cands[0]
+        return cands[0]
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
+    times = []
+    for cfg in cands:
+        try:
+            times.append((_bench(lambda cfg=cfg: launch(cfg)), cfg))
+        except Exception as e:  # noqa: BLE001 (e.g. out of shared memory or registers for this tile shape)
+            print(f"gem.ops.block: config {cfg} for {kind} unusable: {type(e).__name__}")
+    best = min(times, key=lambda x: x[0])[1] if times else cands[0]
+    _TUNED[full_key] = best
+    return best
+
+
+def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
+    _, h, d = q.shape
+    # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune.
+    return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1])
+
+
+class _Tables:
+    """Work tables per tile height within one call, so timing a config does not rebuild them."""
+
+    def __init__(self, offsets, total):
+        self.offsets, self.total, self.cache = offsets, total, {}
+
+    def __call__(self, tile):
+        if tile not in self.cache:
+            self.cache[tile] = work_table(self.offsets, tile, self.total)
+        return self.cache[tile]
 
 
 _DUMMY: dict = {}
@@ -394,12 +471,18 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
         return o.zero_(), lse.zero_()
     offsets = offsets.to(torch.int32)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    bm, bn = _tiles(block_size, backward=False)
-    work = work_table(offsets, bm, t)
-    _fwd_kernel[(work.shape[0], h)](
-        q, k, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
-        BLOCK_M=bm, BLOCK_N=bn, **_meta(q, k, rotary_dim, interleaved, causal),
-    )
+    meta = _meta(q, k, rotary_dim, interleaved, causal)
+    tables = _Tables(offsets, t)
+
+    def launch(cfg):
+        bm, bn, warps, stages = cfg
+        work = tables(bm)
+        _fwd_kernel[(work.shape[0], h)](
+            q, k, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
+
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
+    launch(_pick("fwd", key, configs("fwd", block_size), launch, q.device))
     return o, lse
 
 
@@ -414,15 +497,28 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     bt = 16 if triton_interpreting() else 64
     _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    bm, bn = _tiles(block_size, backward=True)
     meta = _meta(q, k, rotary_dim, interleaved, causal)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
-    work_n = work_table(offsets, bn, t)
-    _bwd_dkdv_kernel[(work_n.shape[0], k.shape[1])](
-        q, k, v, do, lse, delta, dk, dv, offsets, work_n, *args, BLOCK_M=bm, BLOCK_N=bn, **meta)
-    work_m = work_table(offsets, bm, t) if bm != bn else work_n
-    _bwd_dq_kernel[(work_m.shape[0], h)](
-        q, k, v, do, lse, delta, dq, offsets, work_m, *args, BLOCK_M=bm, BLOCK_N=bn, **meta)
+    tables = _Tables(offsets, t)
+
+    # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
+    def dkdv(cfg):
+        bm, bn, warps, stages = cfg
+        work = tables(bn)  # one program per key tile
+        _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
+            q, k, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **meta)
+
+    def dq_pass(cfg):
+        bm, bn, warps, stages = cfg
+        work = tables(bm)  # one program per query tile
+        _bwd_dq_kernel[(work.shape[0], h)](
+            q, k, v, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **meta)
+
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
+    dkdv(_pick("dkdv", key, configs("dkdv", block_size), dkdv, q.device))
+    dq_pass(_pick("dq", key, configs("dq", block_size), dq_pass, q.device))
     return dq, dk, dv
 
 

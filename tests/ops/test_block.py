@@ -263,3 +263,61 @@ def test_work_table_lists_every_tile_once(lengths, tile):
     expected = [[b, j] for b, n in enumerate(lengths) for j in range(-(-n // tile))]
     assert work[: len(expected)] == expected
     assert all(row == [-1, -1] for row in work[len(expected):])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host-side tuner: tile sizes and warps/stages picked per key (on the GPU by timing; here with a fake clock).
+
+
+@pytest.mark.parametrize("winner", [0, 1])
+def test_tuner_picks_and_caches_per_key(monkeypatch, winner):
+    import gem.ops.triton_block as tb
+
+    # Two interpreter-sized configs with unequal tiles (BLOCK_M > BLOCK_N and the reverse); both are launched
+    # while timing, the winner produces the checked result.
+    cands = [(32, 16, 4, 1), (16, 32, 4, 1)]
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: list(cands))
+    monkeypatch.setattr(tb, "_TUNED", {})
+    calls = []
+
+    def fake_bench(fn):
+        fn()
+        calls.append(len(calls))
+        return 1.0 if (len(calls) - 1) % 2 == winner else 2.0  # candidates are timed in list order
+
+    monkeypatch.setattr(tb, "_bench", fake_bench)
+    _check([37, 1, 0, 26], h=4, hkv=2, block_size=20, rope_cfg=RopeConfig(rotary_dim=16))
+    assert len(calls) == 6  # fwd, dkdv, dq: two candidates each
+    assert sorted(key[0] for key in tb._TUNED) == ["dkdv", "dq", "fwd"]
+    assert all(cfg == cands[winner] for cfg in tb._TUNED.values())
+    _check([30, 5], h=4, hkv=2, block_size=20, rope_cfg=RopeConfig(rotary_dim=16), seed=1)
+    assert len(calls) == 6  # same key (D, dtype, block, causal, rope, GROUP, ...): cached, no new timing
+    _check([30, 5], h=4, hkv=2, block_size=7, causal=False, seed=2)
+    assert len(calls) == 12 and len(tb._TUNED) == 6  # new key: tuned again
+
+
+def test_tuner_off_keeps_first_config(monkeypatch):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "0")
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(32, 16, 4, 1), (16, 32, 4, 1)])
+    monkeypatch.setattr(tb, "_TUNED", {})
+    monkeypatch.setattr(tb, "_bench", lambda fn: pytest.fail("timed with GEM_BLOCK_AUTOTUNE=0"))
+    _check([25, 9], block_size=16, rope_cfg=RopeConfig())
+    assert set(tb._TUNED.values()) == {(32, 16, 4, 1)}
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32, 100, 128, 512, 4096])
+def test_gpu_config_lists(monkeypatch, block_size):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the lists the GPU would get (nothing is launched)
+    cap = max(16, 1 << (block_size - 1).bit_length())
+    for kind, tiles in (("fwd", tb.FWD_TILES), ("dkdv", tb.DKDV_TILES), ("dq", tb.DQ_TILES)):
+        cfgs = tb.configs(kind, block_size)
+        assert len(cfgs) == len(set(cfgs)) and cfgs[0][:2] == tb._default_tiles(block_size, kind != "fwd")
+        assert all(16 <= bm <= cap and 16 <= bn <= cap for bm, bn, _, _ in cfgs), (kind, cfgs)
+        if block_size >= 128:  # nothing clamped: every tile, one warps count and two stages at most each
+            assert {c[:2] for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tb.configs("fwd", 512) == [(16, 16, 4, 1)]
