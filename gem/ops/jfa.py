@@ -114,7 +114,11 @@ def jagged_attention(
     kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
     mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf.
-    The Triton kernel variant comes from GEM_JFA_VARIANT (gem.ops.triton_jfa.VARIANTS; default "base").
+    The Triton kernel variant comes from GEM_JFA_VARIANT (gem.ops.triton_jfa.VARIANTS): the default "auto" runs
+    the TMA forward, and the "base" backward for long rows (max_len_q >= 2048) without a left window, else the v2
+    one. The per-sequence work tables are cached on the offsets_q / offsets_k tensors and reused while those
+    tensors are not modified in place, so pass the same offsets objects to every layer (GEM_JFA_WORK_CACHE=0
+    turns the cache off).
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
     if mask_mode not in ("sub", "inf"):

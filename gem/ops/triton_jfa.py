@@ -3,7 +3,7 @@
 Scheme (see gem/ops/jfa.py for the mask semantics):
 - Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
   pass. A small int32 table maps program -> batch * NT + tile, ordered by descending work so the longest
-  tiles start first; it is built on the device with torch ops (no host sync).
+  tiles start first; it is built on the device (no host sync) once per offsets tensor and cached on it.
 - Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
   window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
   (the causal diagonal).
@@ -15,12 +15,14 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
   dQ is a separate pass. No atomics.
 - Variants (GEM_JFA_VARIANT, see VARIANTS): the first kernels ("base") and v2 kernels with pre-scaled operands,
-  row-major K/V loads, optional TMA descriptors and an optional persistent forward grid.
+  row-major K/V loads, optional TMA descriptors and an optional persistent forward grid; "auto" (the default)
+  picks one per pass.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -728,6 +730,51 @@ def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, righ
     return torch.sort(keys, descending=True).values, nt
 
 
+_WORK_CACHE_MAX = 16  # entries per offsets tensor: (pass, block) pairs of a few variants and configs
+
+
+def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool,
+                  keyed: bool):
+    """_work_keys (keyed) or _work_table for one pass, built once per offsets tensor pair.
+
+    Every layer of a model, and its backward, gets the same offsets tensors: the table is stored in a dict on
+    offsets_a and reused while both tensors are the same objects at the same _version (an in-place write misses).
+    Not cached while compiling, during CUDA graph capture (a hit would freeze the table into the graph) or with
+    GEM_JFA_WORK_CACHE=0 (writes that bypass the version counter, e.g. through .data, are not seen).
+    """
+    def build():
+        if keyed:
+            return _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side)
+        span = (_q_span if q_side else _k_span)(block, left, right)
+        return _work_table(offsets_a, offsets_b, max_len_a, block, span)
+
+    if torch.compiler.is_compiling() or os.environ.get("GEM_JFA_WORK_CACHE", "1") == "0":
+        return build()
+    stream = None
+    if offsets_a.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return build()
+        stream = torch.cuda.current_stream(offsets_a.device).cuda_stream  # a table is ready on its own stream only
+    try:
+        versions = (offsets_a._version, offsets_b._version)  # inference tensors have none: no cache
+        cache = offsets_a.__dict__.get("_gem_jfa_work")
+        if cache is None:
+            cache = offsets_a._gem_jfa_work = {}
+    except (AttributeError, RuntimeError, TypeError):
+        return build()
+    key = (id(offsets_b), stream, keyed, q_side, max_len_a, block, left, right)
+    hit = cache.get(key)
+    # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
+    if hit is not None and hit[0]() is offsets_b and hit[1] == versions:
+        return hit[2]
+    table = build()
+    cache.pop(key, None)
+    while len(cache) >= _WORK_CACHE_MAX:
+        cache.pop(next(iter(cache)))  # oldest first
+    cache[key] = (weakref.ref(offsets_b), versions, table)
+    return table
+
+
 def _q_span(block, left, right):
     def span(start, lq, lk):
         shift = lk - lq
@@ -750,7 +797,10 @@ def _k_span(block, left, right):
     return span
 
 
-# Kernel variants, chosen per call by GEM_JFA_VARIANT (default "base"); each one is tested against the reference.
+# Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.
+#   auto            per pass, from H200 measurements: forward "tma"; backward "base" for long rows with no left
+#                   window (max_len_q >= _AUTO_BWD_BASE_MIN_LEN: full or causal), else the v2 backward of "tma"
+#                   (short rows and sliding windows, where its lean work tables and edge masks win); see _auto_choice
 #   base            the first kernels: K/V loaded pointer-transposed, scale applied per score tile
 #   rowmajor        forward v2 (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc) and
 #                   backward v2 (same loads, k pre-scaled in dK/dV, delta fused into the dQ pass, dQ runs first);
@@ -760,14 +810,30 @@ def _k_span(block, left, right):
 #                   dQ pass K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
 #   persistent      rowmajor, forward on a persistent grid (a few programs per SM striding the work table)
 #   tma_persistent  both
-VARIANTS = ("base", "rowmajor", "tma", "persistent", "tma_persistent")
+# Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned (_tma_ok).
+# Work tables are cached on the offsets tensor (_cached_table): the layers of a model and the backward share them.
+VARIANTS = ("auto", "base", "rowmajor", "tma", "persistent", "tma_persistent")
+
+# auto backward: "base" from this max_len_q up (H200, D=128: 329 vs 314 TFLOP/s full and 267 vs 243 causal at
+# N=4096; v2 wins at N=1024 causal, 124 vs 96). A module constant so that tests can move it.
+_AUTO_BWD_BASE_MIN_LEN = 2048
 
 
 def variant() -> str:
-    v = os.environ.get("GEM_JFA_VARIANT", "base")
+    v = os.environ.get("GEM_JFA_VARIANT", "auto")
     if v not in VARIANTS:
         raise ValueError(f"GEM_JFA_VARIANT={v!r}: expected one of {VARIANTS}")
     return v
+
+
+def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
+    """The variant that "auto" runs for one pass ("fwd" or "bwd")."""
+    if direction == "fwd":
+        return "tma"
+    if direction != "bwd":
+        raise ValueError(f"direction={direction!r}: expected 'fwd' or 'bwd'")
+    # a left window bounds the rows each tile visits: the v2 backward's keyed tables and edge masks win there
+    return "base" if max_len_q >= _AUTO_BWD_BASE_MIN_LEN and left < 0 else "tma"
 
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
@@ -864,6 +930,8 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     if tq == 0 or offsets_q.numel() <= 1:
         return out, lse
     var = variant()
+    if var == "auto":
+        var = _auto_choice("fwd", max_len_q, left, right)
     tma = var in ("tma", "tma_persistent")
     if tma and q.is_cuda:
         if not _tma_ok(k, v):
@@ -877,10 +945,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
-        if var == "base":
-            work, nt = _work_table(offsets_q, offsets_k, max_len_q, bm, _q_span(bm, left, right))
-        else:
-            work, nt = _work_keys(offsets_q, offsets_k, max_len_q, bm, left, right, True)
+        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True, var != "base")
         args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                 out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0), max(right, 0), nt)
         if var == "base":
@@ -914,6 +979,8 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     if tq == 0:  # keys without any query: zero gradient
         return dq, dk.zero_(), dv.zero_()
     var = variant()
+    if var == "auto":
+        var = _auto_choice("bwd", max_len_q, left, right)
     v2 = var != "base"
     tma = "tma" in var and (not q.is_cuda or _tma_ok(q, k, v, do))
     if tma and q.is_cuda:
@@ -934,10 +1001,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         def dkdv():
             if not tk:
                 return
-            if v2:
-                work_k, nt_k = _work_keys(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
-            else:
-                work_k, nt_k = _work_table(offsets_k, offsets_q, max_len_k, bn1, _k_span(bn1, left, right))
+            work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False, v2)
             grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
             _jfa_bwd_dkdv_kernel[grid_k](
                 q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
@@ -947,10 +1011,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
                 H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
         def dq_pass():
-            if v2:
-                work_q, nt_q = _work_keys(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
-            else:
-                work_q, nt_q = _work_table(offsets_q, offsets_k, max_len_q, bm2, _q_span(bm2, left, right))
+            work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True, v2)
             grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
             _jfa_bwd_dq_kernel[grid_q](
                 q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,

@@ -114,7 +114,7 @@ def test_bfloat16(causal):
     window=st.one_of(st.none(), st.integers(0, 20), st.tuples(st.integers(0, 20), st.integers(0, 20))),
     seed=st.integers(0, 1000),
 )
-@pytest.mark.parametrize("variant", ["base", "tma_persistent"])
+@pytest.mark.parametrize("variant", ["base", "tma_persistent", "auto"])
 def test_hypothesis_shapes(variant, lens, group, causal, window, seed, monkeypatch):
     monkeypatch.setenv("GEM_JFA_VARIANT", variant)
     q, k, v = _inputs(lens, h=2, h_kv=2 // group, seed=seed)
@@ -222,9 +222,9 @@ VARIANT_CASES = [
 ]
 
 
-# every case on the two variants that cover all v2 code (pointer / TMA loads, plain / persistent grid, v2
-# backward); the masks that differ between them on the other two
-_VARIANT_PARAMS = [(v, c) for v in ("rowmajor", "tma_persistent") for c in VARIANT_CASES] + [
+# every case on base (the default elsewhere in this file is auto) and on the two variants that cover all v2 code
+# (pointer / TMA loads, plain / persistent grid, v2 backward); the masks that differ between them on the other two
+_VARIANT_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma_persistent") for c in VARIANT_CASES] + [
     (v, VARIANT_CASES[i]) for v in ("tma", "persistent") for i in (1, 2, 4)]
 
 
@@ -273,6 +273,56 @@ def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_auto_choice():
+    from gem.ops.triton_jfa import _AUTO_BWD_BASE_MIN_LEN as n
+    from gem.ops.triton_jfa import VARIANTS, _auto_choice
+
+    for max_len in (1, n - 1, n, 8 * n):
+        for left, right in ((-1, -1), (-1, 0), (-1, 5), (0, 0), (512, 0), (100, 30)):
+            assert _auto_choice("fwd", max_len, left, right) == "tma"
+    assert _auto_choice("bwd", n, -1, -1) == "base"  # long, full
+    assert _auto_choice("bwd", 2 * n, -1, 0) == "base"  # long, causal
+    assert _auto_choice("bwd", n - 1, -1, -1) == "tma"  # short
+    assert _auto_choice("bwd", n - 1, -1, 0) == "tma"
+    assert _auto_choice("bwd", 2 * n, 512, 0) == "tma"  # sliding window
+    assert _auto_choice("bwd", 2 * n, 100, 30) == "tma"
+    assert {_auto_choice(p, 4 * n, -1, -1) for p in ("fwd", "bwd")} <= set(VARIANTS)
+    with pytest.raises(ValueError, match="direction"):
+        _auto_choice("dq", n, -1, -1)
+
+
+def _count_builders(monkeypatch):
+    """Counts calls of the two work table builders (torch ops: base; one launch + sort: v2)."""
+    from gem.ops import triton_jfa
+
+    calls = {"table": 0, "keys": 0}
+    for name, fn in (("table", triton_jfa._work_table), ("keys", triton_jfa._work_keys)):
+        def counted(*args, _fn=fn, _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(triton_jfa, f"_work_{name}", counted)
+    return calls
+
+
+@pytest.mark.parametrize("base_min_len", [0, 1 << 30])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 6)])
+def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypatch):
+    """auto: v2 (keyed tables) in the forward; the base backward (torch tables) only without a left window."""
+    from gem.ops import triton_jfa
+
+    monkeypatch.delenv("GEM_JFA_VARIANT", raising=False)
+    monkeypatch.setattr(triton_jfa, "_AUTO_BWD_BASE_MIN_LEN", base_min_len)
+    calls = _count_builders(monkeypatch)
+    lens = [5, 0, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    got, want = _run(q, k, v, lens, causal=causal, window=window)
+    _check(got, want, torch.float32)
+    base_bwd = base_min_len == 0 and window is None
+    assert calls["keys"] >= 1
+    assert (calls["table"] > 0) == base_bwd
+
+
 def test_work_table_orders_heaviest_tiles_first():
     """Causal: a q tile costs its end position (late tiles of long rows first); a k tile costs Lq - its start."""
     from gem.ops.triton_jfa import _k_span, _q_span, _work_table
@@ -303,6 +353,130 @@ def test_keyed_work_table_matches_torch_table(left, right):
         want, nt_want = _work_table(a, b, max_a, 32, span(32, left, right))
         assert nt == nt_want
         assert items.tolist() == want.tolist()
+
+
+# ------------------------------------------------------------------------------------- work table cache
+
+
+def _fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, **kw):
+    out = jagged_attention(q, k, v, off_q, max_q, off_k, max_k, kernel="triton", **kw)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+
+def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False, window=None):
+    left, right = _norm_window(causal, window)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    off_k, max_k = (off_q, max_q) if off_k is None else (off_k, max_k)
+    ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_k, max_k, left=left, right=right)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).double()
+    return (ref, *torch.autograd.grad(ref, (q64, k64, v64), g))
+
+
+@pytest.mark.parametrize("variant", ["auto", "base"])
+def test_work_cache_reuses_tables_of_the_same_offsets(variant, monkeypatch):
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    calls = _count_builders(monkeypatch)
+    lens = [5, 0, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    first = _fwd_bwd(q, k, v, off, 33, causal=True)
+    built = dict(calls)
+    # interpreter blocks are all 16: the forward's q side table serves the dQ pass too, plus the k side one
+    assert sum(built.values()) == 2
+    for _ in range(2):  # another layer, another step: no rebuild, same bits
+        again = _fwd_bwd(q, k, v, off, 33, causal=True)
+        assert calls == built
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    _fwd_bwd(q, k, v, off, 33, window=4)  # other mask parameters: their own tables
+    assert sum(calls.values()) > sum(built.values())
+    _check(first, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["auto", "base"])
+def test_work_cache_misses_after_in_place_change(variant, monkeypatch):
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    calls = _count_builders(monkeypatch)
+    lens = [5, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    _fwd_bwd(q, k, v, off, 33, causal=True)
+    built = sum(calls.values())
+    off.copy_(_offsets([33, 1, 21, 1]))  # same total, other sequences: a version bump
+    got = _fwd_bwd(q, k, v, off, 33, causal=True)
+    assert sum(calls.values()) > built
+    _check(got, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["auto", "base"])
+def test_work_cache_never_shared_between_offsets_tensors(variant, monkeypatch):
+    """Equal shapes (and equal values) in another tensor rebuild; so does another offsets_k with the same offsets_q."""
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    calls = _count_builders(monkeypatch)
+    lens_a, lens_b = [5, 17, 1, 33], [33, 1, 21, 1]
+    q, k, v = _inputs(lens_a, h=2, h_kv=1)
+    off_a, off_b = _offsets(lens_a), _offsets(lens_b)
+    _fwd_bwd(q, k, v, off_a, 33, causal=True)
+    n = sum(calls.values())
+    got = _fwd_bwd(q, k, v, off_b, 33, causal=True)
+    assert sum(calls.values()) > n
+    _check(got, _ref_fwd_bwd(q, k, v, off_b, 33, causal=True), torch.float32)
+    n = sum(calls.values())
+    _fwd_bwd(q, k, v, off_a.clone(), 33, causal=True)
+    assert sum(calls.values()) > n
+    # cross attention: one offsets_q, then key offsets of equal shape in a new tensor each time
+    lens_k = [[9, 0, 40, 3], [0, 40, 3, 9]]
+    for i in range(4):
+        lk = lens_k[i % 2]
+        _, k2, v2 = _inputs(lens_a, lk, h=2, h_kv=1, seed=i)
+        off_k = _offsets(lk)  # the previous one is freed: its id may come back
+        got = _fwd_bwd(q, k2, v2, off_a, 33, off_k, 40, causal=True)
+        _check(got, _ref_fwd_bwd(q, k2, v2, off_a, 33, off_k, 40, causal=True), torch.float32)
+        del off_k
+
+
+def test_work_cache_bounds_and_opt_outs(monkeypatch):
+    from gem.ops import triton_jfa
+
+    calls = _count_builders(monkeypatch)
+    off = _offsets([300, 100, 0, 129])
+    blocks = list(range(16, 16 + 3 * triton_jfa._WORK_CACHE_MAX))
+    for block in blocks:  # torch-built tables: no kernel launch
+        triton_jfa._cached_table(off, off, 300, block, -1, 0, True, False)
+    assert len(off._gem_jfa_work) == triton_jfa._WORK_CACHE_MAX
+    n = calls["table"]
+    items, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0, True, False)
+    assert calls["table"] == n  # the newest entries stay
+    want, nt_want = triton_jfa._work_table(off, off, 300, blocks[-1], triton_jfa._q_span(blocks[-1], -1, 0))
+    assert torch.equal(items, want) and nt == nt_want
+    triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0, True, False)
+    assert calls["table"] == n + 2  # the oldest went (+1 for want)
+
+    # offsets_b tensors that share an id (one freed, the next allocated in its place) never share an entry
+    monkeypatch.setattr(triton_jfa, "id", lambda obj: 0, raising=False)
+    lens_b = ([40, 0, 300, 7], [300, 7, 40, 0])
+    got = [triton_jfa._cached_table(off, _offsets(lb), 300, 16, -1, 0, True, False)[0] for lb in lens_b]
+    want = [triton_jfa._work_table(off, _offsets(lb), 300, 16, triton_jfa._q_span(16, -1, 0))[0] for lb in lens_b]
+    assert not torch.equal(want[0], want[1])  # the causal cost depends on offsets_b
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    calls = _count_builders(monkeypatch)
+
+    monkeypatch.setenv("GEM_JFA_WORK_CACHE", "0")
+    n = calls["table"]
+    for _ in range(2):
+        triton_jfa._cached_table(off, off, 300, 16, -1, 0, True, False)
+    assert calls["table"] == n + 2
+    monkeypatch.delenv("GEM_JFA_WORK_CACHE")
+
+    with torch.inference_mode():  # no version counter: never cached
+        off_inf = _offsets([3, 4])
+        for _ in range(2):
+            triton_jfa._cached_table(off_inf, off_inf, 4, 16, -1, -1, True, False)
+    assert "_gem_jfa_work" not in off_inf.__dict__
+    assert calls["table"] == n + 4
 
 
 def test_unknown_variant_raises(monkeypatch):
@@ -359,7 +533,8 @@ def _need_gpu():
 _GPU_MASKS = [(False, None), (True, None), (False, 256), (False, (100, 30))]
 # every mask on base, rowmajor (pointer loads) and tma_persistent (TMA, persistent grid); tma and persistent alone
 # on the masks whose code differs most
-_GPU_PARAMS = [(v, d, c, w) for v in ("base", "rowmajor", "tma_persistent") for d in (64, 128) for c, w in _GPU_MASKS]
+_GPU_PARAMS = [(v, d, c, w) for v in ("auto", "base", "rowmajor", "tma_persistent") for d in (64, 128)
+               for c, w in _GPU_MASKS]
 _GPU_PARAMS += [(v, 128, c, w) for v in ("tma", "persistent") for c, w in _GPU_MASKS[1::2]]
 
 
@@ -376,7 +551,7 @@ def test_gpu_matches_reference(d, causal, window, variant, no_autotune, monkeypa
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["base", "rowmajor", "tma_persistent"])
+@pytest.mark.parametrize("variant", ["auto", "base", "rowmajor", "tma_persistent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
     _need_gpu()
@@ -388,7 +563,7 @@ def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["base", "tma", "persistent"])
+@pytest.mark.parametrize("variant", ["auto", "base", "tma", "persistent"])
 def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
     _need_gpu()
     monkeypatch.setenv("GEM_JFA_VARIANT", variant)
