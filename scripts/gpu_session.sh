@@ -273,6 +273,10 @@ stage_train2() {
         cp "$WORK/gpu_check/summary.json" "$OUT/gpu_check.json"
         cat "$OUT/gpu_check.json"
     fi
+    # every launch's full output, for the failures the summary only excerpts
+    for f in "$WORK"/gpu_check/*.log; do
+        [ -f "$f" ] && { echo "#### $(basename "$f")"; tail -c 2000000 "$f"; }
+    done > "$OUT/gpu_check_logs.log" 2> /dev/null
 }
 
 run_stage() {

@@ -134,7 +134,9 @@ class GEMModel(nn.Module):
         return self._tower(self.ec(batch.sequence), batch)
 
     def _tower(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.input_proj(history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine))
+        # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
+        x = history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine)
+        x = self.input_proj(x.to(self.input_proj.weight.dtype))
         tower = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len)
         return self.final_norm(tower[0]), tower[1]
 
@@ -142,10 +144,10 @@ class GEMModel(nn.Module):
         # The embedding modules are called on the batch's attributes directly (see the note at the top).
         seq, aux = self._tower(self.ec(batch.sequence), batch)
         pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features)
-        dense = batch.dense
+        dense = batch.dense.to(self.input_proj.weight.dtype)
         b = dense.shape[0]
         # Indexing, not iterating: under tracing `pooled` is a single Proxy.
-        tokens = [proj(pooled[i]) for i, proj in enumerate(self.sparse_proj)]
+        tokens = [proj(pooled[i].to(proj.weight.dtype)) for i, proj in enumerate(self.sparse_proj)]
         tokens.append(self.dense_token(dense))
         tokens.append(self.summary_token.to(seq.dtype).expand(b, -1))
         tokens = torch.stack([t.to(seq.dtype) for t in tokens], dim=1)  # [B, n, d]

@@ -157,7 +157,11 @@ class MoE(nn.Module):
         """SwiGLU of each row by its local expert; rows grouped by local expert ([m, d] -> [m, d])."""
         w1, w3, w2 = self.local_expert_weights()
         if x.shape[0] == 0:
-            return x.new_zeros((0, self.d_model)) + 0.0 * (w1.sum() + w3.sum() + w2.sum()).to(x.dtype)
+            # The dtype the non-empty paths produce: under expert parallelism the ranks exchange these rows, and
+            # a rank sending bf16 to one expecting fp32 leaves the receiver waiting for bytes that never come.
+            out = torch.bfloat16 if self._use_grouped(x) else (
+                torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype)
+            return x.new_zeros((0, self.d_model), dtype=out) + 0.0 * (w1.sum() + w3.sum() + w2.sum()).to(out)
         if self._use_grouped(x):
             return self._grouped_experts(x, tokens_per_local_expert, w1, w3, w2)
         sizes = tokens_per_local_expert.tolist()

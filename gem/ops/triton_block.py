@@ -404,11 +404,19 @@ def _pick(kind: str, key: tuple, cands: list, launch, device) -> tuple:
     full_key = (kind,) + key
     if full_key in _TUNED:
         return _TUNED[full_key]
-    if len(cands) == 1 or os.environ.get("GEM_BLOCK_AUTOTUNE", "1") == "0":
-        _TUNED[full_key] = cands[0]
-        return cands[0]
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
+    if len(cands) == 1 or os.environ.get("GEM_BLOCK_AUTOTUNE", "1") == "0":
+        # the first config that compiles and launches (fp32 tiles can exceed shared memory)
+        for i, cfg in enumerate(cands):
+            try:
+                launch(cfg)
+            except Exception:  # noqa: BLE001
+                if i == len(cands) - 1:
+                    raise
+                continue
+            _TUNED[full_key] = cfg
+            return cfg
     times = []
     for cfg in cands:
         try:

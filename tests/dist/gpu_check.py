@@ -23,7 +23,11 @@ def launch(script: str, nproc: int, out: Path, args: list[str]) -> tuple[dict | 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / script), "--out", str(out), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    log = (r.stdout + r.stderr)[-3000:]
+    full = r.stdout + r.stderr
+    out.with_suffix(".log").write_text(full)
+    # The first rank traceback says where it failed (torchrun's own traceback at the end does not).
+    i = full.find("]: Traceback")
+    log = (full[max(0, i - 20):i + 4000] + "\n...\n" if i >= 0 else "") + full[-800:]
     return (json.loads(out.read_text()) if r.returncode == 0 and out.exists() else None), log
 
 

@@ -37,7 +37,8 @@ def step_loss(p, opt, ds, step: int, per: int, train: bool = True) -> float:
     from gem.model import multitask_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    b = slice_batch(ds.global_batch(step), rank * per, (rank + 1) * per)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    b = slice_batch(ds.global_batch(step), rank * per, (rank + 1) * per).to(dev)
     out = p.model(b)
     loss = multitask_loss(out.logits, b.labels)[0] + out.aux_loss
     if train:

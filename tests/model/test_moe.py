@@ -189,3 +189,16 @@ def test_mask_grad_zeroes_only_unused_experts():
     out.backward(g)
     assert torch.equal(w.grad[keep], g[keep])
     assert w.grad[~keep].abs().sum() == 0
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_experts_output_dtype_does_not_depend_on_the_row_count(autocast):
+    """Expert-parallel ranks exchange expert outputs: a rank whose experts got no rows must send the same dtype."""
+    torch.manual_seed(0)
+    m = MoE(16, 32, 4, 2)
+    counts_full = torch.tensor([3, 0, 2, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        full = m.experts(torch.randn(6, 16), counts_full)
+        empty = m.experts(torch.randn(0, 16), torch.zeros(4, dtype=torch.int64))
+    assert empty.dtype == full.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert empty.shape == (0, 16)
