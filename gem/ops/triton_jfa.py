@@ -2,8 +2,8 @@
 
 Scheme (see gem/ops/jfa.py for the mask semantics):
 - Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
-  pass. A small int32 table maps program -> batch * NT + tile, ordered by descending work so the longest
-  tiles start first; it is built on the device (no host sync) once per offsets tensor and cached on it.
+  pass. A small table of sorted int64 keys maps program -> batch * NT + tile, ordered by descending work so the
+  longest tiles start first; it is built on the device (no host sync) once per offsets tensor and cached on it.
 - Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
   window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
   (the causal diagonal).
@@ -14,9 +14,8 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - Softmax in base 2 with log2(e) folded into the scale; lse is stored in natural log, [H, Tq] fp32.
 - Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
   dQ is a separate pass. No atomics.
-- Variants (GEM_JFA_VARIANT, see VARIANTS): the first kernels ("base") and v2 kernels with pre-scaled operands,
-  row-major K/V loads, optional TMA descriptors and an optional persistent forward grid; "auto" (the default)
-  picks one per pass.
+- Variants (GEM_JFA_VARIANT, see VARIANTS): one forward kernel with pointer or TMA loads; two backward forms;
+  "auto" (the default) picks per pass.
 """
 
 from __future__ import annotations
@@ -68,13 +67,10 @@ def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexp
 
 
 @triton.jit
-def _work_item(WORK, w, KEYED: tl.constexpr):
-    """Entry w of a work table: b * NT + tile, or -1. KEYED tables hold sorted int64 keys (see _work_keys)."""
-    if KEYED:
-        key = tl.load(WORK + w)
-        return tl.where(key < 0, -1, 4294967295 - (key & 4294967295)).to(tl.int32)
-    else:
-        return tl.load(WORK + w)
+def _work_item(WORK, w):
+    """Entry w of a work table (sorted int64 keys, see _work_keys) as b * NT + tile, or -1."""
+    key = tl.load(WORK + w)
+    return tl.where(key < 0, -1, 4294967295 - (key & 4294967295)).to(tl.int32)
 
 
 @triton.jit
@@ -182,120 +178,10 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
 
 
 # ----------------------------------------------------------------------------------------------- forward
-
-
-@triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk,
-              win_left, win_right, qk_scale,
-              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
-    cols = n + offs_n
-    in_k = cols < Lk
-    kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-    s = _mm(q, kT, DOT_PREC) * qk_scale
-    if MASKED:
-        vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = m_new
-    if MASKED:  # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-              qk_scale, lo, n_t, k_lo, k_hi,
-              SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # left window edge: per-element mask
-    for t in range(k_lo):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                                  True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    # fully visible tiles; only the tile crossing Lk has out-of-sequence columns
-    k_full = k_hi
-    if not SUB:
-        k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
-    for t in range(k_lo, k_full):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                                  False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    for t in range(k_full, n_t):  # right edge / diagonal (and, with -inf masking, the tile crossing Lk)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo + t * BLOCK_N, offs_m,
-                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                                  True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    n_masked = 0
-    if SUB:
-        n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
-        n_masked = tl.where(k_hi > k_lo, n_masked, 0)
-    return acc, l_i, m_i, n_masked
-
-
-@triton.jit
-def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    stride_lh, qk_scale, win_left, win_right, NT,
-                    GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    item = tl.load(WORK + tl.program_id(0))
-    if item < 0:
-        return
-    h = tl.program_id(1)
-    b = item // NT
-    m0 = (item % NT) * BLOCK_M
-    q_start = tl.load(OFF_Q + b).to(tl.int32)
-    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(OFF_K + b).to(tl.int32)
-    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
-    shift = Lk - Lq
-    kvh = h // GROUP
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    in_q = offs_m < Lq
-    q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=in_q[:, None], other=0.0)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq,
-                                        Lk, win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
-                                        SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC, BLOCK_M, BLOCK_N, HEAD_D)
-    if SUB:
-        l_raw = l_i
-        # masked zeros took part in the max, so m_i >= 0 wherever n_masked > 0 and 2^-m_i <= 1
-        l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
-        # cancellation: the masked zeros dominate the sum (real scores far below 0) -> redo with -inf masking
-        bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
-        if tl.max(bad.to(tl.int32), 0) > 0:
-            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                                shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
-                                                False, HAS_LEFT, HAS_RIGHT, DOT_PREC, BLOCK_M, BLOCK_N, HEAD_D)
-    empty = l_i <= 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=in_q[:, None])
-    # natural-log lse; +inf for rows that see no key so the backward gives them p = 0
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=in_q)
-
-
-# ----------------------------------------------------------------------------------------------- forward, v2
-# Variants "rowmajor", "tma", "persistent", "tma_persistent" (see VARIANTS below): q is scaled by scale*log2(e)
-# once in registers, K is loaded as [BLOCK_N, D] rows (contiguous) and fed to the dot transposed, P @ V
-# accumulates straight into acc. TMA: per-sequence tensor descriptors of shape [Lk, D], so rows past Lk come back
-# as zeros from the copy engine (the subtraction scheme's masked rows) with no address math or predicates.
+# q is scaled by scale*log2(e) once in registers, K is loaded as [BLOCK_N, D] rows (contiguous) and fed to the dot
+# transposed, P @ V accumulates straight into acc. TMA: per-sequence tensor descriptors of shape [Lk, D], so rows
+# past Lk come back as zeros from the copy engine (the subtraction scheme's masked rows) with no address math or
+# predicates.
 
 
 @triton.jit
@@ -307,7 +193,7 @@ def _mm_acc(a, b, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
                shift, Lq, Lk, win_left, win_right,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
                TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
@@ -335,7 +221,7 @@ def _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stri
 
 
 @triton.jit
-def _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
+def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
                win_left, win_right, lo, n_t, k_lo, k_hi,
                SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr,
                DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -344,18 +230,18 @@ def _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for t in range(k_lo):  # left window edge
-        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                    True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     k_full = k_hi
     if not SUB:
         k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
     for t in range(k_lo, k_full):  # no mask at all
-        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                    False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     for t in range(k_full, n_t):  # right edge / causal diagonal
-        acc, l_i, m_i = _fwd_tile2(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                    True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     n_masked = 0
@@ -401,7 +287,7 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
     rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    acc, l_i, m_i, n_masked = _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
+    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
                                          offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo, k_hi,
                                          SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
                                          HEAD_D)
@@ -410,7 +296,7 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
         l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
         bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
-            acc, l_i, m_i, _unused = _fwd_loop2(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
+            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
                                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo,
                                                  k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
                                                  BLOCK_M, BLOCK_N, HEAD_D)
@@ -423,34 +309,19 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
 
 
 @triton.jit
-def _jfa_fwd_kernel2(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK, N_WORK,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     stride_lh, qk_scale, win_left, win_right, NT,
-                     H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
-                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
-                     TMA: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HEAD_D: tl.constexpr):
-    if PERSISTENT:
-        # grid = one program per SM; work w -> (item w // H, head w % H), heaviest first. Rounds of P items go
-        # out in snake order (program p takes p, then 2P-1-p, ...) so the per-program totals even out.
-        P = tl.num_programs(0)
-        pid = tl.program_id(0)
-        for r in range(tl.cdiv(N_WORK * H, P)):
-            w = r * P + tl.where(r % 2 == 0, pid, P - 1 - pid)
-            item = _work_item(WORK, tl.minimum(w, N_WORK * H - 1) // H, True)
-            item = tl.where(w < N_WORK * H, item, -1)
-            if item >= 0:
-                _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, w % H, stride_qt, stride_qh, stride_kt, stride_kh,
-                          stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left, win_right, NT,
-                          GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N, HEAD_D)
-    else:
-        # flat grid, item-major: the heaviest (item, head) pairs of all heads go out first
-        item = _work_item(WORK, tl.program_id(0) // H, True)
-        if item >= 0:
-            _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, tl.program_id(0) % H, stride_qt, stride_qh, stride_kt,
-                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
-                      win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                      HEAD_D)
+def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    stride_lh, qk_scale, win_left, win_right, NT,
+                    H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
+                    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    # flat grid, item-major: the heaviest (item, head) pairs of all heads go out first
+    item = _work_item(WORK, tl.program_id(0) // H)
+    if item >= 0:
+        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, tl.program_id(0) % H, stride_qt, stride_qh, stride_kt,
+                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
+                  win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                  HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -519,11 +390,11 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    if ROWMAJOR:  # v2: keyed table, flat item-major grid (heaviest pairs of all heads first)
-        item = _work_item(WORK, tl.program_id(0) // H_GRID, True)
+    if ROWMAJOR:  # v2: flat item-major grid (heaviest pairs of all heads first)
+        item = _work_item(WORK, tl.program_id(0) // H_GRID)
         kvh = tl.program_id(0) % H_GRID
     else:
-        item = _work_item(WORK, tl.program_id(0), False)
+        item = _work_item(WORK, tl.program_id(0))
         kvh = tl.program_id(1)
     if item < 0:
         return
@@ -633,11 +504,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
                        ROWMAJOR: tl.constexpr, TMA: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    if ROWMAJOR:  # v2: keyed table, flat item-major grid (heaviest pairs of all heads first)
-        item = _work_item(WORK, tl.program_id(0) // H_GRID, True)
+    if ROWMAJOR:  # v2: flat item-major grid (heaviest pairs of all heads first)
+        item = _work_item(WORK, tl.program_id(0) // H_GRID)
         h = tl.program_id(0) % H_GRID
     else:
-        item = _work_item(WORK, tl.program_id(0), False)
+        item = _work_item(WORK, tl.program_id(0))
         h = tl.program_id(1)
     if item < 0:
         return
@@ -704,23 +575,9 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 # ----------------------------------------------------------------------------------------------- host side
 
 
-def _work_table(offsets_a, offsets_b, max_len_a: int, block: int, cost_span) -> tuple[torch.Tensor, int]:
-    """int32 table of b * NT + tile, tiles of `block` rows over sequences of offsets_a, heaviest first; -1 = none.
-
-    cost_span(start [B, NT], len_a [B, 1], len_b [B, 1]) -> number of partner rows the tile visits.
-    """
-    nt = max(1, triton.cdiv(max_len_a, block))
-    la = (offsets_a[1:] - offsets_a[:-1]).to(torch.int32)[:, None]
-    lb = (offsets_b[1:] - offsets_b[:-1]).to(torch.int32)[:, None]
-    start = torch.arange(nt, device=offsets_a.device, dtype=torch.int32)[None, :] * block
-    cost = torch.where(start < la, cost_span(start, la, lb).clamp(min=0) + 1, -1).flatten()
-    order = torch.argsort(cost, descending=True, stable=True)
-    items = torch.where(cost[order] >= 0, order.to(torch.int32), -1)
-    return items, nt
-
-
 def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
-    """_work_table as one Triton launch + one sort: sorted int64 keys that the kernels decode (_work_item)."""
+    """Work table over the tiles of `block` rows of offsets_a's sequences, heaviest first, from one Triton launch
+    and one sort: sorted int64 keys (cost << 32 | ~item) that the kernels decode (_work_item); -1 = no tile."""
     nt = max(1, triton.cdiv(max_len_a, block))
     n = (offsets_a.numel() - 1) * nt
     keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
@@ -733,9 +590,8 @@ def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, righ
 _WORK_CACHE_MAX = 16  # entries per offsets tensor: (pass, block) pairs of a few variants and configs
 
 
-def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool,
-                  keyed: bool):
-    """_work_keys (keyed) or _work_table for one pass, built once per offsets tensor pair.
+def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
+    """_work_keys for one pass, built once per offsets tensor pair.
 
     Every layer of a model, and its backward, gets the same offsets tensors: the table is stored in a dict on
     offsets_a and reused while both tensors are the same objects at the same _version (an in-place write misses).
@@ -743,10 +599,7 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
     GEM_JFA_WORK_CACHE=0 (writes that bypass the version counter, e.g. through .data, are not seen).
     """
     def build():
-        if keyed:
-            return _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side)
-        span = (_q_span if q_side else _k_span)(block, left, right)
-        return _work_table(offsets_a, offsets_b, max_len_a, block, span)
+        return _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side)
 
     if torch.compiler.is_compiling() or os.environ.get("GEM_JFA_WORK_CACHE", "1") == "0":
         return build()
@@ -762,7 +615,7 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
             cache = offsets_a._gem_jfa_work = {}
     except (AttributeError, RuntimeError, TypeError):
         return build()
-    key = (id(offsets_b), stream, keyed, q_side, max_len_a, block, left, right)
+    key = (id(offsets_b), stream, q_side, max_len_a, block, left, right)
     hit = cache.get(key)
     # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
     if hit is not None and hit[0]() is offsets_b and hit[1] == versions:
@@ -775,44 +628,22 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
     return table
 
 
-def _q_span(block, left, right):
-    def span(start, lq, lk):
-        shift = lk - lq
-        last = torch.minimum(start + block, lq) - 1
-        lo = (start + shift - left).clamp(min=0) if left >= 0 else torch.zeros_like(last)
-        hi = torch.minimum(last + shift + right + 1, lk) if right >= 0 else lk.expand_as(last)
-        return hi - lo
-
-    return span
-
-
-def _k_span(block, left, right):
-    def span(start, lk, lq):
-        shift = lk - lq
-        last = torch.minimum(start + block, lk) - 1
-        lo = (start - shift - right).clamp(min=0) if right >= 0 else torch.zeros_like(last)
-        hi = torch.minimum(last - shift + left + 1, lq) if left >= 0 else lq.expand_as(last)
-        return hi - lo
-
-    return span
-
-
 # Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.
-#   auto            per pass, from H200 measurements: forward "tma"; backward "base" for long rows with no left
-#                   window (max_len_q >= _AUTO_BWD_BASE_MIN_LEN: full or causal), else the v2 backward of "tma"
-#                   (short rows and sliding windows, where its lean work tables and edge masks win); see _auto_choice
-#   base            the first kernels: K/V loaded pointer-transposed, scale applied per score tile
-#   rowmajor        forward v2 (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc) and
-#                   backward v2 (same loads, k pre-scaled in dK/dV, delta fused into the dQ pass, dQ runs first);
-#                   lean masks on edge tiles; work tables from one Triton launch + one sort (_work_keys); a flat
-#                   grid ordered item-major, so the heaviest (tile, head) pairs of every head start first
-#   tma             rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V,
-#                   dQ pass K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
-#   persistent      rowmajor, forward on a persistent grid (a few programs per SM striding the work table)
-#   tma_persistent  both
+# The forward is one kernel (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc, a flat grid
+# ordered item-major so the heaviest (tile, head) pairs of every head start first); the backward has two forms.
+#   auto      per pass, from the H200 sweep (docs/PERF.md): forward "tma"; backward "base" for long rows with no left
+#             window (max_len_q >= _AUTO_BWD_BASE_MIN_LEN: full or causal), else that of "tma" (short rows and
+#             sliding windows); see _auto_choice
+#   base      forward with pointer loads; backward in its first form: delta from a preprocessing kernel, dK/dV
+#             pass first, K/V loaded pointer-transposed, the scale applied per score tile
+#   rowmajor  forward with pointer loads; backward v2: same loads as the forward, k pre-scaled in dK/dV, delta
+#             fused into the dQ pass (which runs first), lean masks on edge tiles
+#   tma       rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V, dQ pass
+#             K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
 # Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned (_tma_ok).
-# Work tables are cached on the offsets tensor (_cached_table): the layers of a model and the backward share them.
-VARIANTS = ("auto", "base", "rowmajor", "tma", "persistent", "tma_persistent")
+# The sweep also measured the first forward kernel and a persistent-grid forward; neither won anywhere, so both
+# were removed. Work tables are cached on the offsets tensor (_cached_table): layers and the backward share them.
+VARIANTS = ("auto", "base", "rowmajor", "tma")
 
 # auto backward: "base" from this max_len_q up (H200, D=128: 329 vs 314 TFLOP/s full and 267 vs 243 causal at
 # N=4096; v2 wins at N=1024 causal, 124 vs 96). A module constant so that tests can move it.
@@ -832,21 +663,15 @@ def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
         return "tma"
     if direction != "bwd":
         raise ValueError(f"direction={direction!r}: expected 'fwd' or 'bwd'")
-    # a left window bounds the rows each tile visits: the v2 backward's keyed tables and edge masks win there
+    # a left window bounds the rows each tile visits: the v2 backward's lean edge masks and fused delta win there
     return "base" if max_len_q >= _AUTO_BWD_BASE_MIN_LEN and left < 0 else "tma"
 
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
-def _fwd_configs(d: int, var: str = "base"):
+def _fwd_configs(d: int):
     if triton_interpreting():
         return [(16, 16, 4, 1)]
-    if var == "base":
-        if d <= 64:
-            return [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
-        if d <= 128:
-            return [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
-        return [(64, 64, 4, 2), (128, 32, 8, 2)]
-    # v2: a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
+    # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
     # two programs can share an SM and hide each other's pipeline fill (short jagged rows, causal diagonals).
     if d <= 64:
         return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
@@ -867,16 +692,6 @@ def _bwd_configs(d: int, var: str = "base"):
 
 
 _TUNED: dict = {}
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 2  # interpreter: a handful of programs is enough to exercise the striding
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -932,37 +747,23 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     var = variant()
     if var == "auto":
         var = _auto_choice("fwd", max_len_q, left, right)
-    tma = var in ("tma", "tma_persistent")
+    tma = var == "tma" and (not q.is_cuda or _tma_ok(k, v))
     if tma and q.is_cuda:
-        if not _tma_ok(k, v):
-            var = var.replace("tma_", "").replace("tma", "rowmajor")
-            tma = False
-        else:
-            triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
-    persistent = var in ("persistent", "tma_persistent")
+        triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
               "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
-        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True, var != "base")
-        args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0), max(right, 0), nt)
-        if var == "base":
-            _jfa_fwd_kernel[(work.numel(), h)](q, k, v, out, lse, offsets_q, offsets_k, work, *args,
-                                                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                                                **common)
-            return
-        grid = (work.numel() * h,)
-        if persistent:  # GEM_JFA_PERSISTENT_PER_SM programs per SM (2: what the smaller tile configs fit)
-            per_sm = int(os.environ.get("GEM_JFA_PERSISTENT_PER_SM", "2"))
-            grid = (max(1, min(work.numel() * h, per_sm * _num_sms(q.device))),)
-        _jfa_fwd_kernel2[grid](q, k, v, out, lse, offsets_q, offsets_k, work, work.numel(), *args, H=h, TMA=tma,
-                               RIGHT_CLOSED=right == 0, PERSISTENT=persistent, BLOCK_M=bm, BLOCK_N=bn,
-                               num_warps=warps, num_stages=stages, **common)
+        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True)
+        _jfa_fwd_kernel[(work.numel() * h,)](
+            q, k, v, out, lse, offsets_q, offsets_k, work, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0),
+            max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **common)
 
-    key = (var, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
-    launch(_pick("fwd", key, _fwd_configs(d, var), launch))
+    key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
+    launch(_pick("fwd", key, _fwd_configs(d), launch))
     return out, lse
 
 
@@ -982,7 +783,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     if var == "auto":
         var = _auto_choice("bwd", max_len_q, left, right)
     v2 = var != "base"
-    tma = "tma" in var and (not q.is_cuda or _tma_ok(q, k, v, do))
+    tma = var == "tma" and (not q.is_cuda or _tma_ok(q, k, v, do))
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
@@ -1001,7 +802,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         def dkdv():
             if not tk:
                 return
-            work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False, v2)
+            work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
             grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
             _jfa_bwd_dkdv_kernel[grid_k](
                 q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
@@ -1011,7 +812,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
                 H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
         def dq_pass():
-            work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True, v2)
+            work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
             grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
             _jfa_bwd_dq_kernel[grid_q](
                 q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,
