@@ -74,6 +74,24 @@ def _work_item(WORK, w):
 
 
 @triton.jit
+def _program_item(WORK, H_GRID: tl.constexpr, FLAT: tl.constexpr):
+    """(work item, head) of this program: a flat item-major grid (the heaviest pairs of all heads first) or a
+    (item, head) grid."""
+    if FLAT:
+        return _work_item(WORK, tl.program_id(0) // H_GRID), tl.program_id(0) % H_GRID
+    return _work_item(WORK, tl.program_id(0)), tl.program_id(1)
+
+
+@triton.jit
+def _seq_bounds(OFF_Q, OFF_K, b):
+    """(q_start, Lq, k_start, Lk) of sequence b."""
+    q_start = tl.load(OFF_Q + b).to(tl.int32)
+    k_start = tl.load(OFF_K + b).to(tl.int32)
+    q_len = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
+    return q_start, q_len, k_start, tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+
+
+@triton.jit
 def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
                       Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK: tl.constexpr):
     """Sort key per tile (b, t) of the A sequences: (partner rows visited + 1) << 32 | ~index, or -1 when the tile
@@ -260,10 +278,7 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     b = item // NT
     m0 = (item % NT) * BLOCK_M
-    q_start = tl.load(OFF_Q + b).to(tl.int32)
-    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(OFF_K + b).to(tl.int32)
-    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
     kvh = h // GROUP
 
@@ -315,10 +330,9 @@ def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
                     H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    # flat grid, item-major: the heaviest (item, head) pairs of all heads go out first
-    item = _work_item(WORK, tl.program_id(0) // H)
+    item, h = _program_item(WORK, H, True)
     if item >= 0:
-        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, tl.program_id(0) % H, stride_qt, stride_qh, stride_kt,
+        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt,
                   stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
                   win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
                   HEAD_D)
@@ -390,20 +404,12 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    if ROWMAJOR:  # v2: flat item-major grid (heaviest pairs of all heads first)
-        item = _work_item(WORK, tl.program_id(0) // H_GRID)
-        kvh = tl.program_id(0) % H_GRID
-    else:
-        item = _work_item(WORK, tl.program_id(0))
-        kvh = tl.program_id(1)
+    item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
     b = item // NT
     n0 = (item % NT) * BLOCK_N
-    q_start = tl.load(OFF_Q + b).to(tl.int32)
-    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(OFF_K + b).to(tl.int32)
-    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -504,20 +510,12 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
                        ROWMAJOR: tl.constexpr, TMA: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    if ROWMAJOR:  # v2: flat item-major grid (heaviest pairs of all heads first)
-        item = _work_item(WORK, tl.program_id(0) // H_GRID)
-        h = tl.program_id(0) % H_GRID
-    else:
-        item = _work_item(WORK, tl.program_id(0))
-        h = tl.program_id(1)
+    item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
     b = item // NT
     m0 = (item % NT) * BLOCK_M
-    q_start = tl.load(OFF_Q + b).to(tl.int32)
-    Lq = tl.load(OFF_Q + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(OFF_K + b).to(tl.int32)
-    Lk = tl.load(OFF_K + b + 1).to(tl.int32) - k_start
+    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
     kvh = h // GROUP
 
