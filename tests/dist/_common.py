@@ -84,3 +84,14 @@ def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: 
     if r.returncode != 0:
         raise AssertionError(f"{script} x{nproc} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
     return json.loads(out.read_text())
+
+
+def finish(out_path: str, result: dict) -> None:
+    """Rank 0 writes the JSON result; then every rank leaves the process group together."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()

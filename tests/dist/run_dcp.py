@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tests.dist._common import dataset, model_cfg, slice_batch
+from tests.dist._common import dataset, finish, model_cfg, slice_batch
 
 
 def build(parallel: dict, device):
@@ -113,11 +113,7 @@ def main() -> None:
             res["same_world"] = load_and_train(p, opt, adamw, ds, per, a)
     else:
         res.update(load_and_train(p, opt, adamw, ds, per, a))
-    if dist.get_rank() == 0:
-        with open(a.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

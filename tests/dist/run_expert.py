@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import copy
 import faulthandler
-import json
 
 import torch
 import torch.distributed as dist
+
+from tests.dist._common import finish
 
 
 def check_case(dims, tokens_per_rank: list[int], top_k: int, capacity_factor, skew: bool, seed: int) -> dict:
@@ -80,11 +81,7 @@ def main() -> None:
                               seed=4),
     }
     res = {name: check_case(dims, **kw) for name, kw in cases.items()}
-    if dist.get_rank() == 0:
-        with open(a.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

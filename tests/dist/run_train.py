@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from tests.dist._common import dataset, model_cfg, slice_batch
+from tests.dist._common import dataset, finish, model_cfg, slice_batch
 
 
 def main() -> None:
@@ -53,12 +53,8 @@ def main() -> None:
         g = loss.detach().clone()
         dist.all_reduce(g)
         losses.append(g.item() / world)
-    if rank == 0:
-        with open(a.out, "w") as f:
-            plan = {t: ps.sharding_type for mp in p.model.plan.plan.values() for t, ps in mp.items()}
-            json.dump({"losses": losses, "grads": grads, "plan": plan}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    plan = {t: ps.sharding_type for mp in p.model.plan.plan.values() for t, ps in mp.items()}
+    finish(a.out, {"losses": losses, "grads": grads, "plan": plan})
 
 
 def grad_fingerprint(p) -> dict:
