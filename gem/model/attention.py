@@ -16,8 +16,17 @@ from gem.model.moe import MoE
 from gem.ops.rotary import RopeConfig
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its weight in the input's dtype: a bf16 input (autocast) with an fp32 weight otherwise
+    misses the fused kernel on CUDA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 def make_norm(kind: str, dim: int) -> nn.Module:
-    return nn.RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else nn.LayerNorm(dim)
+    return RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else nn.LayerNorm(dim)
 
 
 class SwiGLU(nn.Module):

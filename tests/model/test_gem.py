@@ -271,3 +271,20 @@ def test_bf16_dense_weights_with_fp32_embeddings_run_without_autocast():
     out = model(batch).logits
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_torch_and_keeps_the_input_dtype(dtype):
+    from gem.model.attention import make_norm
+
+    torch.manual_seed(0)
+    norm = make_norm("rmsnorm", 16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 16).to(dtype).requires_grad_()
+    y = norm(x)
+    assert y.dtype == dtype
+    ref = torch.nn.functional.rms_norm(x.float(), (16,), norm.weight, 1e-6)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=2e-2)
+    y.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
