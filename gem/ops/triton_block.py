@@ -13,21 +13,20 @@ RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels
 QK^T is the sum of two or three tl.dot calls over the parts; dQ/dK are accumulated per part and inversely rotated
 before the store. Rotated copies never reach memory.
 
-Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (`_pick`),
+Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (gem.ops._tune),
 since the work table, hence the grid, depends on the tile height.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 
 import torch
 import triton
 import triton.language as tl
 
 from gem.ops._common import triton_interpreting
+from gem.ops._tune import ConfigTuner
 from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
 
 _LOG2E = 1.4426950408889634
@@ -384,48 +383,7 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-_TUNED: dict = {}
-
-
-def _bench(fn) -> float:
-    """Milliseconds per call: triton's do_bench on the GPU; one wall-clock run elsewhere (tuner tests on CPU)."""
-    if torch.cuda.is_available() and not triton_interpreting():
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=5, rep=20)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _pick(kind: str, key: tuple, cands: list, launch, device) -> tuple:
-    """Best config for (kind, key): each candidate timed once per key and remembered (GEM_BLOCK_AUTOTUNE=0 keeps
-    the first). `launch` must be idempotent (the kernels only store), since timing runs it repeatedly."""
-    full_key = (kind,) + key
-    if full_key in _TUNED:
-        return _TUNED[full_key]
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
-    if len(cands) == 1 or os.environ.get("GEM_BLOCK_AUTOTUNE", "1") == "0":
-        # the first config that compiles and launches (fp32 tiles can exceed shared memory)
-        for i, cfg in enumerate(cands):
-            try:
-                launch(cfg)
-            except Exception:  # noqa: BLE001
-                if i == len(cands) - 1:
-                    raise
-                continue
-            _TUNED[full_key] = cfg
-            return cfg
-    times = []
-    for cfg in cands:
-        try:
-            times.append((_bench(lambda cfg=cfg: launch(cfg)), cfg))
-        except Exception as e:  # noqa: BLE001 (e.g. out of shared memory or registers for this tile shape)
-            print(f"gem.ops.block: config {cfg} for {kind} unusable: {type(e).__name__}")
-    best = min(times, key=lambda x: x[0])[1] if times else cands[0]
-    _TUNED[full_key] = best
-    return best
+_TUNER = ConfigTuner("gem.ops.block", "GEM_BLOCK_AUTOTUNE")
 
 
 def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
@@ -490,7 +448,7 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
-    launch(_pick("fwd", key, configs("fwd", block_size), launch, q.device))
+    launch(_TUNER.pick("fwd", key, configs("fwd", block_size), launch, q.device))
     return o, lse
 
 
@@ -525,8 +483,8 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
             num_stages=stages, **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
-    dkdv(_pick("dkdv", key, configs("dkdv", block_size), dkdv, q.device))
-    dq_pass(_pick("dq", key, configs("dq", block_size), dq_pass, q.device))
+    dkdv(_TUNER.pick("dkdv", key, configs("dkdv", block_size), dkdv, q.device))
+    dq_pass(_TUNER.pick("dq", key, configs("dq", block_size), dq_pass, q.device))
     return dq, dk, dv
 
 

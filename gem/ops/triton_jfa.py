@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import triton_interpreting
+from gem.ops._tune import ConfigTuner
 
 LOG2E = 1.4426950408889634
 
@@ -689,7 +690,7 @@ def _bwd_configs(d: int, var: str = "base"):
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
-_TUNED: dict = {}
+_TUNER = ConfigTuner("gem.ops.jfa", "GEM_JFA_AUTOTUNE")
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -705,28 +706,6 @@ def _tma_ok(*tensors) -> bool:
 
 def _len_bucket(n: int) -> int:
     return 1 << max(4, (max(n, 1) - 1).bit_length())
-
-
-def _pick(kind: str, key: tuple, configs: list, launch):
-    """Time each config once per key on the GPU (GEM_JFA_AUTOTUNE=0 keeps the default); the launch re-runs."""
-    full_key = (kind,) + key
-    if full_key in _TUNED:
-        return _TUNED[full_key]
-    best = configs[0]
-    if len(configs) > 1 and os.environ.get("GEM_JFA_AUTOTUNE", "1") != "0" and not torch.compiler.is_compiling():
-        from triton.testing import do_bench
-
-        times = []
-        for cfg in configs:
-            try:
-                times.append((do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20), cfg))
-            except Exception as e:  # noqa: BLE001 (e.g. out of shared memory for this tile shape)
-                times.append((float("inf"), cfg))
-                print(f"gem.ops.jfa: config {cfg} unusable: {type(e).__name__}")
-        if times:
-            best = min(times, key=lambda x: x[0])[1]
-    _TUNED[full_key] = best
-    return best
 
 
 def _dot_prec(dtype) -> str:
@@ -761,7 +740,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
             num_stages=stages, **common)
 
     key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
-    launch(_pick("fwd", key, _fwd_configs(d), launch))
+    launch(_TUNER.pick("fwd", key, _fwd_configs(d), launch, q.device))
     return out, lse
 
 
@@ -830,7 +809,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
            _len_bucket(max_len_k), left, right, group)
-    launch(_pick("bwd", key, _bwd_configs(d, "v2" if v2 else "base"), launch))
+    launch(_TUNER.pick("bwd", key, _bwd_configs(d, "v2" if v2 else "base"), launch, q.device))
     return dq, dk, dv
 
 

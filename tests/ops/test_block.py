@@ -277,7 +277,7 @@ def test_tuner_picks_and_caches_per_key(monkeypatch, winner):
     # while timing, the winner produces the checked result.
     cands = [(32, 16, 4, 1), (16, 32, 4, 1)]
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: list(cands))
-    monkeypatch.setattr(tb, "_TUNED", {})
+    monkeypatch.setattr(tb._TUNER, "best", {})
     calls = []
 
     def fake_bench(fn):
@@ -285,15 +285,15 @@ def test_tuner_picks_and_caches_per_key(monkeypatch, winner):
         calls.append(len(calls))
         return 1.0 if (len(calls) - 1) % 2 == winner else 2.0  # candidates are timed in list order
 
-    monkeypatch.setattr(tb, "_bench", fake_bench)
+    monkeypatch.setattr(tb._TUNER, "bench", fake_bench)
     _check([37, 1, 0, 26], h=4, hkv=2, block_size=20, rope_cfg=RopeConfig(rotary_dim=16))
     assert len(calls) == 6  # fwd, dkdv, dq: two candidates each
-    assert sorted(key[0] for key in tb._TUNED) == ["dkdv", "dq", "fwd"]
-    assert all(cfg == cands[winner] for cfg in tb._TUNED.values())
+    assert sorted(key[0] for key in tb._TUNER.best) == ["dkdv", "dq", "fwd"]
+    assert all(cfg == cands[winner] for cfg in tb._TUNER.best.values())
     _check([30, 5], h=4, hkv=2, block_size=20, rope_cfg=RopeConfig(rotary_dim=16), seed=1)
     assert len(calls) == 6  # same key (D, dtype, block, causal, rope, GROUP, ...): cached, no new timing
     _check([30, 5], h=4, hkv=2, block_size=7, causal=False, seed=2)
-    assert len(calls) == 12 and len(tb._TUNED) == 6  # new key: tuned again
+    assert len(calls) == 12 and len(tb._TUNER.best) == 6  # new key: tuned again
 
 
 def test_tuner_off_keeps_first_config(monkeypatch):
@@ -301,10 +301,10 @@ def test_tuner_off_keeps_first_config(monkeypatch):
 
     monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "0")
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(32, 16, 4, 1), (16, 32, 4, 1)])
-    monkeypatch.setattr(tb, "_TUNED", {})
-    monkeypatch.setattr(tb, "_bench", lambda fn: pytest.fail("timed with GEM_BLOCK_AUTOTUNE=0"))
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    monkeypatch.setattr(tb._TUNER, "bench", lambda fn: pytest.fail("timed with GEM_BLOCK_AUTOTUNE=0"))
     _check([25, 9], block_size=16, rope_cfg=RopeConfig())
-    assert set(tb._TUNED.values()) == {(32, 16, 4, 1)}
+    assert set(tb._TUNER.best.values()) == {(32, 16, 4, 1)}
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 32, 100, 128, 512, 4096])

@@ -621,8 +621,8 @@ def test_gpu_variants_every_config(variant, monkeypatch):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
         monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, f=f: [f])
         monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var, b=b: [b])
-        triton_jfa._TUNED.clear()
+        triton_jfa._TUNER.best.clear()
         for causal in (False, True):
             got, want = _run(q, k, v, lens, causal=causal, max_q=2048)
             _check(got, want, torch.bfloat16, tol=3e-2)
-    triton_jfa._TUNED.clear()
+    triton_jfa._TUNER.best.clear()

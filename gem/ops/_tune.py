@@ -1,0 +1,62 @@
+"""A small launch-config tuner shared by the Triton ops whose grid depends on the config (tile height -> work table),
+which rules out triton.autotune."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from gem.ops._common import triton_interpreting
+
+
+class ConfigTuner:
+    """Best config per (kind, key), each candidate timed once on the first call with that key and remembered.
+
+    `launch(cfg)` must be idempotent (the kernels only store), since timing runs it repeatedly. With $ENV=0 the first
+    candidate that compiles and launches is kept without timing (fp32 tiles can exceed shared memory).
+    """
+
+    def __init__(self, name: str, env: str):
+        self.name, self.env = name, env
+        self.best: dict = {}
+
+    def bench(self, fn: Callable[[], None]) -> float:
+        """Milliseconds per call: triton's do_bench on the GPU; one wall-clock run elsewhere (CPU tests)."""
+        if torch.cuda.is_available() and not triton_interpreting():
+            from triton.testing import do_bench
+
+            return do_bench(fn, warmup=5, rep=20)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def pick(self, kind: str, key: tuple, cands: list, launch: Callable, device: torch.device):
+        full_key = (kind,) + key
+        if full_key in self.best:
+            return self.best[full_key]
+        if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
+        if len(cands) == 1 or os.environ.get(self.env, "1") == "0":
+            for i, cfg in enumerate(cands):
+                try:
+                    launch(cfg)
+                except Exception:
+                    if i == len(cands) - 1:
+                        raise
+                    continue
+                self.best[full_key] = cfg
+                return cfg
+        times = []
+        for cfg in cands:
+            try:
+                times.append((self.bench(lambda cfg=cfg: launch(cfg)), cfg))
+            except Exception as e:  # noqa: BLE001 (e.g. out of shared memory or registers for this tile shape)
+                print(f"{self.name}: config {cfg} for {kind} unusable: {type(e).__name__}")
+        if not times:
+            raise RuntimeError(f"{self.name}: no {kind} config in {cands} launches for {key}")
+        best = min(times, key=lambda x: x[0])[1]
+        self.best[full_key] = best
+        return best

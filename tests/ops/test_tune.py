@@ -1,0 +1,60 @@
+"""gem.ops._tune.ConfigTuner: timing, caching per key, and skipping configs that do not launch."""
+
+import pytest
+import torch
+
+from gem.ops._tune import ConfigTuner
+
+CPU = torch.device("cpu")
+
+
+def _launcher(bad=()):
+    launched = []
+
+    def launch(cfg):
+        if cfg in bad:
+            raise RuntimeError(f"out of resource for {cfg}")
+        launched.append(cfg)
+
+    return launch, launched
+
+
+def test_fastest_config_wins_and_is_cached_per_key(monkeypatch):
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    cost = {"a": 3.0, "b": 1.0, "c": 2.0}
+    timed = []
+
+    def bench(fn):
+        fn()
+        timed.append(launched[-1])
+        return cost[launched[-1]]
+
+    monkeypatch.setattr(t, "bench", bench)
+    launch, launched = _launcher()
+    assert t.pick("fwd", (1,), ["a", "b", "c"], launch, CPU) == "b"
+    assert t.pick("fwd", (1,), ["a", "b", "c"], launch, CPU) == "b"
+    assert timed == ["a", "b", "c"]  # timed once per key
+    t.pick("fwd", (2,), ["a", "b", "c"], launch, CPU)
+    assert len(timed) == 6
+
+
+def test_configs_that_do_not_launch_are_skipped(monkeypatch):
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", lambda fn: (fn(), 1.0)[1])
+    launch, _ = _launcher(bad={"a"})
+    assert t.pick("fwd", (), ["a", "b"], launch, CPU) == "b"
+    launch, _ = _launcher(bad={"a", "b"})
+    with pytest.raises(RuntimeError, match="no bwd config"):
+        t.pick("bwd", (), ["a", "b"], launch, CPU)
+
+
+def test_tuning_off_keeps_the_first_config_that_launches(monkeypatch):
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setenv("GEM_TEST_AUTOTUNE", "0")
+    monkeypatch.setattr(t, "bench", lambda fn: pytest.fail("timed with tuning off"))
+    launch, launched = _launcher(bad={"a"})
+    assert t.pick("fwd", (), ["a", "b", "c"], launch, CPU) == "b"
+    assert launched == ["b"]
+    launch, _ = _launcher(bad={"a", "b", "c"})
+    with pytest.raises(RuntimeError, match="out of resource"):
+        t.pick("bwd", (), ["a", "b", "c"], launch, CPU)
