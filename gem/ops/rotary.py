@@ -104,6 +104,15 @@ def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config:
 
 
 @triton.jit
+def _half_cols(half, HALF_B: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns of the two rotary halves: (2i, 2i+1) interleaved, else (i, i + half)."""
+    i = tl.arange(0, HALF_B)
+    if INTERLEAVED:
+        return 2 * i, 2 * i + 1
+    return i, i + half
+
+
+@triton.jit
 def rope_load_rotated(base_ptr, row_off, rows_ok, pos, cos_ptr, sin_ptr, half, HALF_B: tl.constexpr,
                       INTERLEAVED: tl.constexpr, SIGN: tl.constexpr):
     """Load the two rotary halves of a [rows, D] tile and rotate them by the angles of `pos` (fp32 out).
@@ -111,21 +120,11 @@ def rope_load_rotated(base_ptr, row_off, rows_ok, pos, cos_ptr, sin_ptr, half, H
     row_off: [R] element offsets of the rows; the two outputs are [R, HALF_B] (columns >= half are zero).
     SIGN = 1 rotates forward, -1 applies the inverse rotation.
     """
-    i = tl.arange(0, HALF_B)
-    col_ok = i < half
-    if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + half
-    m2 = rows_ok[:, None] & col_ok[None, :]
+    c1, c2 = _half_cols(half, HALF_B, INTERLEAVED)
+    m2 = rows_ok[:, None] & (tl.arange(0, HALF_B) < half)[None, :]
     x1 = tl.load(base_ptr + row_off[:, None] + c1[None, :], mask=m2, other=0.0).to(tl.float32)
     x2 = tl.load(base_ptr + row_off[:, None] + c2[None, :], mask=m2, other=0.0).to(tl.float32)
-    t = pos[:, None] * half + i[None, :]
-    c = tl.load(cos_ptr + t, mask=m2, other=1.0)
-    s = tl.load(sin_ptr + t, mask=m2, other=0.0) * SIGN
-    return x1 * c - x2 * s, x2 * c + x1 * s
+    return rope_rotate_regs(x1, x2, pos, rows_ok, cos_ptr, sin_ptr, half, HALF_B, SIGN)
 
 
 @triton.jit
@@ -141,14 +140,8 @@ def rope_rotate_regs(y1, y2, pos, rows_ok, cos_ptr, sin_ptr, half, HALF_B: tl.co
 
 @triton.jit
 def rope_store_halves(base_ptr, row_off, rows_ok, y1, y2, half, HALF_B: tl.constexpr, INTERLEAVED: tl.constexpr):
-    i = tl.arange(0, HALF_B)
-    if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + half
-    m2 = rows_ok[:, None] & (i < half)[None, :]
+    c1, c2 = _half_cols(half, HALF_B, INTERLEAVED)
+    m2 = rows_ok[:, None] & (tl.arange(0, HALF_B) < half)[None, :]
     ty = base_ptr.dtype.element_ty
     tl.store(base_ptr + row_off[:, None] + c1[None, :], y1.to(ty), mask=m2)
     tl.store(base_ptr + row_off[:, None] + c2[None, :], y2.to(ty), mask=m2)
