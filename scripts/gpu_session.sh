@@ -12,6 +12,9 @@
 #                    /tmp/gpu-site and checks the imports
 #   kernels          pytest -m gpu tests/ops (a time limit per file), then bench_attention.py --quick
 #   kernel-tests     pytest -m gpu tests/ops alone
+#   kt-NAME          pytest -m gpu tests/ops/test_NAME.py alone (e.g. kt-jfa,kt-rope+kt-block,kt-gdpa)
+#   jfa-faults       scripts/jfa_fault_matrix.py: JFA fwd+bwd cases, each in its own process (a device fault
+#                    kills the CUDA context), to find which shape/variant faults
 #   jfa-variants     the JFA kernel-variant sweep (jfa and swa sections, every variant, varlen_attn anchor)
 #   bench            bench_attention.py, all sections, full shapes ($BENCH_ARGS adds flags)
 #   train1-tests     pytest -m gpu tests/data tests/model                      (needs the GPU stack)
@@ -179,11 +182,18 @@ stage_stack() {  # stage_stack N
     fi
 }
 
-kernel_tests() {  # kernel_tests STAGE: one time limit per file, so one slow file cannot eat the others' time
-    local f budget
-    for f in tests/ops/test_*.py; do
+kernel_tests() {  # kernel_tests STAGE [NAME...]: tests/ops/test_NAME.py (all with a gpu test by default), one
+                 # time limit per file, so one slow file cannot eat the others' time
+    local f budget files=()
+    if (( $# > 1 )); then
+        for f in "${@:2}"; do files+=("tests/ops/test_$f.py"); done
+    else
+        for f in tests/ops/test_*.py; do grep -q 'mark\.gpu' "$f" && files+=("$f"); done
+    fi
+    for f in "${files[@]}"; do
         case $f in
             *test_rope.py) budget=50 ;;
+            *test_jfa.py|*test_block.py) budget=${KERNEL_TEST_BUDGET:-240} ;;  # ~200 s each on the H200
             *) budget=${KERNEL_TEST_BUDGET:-100} ;;
         esac
         # Correctness runs on each kernel's first config (the tuners compile every config per new shape key; the
@@ -285,6 +295,9 @@ run_stage() {
         stack[1-4]) stage_stack "${1#stack}" ;;
         kernels) stage_kernels ;;
         kernel-tests) [ -d "$SITE/fbgemm_gpu" ] && export PYTHONPATH="$SITE:$ROOT"; kernel_tests kernels ;;
+        kt-*) kernel_tests kernels "${1#kt-}" ;;
+        jfa-faults) step jfa-faults "jfa_fault_matrix" 240 '^(ok|FAULT|WRONG)' '^(FAULT|WRONG)' \
+            "$PY" scripts/jfa_fault_matrix.py ;;
         jfa-variants) stage_jfa_variants ;;
         bench) stage_bench ;;
         train1-tests) stage_train1_tests ;;
@@ -328,7 +341,8 @@ for g in "$@"; do  # reject a typo before spending device time
     IFS='+,' read -ra ps <<< "$g"
     for s in "${ps[@]}"; do
         case $s in
-            env|stack[1-4]|kernels|kernel-tests|jfa-variants|bench|train1|train1-tests|train1-bench|train2) ;;
+            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train2) ;;
+            kt-*) [ -f "tests/ops/test_${s#kt-}.py" ] || { echo "gpu_session.sh: no tests/ops/test_${s#kt-}.py" >&2; exit 2; } ;;
             *) echo "gpu_session.sh: unknown stage '$s' (see the head of this script)" >&2; exit 2 ;;
         esac
     done

@@ -64,6 +64,11 @@ class ModelOutput:
     aux_loss: torch.Tensor  # scalar fp32 (sum of MoE load-balancing losses; 0 without MoE)
 
 
+# A pytree node, so that FSDP2 finds the output tensors to hook its pre-backward all-gather on. torch 2.11 only
+# looks through pytree nodes: without this the root's resharded params (the heads) stayed freed in backward.
+torch.utils._pytree.register_dataclass(ModelOutput)
+
+
 class TargetInteraction(nn.Module):
     """GDPA cross attention of per-example query tokens over the tower's output sequence."""
 

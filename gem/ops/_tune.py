@@ -43,8 +43,8 @@ class ConfigTuner:
             for i, cfg in enumerate(cands):
                 try:
                     launch(cfg)
-                except Exception:
-                    if i == len(cands) - 1:
+                except Exception as e:
+                    if i == len(cands) - 1 or not _config_error(e):
                         raise
                     continue
                 self.best[full_key] = cfg
@@ -53,10 +53,21 @@ class ConfigTuner:
         for cfg in cands:
             try:
                 times.append((self.bench(lambda cfg=cfg: launch(cfg)), cfg))
-            except Exception as e:  # noqa: BLE001 (e.g. out of shared memory or registers for this tile shape)
+            except Exception as e:  # e.g. out of shared memory or registers for this tile shape
+                if not _config_error(e):
+                    raise
                 print(f"{self.name}: config {cfg} for {kind} unusable: {type(e).__name__}")
         if not times:
             raise RuntimeError(f"{self.name}: no {kind} config in {cands} launches for {key}")
         best = min(times, key=lambda x: x[0])[1]
         self.best[full_key] = best
         return best
+
+
+def _config_error(e: Exception) -> bool:
+    """True when a config cannot compile or launch (resources, compile errors); False for a fault on the device,
+    which leaves the CUDA context unusable and must surface at once, not be retried with the next config."""
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(e, accel):
+        return False
+    return "CUDA error" not in str(e)

@@ -357,21 +357,21 @@ def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, stride_qt, stride_dot, m,
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, col, stride_qt, stride_dot, m,
                offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
                ROWMAJOR: tl.constexpr, TMA: tl.constexpr):
     rows = m + offs_m
     in_q = rows < Lq
     if TMA:  # rows >= Lq come back as zeros
-        do = desc_do.load([m, 0])
+        do = desc_do.load([m, col])
     else:
         do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
     lse2 = tl.load(lse_base + rows, mask=in_q, other=float("inf"))  # log2 domain; +inf -> p = 0
     delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
     if ROWMAJOR:  # q as contiguous [BLOCK_M, D] rows; k was pre-scaled by scale*log2(e)
         if TMA:
-            q = desc_q.load([m, 0])
+            q = desc_q.load([m, col])
         else:
             q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=in_q[:, None], other=0.0)
         sT = _mm(k, tl.trans(q), DOT_PREC)  # [BLOCK_N, BLOCK_M]
@@ -427,32 +427,38 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
     lo, n_t, k_lo, k_hi = _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    desc_q = None
+    desc_do = None
+    if TMA:
+        # One descriptor per tensor over the GROUP heads that share this kv head (adjacent columns: the host
+        # checks stride_qh = HEAD_D), made once, outside the loop: a descriptor rewritten per head while the
+        # previous head's copies may still be in flight is not safe. Rows >= Lq come back as zeros; Lq = 0 never
+        # loads (no tiles), the shape only has to be valid.
+        desc_q = tl.make_tensor_descriptor(Q + q_start.to(tl.int64) * stride_qt + kvh * GROUP * stride_qh,
+                                           shape=[tl.maximum(Lq, 1), GROUP * HEAD_D], strides=[stride_qt, 1],
+                                           block_shape=[BLOCK_M, HEAD_D])
+        desc_do = tl.make_tensor_descriptor(DO + q_start.to(tl.int64) * stride_dot + kvh * GROUP * stride_doh,
+                                            shape=[tl.maximum(Lq, 1), GROUP * HEAD_D], strides=[stride_dot, 1],
+                                            block_shape=[BLOCK_M, HEAD_D])
     for g in range(GROUP):
         h = kvh * GROUP + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
         lse_base = LSE2 + h * stride_lh + q_start
         delta_base = DELTA + h * stride_lh + q_start
-        desc_q = None
-        desc_do = None
-        if TMA:  # Lq = 0 never loads (no tiles); keep the shape valid
-            desc_q = tl.make_tensor_descriptor(q_base, shape=[tl.maximum(Lq, 1), HEAD_D], strides=[stride_qt, 1],
-                                               block_shape=[BLOCK_M, HEAD_D])
-            desc_do = tl.make_tensor_descriptor(do_base, shape=[tl.maximum(Lq, 1), HEAD_D],
-                                                strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_D])
         for t in range(k_lo):  # rows still left of the causal / right-window edge
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                stride_qt, stride_dot,
+                                g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                 qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_lo, k_hi):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                stride_qt, stride_dot,
+                                g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                 qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_hi, n_t):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                stride_qt, stride_dot,
+                                g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                 qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
     dk = dk * sm_scale
@@ -639,7 +645,8 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
 #             fused into the dQ pass (which runs first), lean masks on edge tiles
 #   tma       rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V, dQ pass
 #             K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
-# Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned (_tma_ok).
+# Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned or their heads not
+# adjacent (_tma_ok), on the CPU too, so that the interpreter runs what the GPU runs.
 # The sweep also measured the first forward kernel and a persistent-grid forward; neither won anywhere, so both
 # were removed. Work tables are cached on the offsets tensor (_cached_table): layers and the backward share them.
 VARIANTS = ("auto", "base", "rowmajor", "tma")
@@ -699,9 +706,10 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def _tma_ok(*tensors) -> bool:
-    """TMA needs 16-byte aligned bases and row strides."""
+    """TMA needs 16-byte aligned bases and row strides; the kernels' descriptors also span adjacent heads of one
+    token (contiguous [H, D] per token)."""
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and (t.stride(1) * t.element_size()) % 16 == 0 for t in tensors)
+               and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) for t in tensors)
 
 
 def _len_bucket(n: int) -> int:
@@ -724,7 +732,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     var = variant()
     if var == "auto":
         var = _auto_choice("fwd", max_len_q, left, right)
-    tma = var == "tma" and (not q.is_cuda or _tma_ok(k, v))
+    tma = var == "tma" and _tma_ok(k, v)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
@@ -760,7 +768,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     if var == "auto":
         var = _auto_choice("bwd", max_len_q, left, right)
     v2 = var != "base"
-    tma = var == "tma" and (not q.is_cuda or _tma_ok(q, k, v, do))
+    tma = var == "tma" and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)

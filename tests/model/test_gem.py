@@ -21,6 +21,17 @@ def test_output_shapes_on_jagged_batches(lengths):
     assert out.aux_loss.dim() == 0 and torch.isfinite(out.aux_loss)
 
 
+def test_output_is_a_pytree_of_its_tensors():
+    """FSDP2 (torch 2.11) hooks its pre-backward all-gather only on tensors it finds by pytree flattening: the
+    output's tensors must be leaves of it, else the root's resharded params are freed in backward."""
+    cfg = tiny_cfg()
+    out = _model(cfg)(make_batch(cfg, [3, 0, 2]))
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    assert len(leaves) == 2 and leaves[0] is out.logits and leaves[1] is out.aux_loss
+    again = torch.utils._pytree.tree_unflatten(leaves, spec)
+    assert type(again) is type(out) and again.logits is out.logits
+
+
 def test_examples_are_independent_and_empty_history_sees_nothing():
     """An example's logits depend only on its own features: equal with batch-mates or alone (batch of 1)."""
     cfg = tiny_cfg(moe_every=0)  # MoE routing is per token too, but keep the check to the dense path

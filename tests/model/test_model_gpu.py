@@ -34,14 +34,18 @@ def test_grouped_mm_moe_matches_the_expert_loop(n):
     m.zero_grad()
     m.use_grouped_mm = False
     xr = x.clone().requires_grad_()
-    yr, _ = m(xr)
+    # the loop path under the same autocast: the check is grouped vs loop, not bf16 vs fp32 (the router's grad
+    # goes through a softmax derivative that cancels, and was 4% off fp32 at n = 1)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yr, _ = m(xr)
+    yr = yr.float()
     (yr.pow(2).sum()).backward()
     row_err = (y.float() - yr).norm(dim=1) / yr.norm(dim=1).clamp_min(1e-6)
     assert (y.float() - yr).norm() / yr.norm() < 2e-2, (row_err.max(), torch.topk(row_err, min(5, n)))
-    assert (gx_grouped.float() - xr.grad).norm() / xr.grad.norm() < 3e-2
+    assert (gx_grouped.float() - xr.grad.float()).norm() / xr.grad.float().norm() < 3e-2
     for nm, p in m.named_parameters():
         if nm in g_grouped:
-            ref = p.grad
+            ref = p.grad.float()
             err = (g_grouped[nm].float() - ref).norm() / ref.norm().clamp_min(1e-12)
             assert err < 3e-2, (nm, float(err))
     with torch.no_grad():

@@ -217,6 +217,7 @@ VARIANT_CASES = [
     {"lens": [40, 9], "window": (None, 4), "mask_mode": "inf"},
     {"lens": [33, 20, 1], "lens_k": [9, 40, 0], "causal": True},
     {"lens": [19, 7, 33], "h": 4, "h_kv": 2, "d": 32, "causal": True, "max_q": 64},
+    {"lens": [21, 0, 9, 1], "h": 4, "h_kv": 1},  # GROUP 4: dK/dV's descriptors span the group's heads
     {"lens": [5, 0, 17, 1, 33], "dtype": torch.bfloat16, "causal": True},
 ]
 
@@ -236,6 +237,21 @@ def test_variants_match_reference(variant, case, monkeypatch):
     q, k, v = _inputs(lens, lens_k, **shape)
     got, want = _run(q, k, v, lens, lens_k, **case)
     _check(got, want, shape.get("dtype", torch.float32))
+
+
+def test_tma_needs_adjacent_heads_and_falls_back(monkeypatch):
+    """Heads that are not adjacent in memory (a slice of a wider tensor) cannot share one descriptor: the tma
+    variant then takes pointer loads, and still matches the reference."""
+    from gem.ops.triton_jfa import _tma_ok
+
+    monkeypatch.setenv("GEM_JFA_VARIANT", "tma")
+    lens = [13, 0, 6]
+    g = torch.Generator().manual_seed(5)
+    wide = [torch.randn(sum(lens), 4, 32, generator=g) for _ in range(3)]
+    q, k, v = (w[:, :, :16].requires_grad_() for w in wide)
+    assert not _tma_ok(q) and _tma_ok(q.detach().contiguous())
+    got, want = _run(q, k, v, lens)
+    _check(got, want, torch.float32)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

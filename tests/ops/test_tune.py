@@ -58,3 +58,20 @@ def test_tuning_off_keeps_the_first_config_that_launches(monkeypatch):
     launch, _ = _launcher(bad={"a", "b", "c"})
     with pytest.raises(RuntimeError, match="out of resource"):
         t.pick("bwd", (), ["a", "b", "c"], launch, CPU)
+
+
+@pytest.mark.parametrize("tuning", ["0", "1"])
+def test_a_device_fault_is_raised_not_skipped(monkeypatch, tuning):
+    """A CUDA fault leaves the context unusable: retrying the next config would only hide where it happened."""
+    monkeypatch.setenv("GEM_TEST_AUTOTUNE", tuning)
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", lambda fn: fn() or 1.0)
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        t.pick("fwd", (1,), ["a", "b"], launch, CPU)
+    assert tried == ["a"]

@@ -1,0 +1,97 @@
+"""Which JFA shapes and variants fault or go wrong on this GPU: each case runs forward + backward in its own process
+(a device fault leaves the CUDA context unusable for everything after it) with CUDA_LAUNCH_BLOCKING=1, so the
+traceback names the launch that faulted. One line per case: ok | FAULT | WRONG, the case, and the detail.
+
+    python scripts/jfa_fault_matrix.py            # every case
+    python scripts/jfa_fault_matrix.py --case 3   # one case, in this process
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (variant, d, h, h_kv, lengths, max_q, causal, window); "fwd:" before the variant runs the forward only.
+_LONG = [1131, 1801, 602, 1418, 97, 1976, 0, 1, 2048, 129]  # like the GPU test: max 2048, a 0 and a 1
+CASES = [
+    ("tma", 64, 4, 2, _LONG, 2048, False, None),
+    ("rowmajor", 64, 4, 2, _LONG, 2048, False, None),
+    ("fwd:tma", 64, 4, 2, _LONG, 2048, False, None),
+    ("tma", 64, 4, 4, _LONG, 2048, False, None),
+    ("tma", 64, 4, 2, [n for n in _LONG if n], 2048, False, None),
+    ("tma", 64, 4, 2, [min(n, 1000) for n in _LONG], 1000, False, None),
+    ("tma", 128, 4, 2, _LONG, 2048, False, None),
+    ("tma", 64, 4, 2, _LONG, 2048, True, None),
+    ("tma", 64, 4, 2, _LONG, 2048, False, (19, 0)),
+    ("tma", 128, 4, 4, [1024] * 8, 1024, False, None),
+    ("base", 64, 4, 2, _LONG, 2048, False, None),
+    ("auto", 64, 4, 2, _LONG, 2048, True, None),
+]
+
+
+def run_case(i: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from gem.ops import jagged_attention
+    from tests.ops.test_jfa import _check, _inputs, _offsets, _run
+
+    var, d, h, h_kv, lens, max_q, causal, window = CASES[i]
+    fwd_only = var.startswith("fwd:")
+    os.environ["GEM_JFA_VARIANT"] = var.removeprefix("fwd:")
+    q, k, v = _inputs(lens, h=h, h_kv=h_kv, d=d, dtype=torch.bfloat16, device="cuda")
+    if fwd_only:
+        with torch.no_grad():
+            out = jagged_attention(q, k, v, _offsets(lens, "cuda"), max_q, causal=causal, window=window)
+        torch.cuda.synchronize()
+        print(f"forward finite: {bool(torch.isfinite(out).all())}")
+        return
+    got, want = _run(q, k, v, lens, causal=causal, window=window, max_q=max_q)
+    torch.cuda.synchronize()
+    _check(got, want, torch.bfloat16, tol=3e-2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", type=int)
+    args = ap.parse_args()
+    if args.case is not None:
+        run_case(args.case)
+        return 0
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", GEM_JFA_AUTOTUNE="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    bad = 0
+    for i, case in enumerate(CASES):
+        var, d, h, h_kv, lens, max_q, causal, window = case
+        name = (f"#{i} {var} d={d} h={h}/{h_kv} max_q={max_q} zero_len={0 in lens} causal={causal} "
+                f"window={window}")
+        try:
+            r = subprocess.run([sys.executable, __file__, "--case", str(i)], env=env, capture_output=True,
+                               text=True, timeout=120)
+            text, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired:
+            text, rc = "time limit 120 s", -1
+        if rc == 0:
+            status, detail = "ok", ""
+        elif re.search(r"CUDA error|AcceleratorError|illegal", text):
+            status = "FAULT"
+            frames = re.findall(r'triton_jfa\.py", line (\d+), in (\w+)', text)
+            err = [ln for ln in text.splitlines() if "Error" in ln]
+            detail = f"last gem frame {frames[-1] if frames else '?'}; {err[-1][:160] if err else ''}"
+        else:
+            status = "WRONG"
+            err = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+            detail = err[-1][:200] if err else text.strip().splitlines()[-1][:200] if text.strip() else ""
+        bad += status != "ok"
+        print(f"{status} {name} {detail}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
