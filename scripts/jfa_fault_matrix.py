@@ -32,7 +32,13 @@ CASES = [
     ("tma", 128, 4, 4, [1024] * 8, 1024, False, None),
     ("base", 64, 4, 2, _LONG, 2048, False, None),
     ("auto", 64, 4, 2, _LONG, 2048, True, None),
+    ("auto", 64, 4, 2, [min(n, 1000) for n in _LONG], 1000, False, None),
 ]
+# The D=64 TMA backward forced on (it is off on the GPU, see _TMA_BWD_HEAD_DIMS), under other backward configs
+# (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, warps, stages): which pass and which pipelining fault.
+_FORCED = [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 1), (64, 64, 64, 64, 4, 3),
+           (64, 128, 64, 64, 4, 2)]
+CASES += [("tma", 64, 4, 2, _LONG, 2048, False, None, cfg) for cfg in _FORCED]
 
 
 def run_case(i: int) -> None:
@@ -42,7 +48,12 @@ def run_case(i: int) -> None:
     from gem.ops import jagged_attention
     from tests.ops.test_jfa import _check, _inputs, _offsets, _run
 
-    var, d, h, h_kv, lens, max_q, causal, window = CASES[i]
+    var, d, h, h_kv, lens, max_q, causal, window, *forced = CASES[i]
+    if forced:  # TMA backward at this D, one config
+        import gem.ops.triton_jfa as tj
+
+        tj._TMA_BWD_HEAD_DIMS = (d,)
+        tj._bwd_configs = lambda *_a, **_k: [forced[0]]
     fwd_only = var.startswith("fwd:")
     os.environ["GEM_JFA_VARIANT"] = var.removeprefix("fwd:")
     q, k, v = _inputs(lens, h=h, h_kv=h_kv, d=d, dtype=torch.bfloat16, device="cuda")
@@ -68,9 +79,9 @@ def main() -> int:
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     bad = 0
     for i, case in enumerate(CASES):
-        var, d, h, h_kv, lens, max_q, causal, window = case
+        var, d, h, h_kv, lens, max_q, causal, window, *forced = case
         name = (f"#{i} {var} d={d} h={h}/{h_kv} max_q={max_q} zero_len={0 in lens} causal={causal} "
-                f"window={window}")
+                f"window={window}" + (f" forced TMA bwd cfg={forced[0]}" if forced else ""))
         try:
             r = subprocess.run([sys.executable, __file__, "--case", str(i)], env=env, capture_output=True,
                                text=True, timeout=120)

@@ -673,6 +673,12 @@ def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
     return "base" if max_len_q >= _AUTO_BWD_BASE_MIN_LEN and left < 0 else "tma"
 
 
+# Head dims whose v2 backward takes TMA loads on the GPU (others take the pointer loads of "rowmajor"). At D = 64
+# the TMA backward faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; causal and
+# windowed ran, as did D = 128): scripts/jfa_fault_matrix.py, docs/PERF.md. The interpreter still runs it.
+_TMA_BWD_HEAD_DIMS = (128,)
+
+
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
 def _fwd_configs(d: int):
     if triton_interpreting():
@@ -768,7 +774,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     if var == "auto":
         var = _auto_choice("bwd", max_len_q, left, right)
     v2 = var != "base"
-    tma = var == "tma" and _tma_ok(q, k, v, do)
+    tma = var == "tma" and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
