@@ -90,7 +90,7 @@ def main() -> int:
             text, rc = "time limit 120 s", -1
         if rc == 0:
             status, detail = "ok", ""
-        elif re.search(r"CUDA error|AcceleratorError|illegal", text):
+        elif re.search(r"CUDA error|\[CUDA\]|AcceleratorError|illegal|launch failure", text):
             status = "FAULT"
             frames = re.findall(r'triton_jfa\.py", line (\d+), in (\w+)', text)
             err = [ln for ln in text.splitlines() if "Error" in ln]

@@ -70,4 +70,6 @@ def _config_error(e: Exception) -> bool:
     accel = getattr(torch, "AcceleratorError", None)
     if accel is not None and isinstance(e, accel):
         return False
-    return "CUDA error" not in str(e)
+    msg = str(e)
+    # torch reports "CUDA error: ...", Triton's launcher "Triton Error [CUDA]: ..."
+    return not any(m in msg for m in ("CUDA error", "[CUDA]", "illegal memory access", "launch failure"))

@@ -638,9 +638,9 @@ def gdpa_fwd_op(
 ) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
-    out = torch.zeros_like(q)
     if t == 0 or max_len_q == 0 or h == 0:
-        return out
+        return torch.zeros_like(q)
+    out = torch.empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
     lq = offsets_q[1:] - offsets_q[:-1]
     lk = offsets_k[1:] - offsets_k[:-1]
     block_m, _ = _blocks(d)
@@ -650,7 +650,8 @@ def gdpa_fwd_op(
     if use_short:
         # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
         est_tiles = (t // block_m + offsets_q.numel()) * h
-        while tiles < 8 and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
+        # (no more tiles than the longest sequence has: the extra ones would only be skipped)
+        while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
             tiles *= 2
     table = work_table(lq, lk, max_len_q, block_m * tiles, left, right, ordered, total=t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
