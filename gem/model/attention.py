@@ -102,6 +102,7 @@ def build_blocks(cfg) -> nn.ModuleList:
             m = cfg.moe
             ffn = MoE(cfg.d_model, cfg.moe_d_ff, m.num_experts, m.top_k, capacity_factor=m.capacity_factor,
                       aux_loss_coef=m.aux_loss_coef)
+            ffn.use_grouped_mm = m.grouped_mm
         else:
             ffn = SwiGLU(cfg.d_model, cfg.tower_d_ff)
         blocks.append(TransformerBlock(cfg.d_model, attn, ffn, norm=t.norm))

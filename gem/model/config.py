@@ -49,6 +49,9 @@ class MoEConfig:
     d_ff: int = 0  # 0: the tower's d_ff
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01
+    # expert FFNs as one torch._grouped_mm per weight on CUDA in bf16 (null: wherever available) instead of a loop
+    # over experts; off until a training run has timed it (its GPU parity test passes)
+    grouped_mm: bool | None = False
 
 
 @dataclass
@@ -218,6 +221,7 @@ class ModelConfig:
             need(0 < m.top_k <= m.num_experts, "moe.top_k", f"must be in [1, num_experts={m.num_experts}]")
             need(m.capacity_factor is None or m.capacity_factor > 0, "moe.capacity_factor", "must be > 0 or null")
             need(m.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0")
+            need(m.grouped_mm in (True, False, None), "moe.grouped_mm", "must be true, false or null")
         need(it.num_heads > 0, "interaction.num_heads", "must be > 0")
         if it.head_dim is None:
             need(self.d_model % it.num_heads == 0, "interaction.num_heads",

@@ -97,8 +97,8 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.dispatcher: Dispatcher = LocalDispatcher()
-        # True / None: grouped GEMM when on CUDA in bf16 (None = auto); False: the per-expert loop. Off by default
-        # until tests/model/test_model_gpu.py's padded grouped-GEMM parity has passed on the GPU stack.
+        # True / None: grouped GEMM when on CUDA in bf16 (None = auto); False: the per-expert loop. Set from
+        # model.moe.grouped_mm (off by default until a training run has timed it).
         self.use_grouped_mm: bool | None = False
         self.reset_parameters()
 

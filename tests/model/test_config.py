@@ -42,6 +42,7 @@ def test_shipped_configs_build_and_match_the_synthetic_schema():
     (lambda d: d["tower"].update(attention="swa", window=None), "model.tower.window"),
     (lambda d: d["tower"].update(attention="block", block_size=None), "model.tower.block_size"),
     (lambda d: d["moe"].update(top_k=9), "model.moe.top_k"),
+    (lambda d: d["moe"].update(grouped_mm="yes"), "model.moe.grouped_mm"),
     (lambda d: d["heads"].update(weights=[1.0]), "model.heads.weights"),
     (lambda d: d["interaction"].update(activation="tanh"), "model.interaction.activation"),
     (lambda d: d.update(kernel="cuda"), "model.kernel"),
@@ -82,3 +83,13 @@ def test_schema_object_from_the_data_layer_is_accepted():
 
     data = DataConfig.from_dict(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
     validate_against_schema(ModelConfig.from_dict(tiny_dict()), data.schema)
+
+
+@pytest.mark.parametrize("value", [True, False, None])
+def test_moe_grouped_mm_reaches_every_moe_block(value):
+    from gem.model.attention import build_blocks
+    from gem.model.moe import MoE
+
+    cfg = ModelConfig.from_dict(_cfg(lambda d: d["moe"].update(grouped_mm=value)))
+    moes = [b.ffn for b in build_blocks(cfg) if isinstance(b.ffn, MoE)]
+    assert moes and all(m.use_grouped_mm is value for m in moes)
