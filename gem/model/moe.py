@@ -50,6 +50,10 @@ class Dispatcher(Protocol):
 
     def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
+    def host_sizes(self, ctx: Any) -> list[int] | None:
+        """Rows per local expert as host ints when dispatch already has them (saves the loop path a sync)."""
+        ...
+
 
 class LocalDispatcher:
     """Every expert lives here: dispatch and combine are the identity."""
@@ -62,6 +66,9 @@ class LocalDispatcher:
 
     def combine(self, y_local, ctx):
         return y_local
+
+    def host_sizes(self, ctx):
+        return None
 
 
 class _MaskGrad(torch.autograd.Function):
@@ -153,8 +160,10 @@ class MoE(nn.Module):
             return False
         return x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")
 
-    def experts(self, x: torch.Tensor, tokens_per_local_expert: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of each row by its local expert; rows grouped by local expert ([m, d] -> [m, d])."""
+    def experts(self, x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
+                sizes: list[int] | None = None) -> torch.Tensor:
+        """SwiGLU of each row by its local expert; rows grouped by local expert ([m, d] -> [m, d]). `sizes`: the
+        same counts as host ints, when known (else the loop path reads them from the device)."""
         w1, w3, w2 = self.local_expert_weights()
         if x.shape[0] == 0:
             # The dtype the non-empty paths produce: under expert parallelism the ranks exchange these rows, and
@@ -164,7 +173,8 @@ class MoE(nn.Module):
             return x.new_zeros((0, self.d_model), dtype=out) + 0.0 * (w1.sum() + w3.sum() + w2.sum()).to(out)
         if self._use_grouped(x):
             return self._grouped_experts(x, tokens_per_local_expert, w1, w3, w2)
-        sizes = tokens_per_local_expert.tolist()
+        if sizes is None:
+            sizes = tokens_per_local_expert.tolist()
         outs = []
         for e, xe in enumerate(torch.split(x, sizes, dim=0)):
             if xe.shape[0] == 0:
@@ -216,7 +226,7 @@ class MoE(nn.Module):
         token = order // k
         x_sorted = x[token]
         x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, counts)
-        y_local = self.experts(x_local, per_local)
+        y_local = self.experts(x_local, per_local, self.dispatcher.host_sizes(ctx))
         y_sorted = self.dispatcher.combine(y_local, ctx)
         # Sum the k expert outputs per token in fp32 at least (bf16 expert outputs would round each partial sum).
         acc = torch.promote_types(y_sorted.dtype, torch.float32)

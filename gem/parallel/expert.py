@@ -42,8 +42,12 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_counts)
         # recv_counts[src, e]: rows rank `src` sends to this rank's local expert e
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        in_splits = send_counts.sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
+        # one device->host copy (one sync) for the splits and the rows per local expert
+        host = torch.cat((send_counts.flatten(), recv_counts.flatten())).tolist()
+        send_h, recv_h = host[:ep * e_local], host[ep * e_local:]
+        in_splits = [sum(send_h[r * e_local:(r + 1) * e_local]) for r in range(ep)]
+        out_splits = [sum(recv_h[r * e_local:(r + 1) * e_local]) for r in range(ep)]
+        local_sizes = [sum(recv_h[r * e_local + e] for r in range(ep)) for e in range(e_local)]
         x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, self.group)
         # received rows are grouped by (src rank, local expert): regroup by local expert, src order kept
         expert_of_row = torch.repeat_interleave(
@@ -51,11 +55,14 @@ class AllToAllDispatcher:
         )
         perm = torch.argsort(expert_of_row, stable=True)
         x_local = x_recv[perm]
-        ctx = (perm, in_splits, out_splits, x_local)
+        ctx = (perm, in_splits, out_splits, x_local, local_sizes)
         return x_local, recv_counts.sum(0), ctx
 
+    def host_sizes(self, ctx: Any) -> list[int]:
+        return ctx[4]
+
     def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor:
-        perm, in_splits, out_splits, x_local = ctx
+        perm, in_splits, out_splits, x_local, _ = ctx
         if y_local.shape[0] == 0 and x_local.requires_grad:
             # no rows came here: keep dispatch's all-to-all in this rank's autograd graph anyway, or its
             # backward collective would run on the other ranks only and hang them

@@ -126,10 +126,14 @@ class _HalfDispatcher:
         starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
         lo = int(starts[self.first])
         hi = lo + int(tokens_per_expert[self.first:self.first + self.count].sum())
-        return x_sorted[lo:hi], tokens_per_expert[self.first:self.first + self.count], (lo, hi, x_sorted.shape[0])
+        local = tokens_per_expert[self.first:self.first + self.count]
+        return x_sorted[lo:hi], local, (lo, hi, x_sorted.shape[0], local.tolist())
+
+    def host_sizes(self, ctx):  # handed to the expert loop, as the all-to-all dispatcher does
+        return ctx[3]
 
     def combine(self, y_local, ctx):
-        lo, hi, n = ctx
+        lo, hi, n, _ = ctx
         d = y_local.shape[1]
         return torch.cat([y_local.new_zeros(lo, d), y_local, y_local.new_zeros(n - hi, d)])
 
