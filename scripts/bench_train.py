@@ -1,6 +1,7 @@
 """Training throughput and MFU of one experiment, measured through the real trainer (gem.train.Trainer).
 
     python scripts/bench_train.py [--warmup 10] [--steps 30] [--json out.json] [HYDRA OVERRIDES...]
+    python scripts/bench_train.py --warmup 10 --steps 20 --profile-steps 5 [--profile-dir traces/] experiment=gpu_base
     torchrun --nproc_per_node=2 scripts/bench_train.py --single-gpu-json one_gpu.json experiment=gpu_base ...
 
 The config is composed as `python -m gem.train` composes it (configs/, same overrides). The trainer runs
@@ -13,6 +14,11 @@ is deterministic per rank and is replayed afterwards; the trainer's own window f
 Printed: step ms, samples/s, tokens/s, model TFLOP/s per device, MFU vs the vendor bf16 peak and vs a bf16 matmul
 measured in this run (8192^3 by default), peak memory per rank and, with N > 1 ranks, the scaling ratio
 (TFLOP/s per device at N / at 1) against `--single-gpu-tflops` or a 1-GPU run's `--single-gpu-json`.
+
+`--profile-steps K` runs the last K steps under torch.profiler (CPU, plus CUDA when present) and prints, per rank,
+the top ops by self device time (self CPU time without CUDA) and the device time grouped into matmul / attention /
+communication / embedding / other. Those steps stay in the timing (the profiler slows them; the report compares
+them with the other timed steps). `--profile-dir DIR` also writes each rank's chrome trace there.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import logging
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -60,6 +67,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                      help="model TFLOP/s of a 1-GPU run of the same experiment: enables the scaling ratio")
     ref.add_argument("--single-gpu-json", default=None, help="read that figure from a 1-GPU run's --json file")
     p.add_argument("--run-dir", default=None, help="give the trainer a run dir (TensorBoard, metrics.jsonl)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="run the last K timed steps under torch.profiler and print the top ops (0: off)")
+    p.add_argument("--profile-dir", default=None,
+                   help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if a.startswith("-")]
     if unknown:
@@ -75,6 +86,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--window must be >= 1, got {args.window}")
     if args.matmul_n < 256:
         p.error(f"--matmul-n must be >= 256, got {args.matmul_n}")
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.profile_dir and not args.profile_steps:
+        p.error("--profile-dir needs --profile-steps K > 0")
     if args.single_gpu_tflops is not None and not args.single_gpu_tflops > 0:
         p.error(f"--single-gpu-tflops must be > 0, got {args.single_gpu_tflops}")
     for o in rest:
@@ -139,9 +154,10 @@ def apply_bench_settings(cfg, total: int, warmup: int, log_every: int, measured_
 
 class StepRecorder:
     """Hooks the trainer's public per-step and per-window callbacks: an event (CUDA) or a clock reading (CPU) at
-    each step's end, and the scalars of each log window (the trainer's own MFU/memory figures)."""
+    each step's end, and the scalars of each log window (the trainer's own MFU/memory figures). A StepProfiler, when
+    given, advances at each step's end, after the mark, so its own work lands in the next step."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer, profiler: StepProfiler | None = None) -> None:
         self.cuda = trainer.is_cuda
         self.marks: list = []
         self.windows: list[tuple[int, dict]] = []
@@ -155,6 +171,8 @@ class StepRecorder:
                 self.marks.append(ev)
             else:
                 self.marks.append(time.perf_counter())
+            if profiler is not None:
+                profiler.step()
             return synced
 
         def on_scalars(values, step):
@@ -205,7 +223,7 @@ def window_check(windows: list[tuple[int, dict]], per_step: list[dict]) -> float
 
 
 def rank_result(trainer, rec: StepRecorder, per_step: list[dict], warmup: int, total: int, losses: list[float],
-                measured_peak: float | None) -> dict:
+                measured_peak: float | None, profiled: int = 0) -> dict:
     ms = rec.step_ms()  # ms[i] = step i + 2
     timed_steps_ms = ms[warmup - 1:]  # steps warmup+1 .. total
     if len(timed_steps_ms) != total - warmup:
@@ -216,7 +234,7 @@ def rank_result(trainer, rec: StepRecorder, per_step: list[dict], warmup: int, t
     mem = [s.get("memory/peak_allocated_gib") for _, s in rec.windows if "memory/peak_allocated_gib" in s]
     res = [s.get("memory/peak_reserved_gib") for _, s in rec.windows if "memory/peak_reserved_gib" in s]
     tail = losses[warmup:] or losses
-    return {
+    out = {
         "rank": trainer.rank,
         "device": torch.cuda.get_device_name(trainer.device) if trainer.is_cuda else platform.processor() or "cpu",
         "timed_s": t_s,
@@ -240,6 +258,12 @@ def rank_result(trainer, rec: StepRecorder, per_step: list[dict], warmup: int, t
         "notes": [f"pipeline fell back to the plain loop: {trainer.pipeline_fallback}"]
         if getattr(trainer, "pipeline_fallback", None) else [],
     }
+    if profiled:
+        # The recorded steps against the timed steps before the profiler's warmup step: its overhead.
+        rest = timed_steps_ms[:-profiled - 1]
+        out["step_ms_profiled_mean"] = statistics.fmean(timed_steps_ms[-profiled:])
+        out["step_ms_unprofiled_mean"] = statistics.fmean(rest) if rest else None
+    return out
 
 
 def single_gpu_reference(args, model_name: str, data_cfg) -> tuple[float | None, str | None]:
@@ -290,6 +314,153 @@ def aggregate(ranks: list[dict], world: int, ref_tflops: float | None, vendor_pe
                                    default=None),
         "loss_finite": all(r["loss_finite"] for r in ranks),
     }
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+
+BUCKETS = ("matmul/gemm", "attention", "nccl/comm", "embedding", "elementwise/other")
+# Substrings of op and kernel names (lower case). Our attention ops are gem::jfa_*, gem::gdpa_*,
+# gem::block_attention_*, gem::rope; their Triton kernels have generic names (_fwd_kernel), so a kernel also takes
+# the bucket of the op that launched it. "block" alone would catch CUB kernels (BLOCK_LOAD_* template arguments).
+_COMM = ("nccl", "all_to_all", "alltoall", "all_gather", "allgather", "reduce_scatter", "allreduce", "all_reduce")
+_EMB = ("fbgemm", "embedding", "tbe")
+_ATTN = ("jfa", "gdpa", "block_attention", "blockattention", "attn", "attention", "gem::rope", "ropefn")
+_OP_BUCKETS = (("nccl/comm", _COMM), ("embedding", _EMB), ("attention", _ATTN))  # fbgemm holds "gemm": before mm
+_MM = re.compile(r"gemm|matmul|cutlass|nvjet|sm90|xmma|cublas|(?<![a-z])(?:add|addb|baddb|b|_scaled_)?mm(?![a-z])")
+
+
+def _self_device_us(e) -> float:
+    v = getattr(e, "self_device_time_total", None)  # torch >= 2.4; self_cuda_time_total before
+    return float(v if v is not None else getattr(e, "self_cuda_time_total", 0) or 0)
+
+
+def _name_bucket(name: str, table) -> str | None:
+    n = name.lower()
+    return next((b for b, pats in table if any(p in n for p in pats)), None)
+
+
+def _op_bucket(e, memo: dict) -> str | None:
+    """Communication / embedding / attention from the op or its nearest ancestor op that names one."""
+    key = id(e)
+    if key not in memo:
+        b = _name_bucket(e.name, _OP_BUCKETS)
+        parent = getattr(e, "cpu_parent", None)
+        memo[key] = b if b is not None or parent is None else _op_bucket(parent, memo)
+    return memo[key]
+
+
+def _bucket(kernel: str | None, op, memo: dict) -> str:
+    """The bucket of a kernel launched by `op` (None: not launched inside any op), or of op's own CPU time."""
+    if kernel is not None and _name_bucket(kernel, _OP_BUCKETS[:1]):
+        return "nccl/comm"
+    b = _op_bucket(op, memo) if op is not None else None
+    if b is None and kernel is not None:
+        b = _name_bucket(kernel, _OP_BUCKETS[1:]) or ("matmul/gemm" if _MM.search(kernel.lower()) else None)
+    if b is None and op is not None and _MM.search(op.name.lower()):
+        b = "matmul/gemm"
+    return b or "elementwise/other"
+
+
+class StepProfiler:
+    """torch.profiler over the last `k` of `total` trainer steps, advanced by StepRecorder at each step's end.
+
+    Step total-k runs under the profiler's warmup (tracer started, events dropped) so that the start-up cost stays
+    out of the recorded steps total-k+1 .. total."""
+
+    def __init__(self, total: int, k: int, cuda: bool) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.first, self.last, self.k, self.cuda = total - k + 1, total, k, cuda
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.activities = [a.name for a in acts]
+        # schedule(n) is the action during trainer step n (start() takes one step first)
+        self.prof = profile(activities=acts, schedule=schedule(wait=total - k, warmup=1, active=k, repeat=1),
+                            record_shapes=False, with_stack=False, profile_memory=False)
+        self.running = False
+
+    def start(self) -> None:
+        self.prof.start()
+        self.prof.step()  # so the trace's ProfilerStep#n is trainer step n
+        self.running = True
+
+    def step(self) -> None:
+        self.prof.step()
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            self.prof.stop()
+
+    def recorded(self) -> bool:
+        return getattr(self.prof, "profiler", None) is not None
+
+    def export(self, out_dir: str, rank: int) -> str:
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        final, tmp = d / f"trace_rank{rank}.json", d / f".trace_rank{rank}.json.{os.getpid()}.tmp"
+        try:
+            self.prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, final)  # readers never see a half-written trace
+        finally:
+            tmp.unlink(missing_ok=True)
+        return str(final)
+
+    def summary(self, rank: int, top: int = 25, top_kernels: int = 10) -> dict:
+        """Per step of the recorded steps: the top ops by self device time (self CPU time without CUDA), device time
+        per bucket and, with CUDA, the top kernels. An op's self device time is the kernels it launched itself."""
+        from torch.autograd import DeviceType
+
+        n, memo = self.k, {}
+        events = self.prof.events()
+        buckets = dict.fromkeys(BUCKETS, 0.0)
+        cpu_us = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+        kernels: dict[str, list] = {}  # name -> [us, count], device side (user annotations are ranges, not work)
+        orphans: list[dict] = []
+        if self.cuda:
+            for e in events:
+                if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False):
+                    acc = kernels.setdefault(e.name, [0.0, 0])
+                    acc[0] += _self_device_us(e)
+                    acc[1] += 1
+            launched: dict[str, list] = {}
+            for e in events:
+                if e.device_type == DeviceType.CPU:
+                    for k in getattr(e, "kernels", None) or ():
+                        buckets[_bucket(k.name, e, memo)] += k.duration
+                        acc = launched.setdefault(k.name, [0.0, 0])
+                        acc[0] += k.duration
+                        acc[1] += 1
+            for name, (us, cnt) in kernels.items():  # device work no op launched (kept so the totals add up)
+                us_left = us - launched.get(name, [0.0, 0])[0]
+                if us_left > 0.5:
+                    buckets[_bucket(name, None, memo)] += us_left
+                    orphans.append({"name": f"[no op] {name}", "calls": cnt - launched.get(name, [0.0, 0])[1],
+                                    "dev_us": us_left, "cpu_us": 0.0})
+            total = sum(v[0] for v in kernels.values())
+        else:
+            for e in events:
+                if e.device_type == DeviceType.CPU:
+                    buckets[_bucket(None, e, memo)] += e.self_cpu_time_total
+            total = cpu_us
+        ops = [{"name": a.key, "calls": a.count, "dev_us": _self_device_us(a), "cpu_us": a.self_cpu_time_total}
+               for a in self.prof.key_averages() if a.device_type == DeviceType.CPU]
+        key = (lambda r: (r["dev_us"], r["cpu_us"])) if self.cuda else (lambda r: r["cpu_us"])
+        rows = sorted(ops + orphans, key=key, reverse=True)[:top]
+        pct = (lambda us: us / total) if total > 0 else (lambda us: None)
+        return {
+            "rank": rank,
+            "unit": "device" if self.cuda else "cpu",
+            "recorded_steps": [self.first, self.last],
+            "ms_per_step": total / 1e3 / n,  # the unit's total: device kernel time, or self CPU time (all threads)
+            "cpu_ms_per_step": cpu_us / 1e3 / n,
+            "rows": [{"name": r["name"][:300], "calls_per_step": r["calls"] / n,
+                      "self_device_ms_per_step": r["dev_us"] / 1e3 / n if self.cuda else None,
+                      "pct": pct(r["dev_us"] if self.cuda else r["cpu_us"]),
+                      "self_cpu_ms_per_step": r["cpu_us"] / 1e3 / n} for r in rows],
+            "buckets": {b: {"ms_per_step": us / 1e3 / n, "pct": pct(us)} for b, us in buckets.items()},
+            "kernels": [{"name": name[:300], "calls_per_step": c / n, "ms_per_step": us / 1e3 / n, "pct": pct(us)}
+                        for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]],
+        }
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -349,6 +520,48 @@ def print_report(conf: dict, agg: dict, ranks: list[dict]) -> None:
     sys.stdout.flush()
 
 
+def _cell(name: str, width: int = 70) -> str:
+    name = " ".join(name.split()).replace("|", "\\|")
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def print_profile(profiles: list[dict], ranks: list[dict], warmup: int) -> None:
+    for p, r in zip(profiles, ranks):
+        first, last = p["recorded_steps"]
+        dev, rk = p["unit"] == "device", p["rank"]
+        unit = "device" if dev else "CPU"
+        print(f"\n## op profile, rank {rk}: steps {first}..{last} recorded (step {first - 1}: profiler warmup, "
+              f"{'untimed' if first - 1 <= warmup else 'timed'}), {'CPU + CUDA' if dev else 'CPU only'}; "
+              f"top ops by self {unit} time, per step")
+        other = r.get("step_ms_unprofiled_mean")
+        span = f"{warmup + 1}..{first - 2}" if first - 2 > warmup + 1 else f"{first - 2}"
+        vs = f"{other:.2f} for timed steps {span}" if other is not None else "no other timed step"
+        print(f"note: steps {max(first - 1, warmup + 1)}..{last} count in the timing above and carry profiler "
+              f"overhead: recorded steps {r['step_ms_profiled_mean']:.2f} ms/step vs {vs}")
+        print(f"| op | calls/step | self device ms/step | % of profiled {unit} time | self CPU ms/step |")
+        print("|---|---|---|---|---|")
+        for row in p["rows"]:
+            print(f"| {_cell(row['name'])} | {row['calls_per_step']:.4g} | "
+                  f"{_f(row['self_device_ms_per_step'], '{:.3f}')} | {_f(row['pct'], '{:.1%}')} | "
+                  f"{row['self_cpu_ms_per_step']:.3f} |")
+        if p["kernels"]:
+            print(f"\n| kernel (rank {rk}) | calls/step | ms/step | % of profiled device time |\n|---|---|---|---|")
+            for k in p["kernels"]:
+                print(f"| {_cell(k['name'])} | {k['calls_per_step']:.4g} | {k['ms_per_step']:.3f} | "
+                      f"{_f(k['pct'], '{:.1%}')} |")
+        wall = r["step_ms_profiled_mean"]
+        if dev:  # kernel time against the step's GPU timeline: what is left is idle (or overlapped) time
+            print(f"note: rank {rk}: kernels {p['ms_per_step']:.2f} ms/step = {p['ms_per_step'] / wall:.0%} of the "
+                  f"recorded steps' {wall:.2f} ms (under 100%: GPU idle, e.g. waiting on the host; streams that "
+                  f"overlap can exceed it); host self CPU {p['cpu_ms_per_step']:.2f} ms/step, all threads")
+        else:
+            print(f"note: rank {rk}: self CPU {p['cpu_ms_per_step']:.2f} ms/step over all threads, recorded steps "
+                  f"{wall:.2f} ms wall")
+        parts = " | ".join(f"{b} {v['ms_per_step']:.2f} ({_f(v['pct'], '{:.1%}')})" for b, v in p["buckets"].items())
+        print(f"bench_train profile buckets (rank {rk}, self {unit} ms/step of {p['ms_per_step']:.2f}): {parts}")
+    sys.stdout.flush()
+
+
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     logging.getLogger("gem").setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -370,6 +583,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         build_configs(cfg, world)  # every validator, before any process group or GPU work
     except (ValueError, TypeError, KeyError) as e:
         raise BenchError(str(e).splitlines()[0]) from None
+    if args.profile_steps > timed:
+        raise BenchError(f"--profile-steps {args.profile_steps}: more than the {timed} timed steps")
     if rank == 0 and log_every < 5:
         print(f"note: warmup {args.warmup} and {timed} timed steps share no divisor >= 5: the trainer syncs the host "
               f"every {log_every} step(s), which can cost throughput", flush=True)
@@ -382,14 +597,26 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         torch.cuda.empty_cache()
 
     trainer = Trainer(cfg, run_dir=args.run_dir)
+    profiler = StepProfiler(total, args.profile_steps, trainer.is_cuda) if args.profile_steps else None
     try:
-        rec = StepRecorder(trainer)
+        rec = StepRecorder(trainer, profiler)
         t0 = time.perf_counter()
-        result = trainer.fit()
+        if profiler is not None:
+            profiler.start()
+        try:
+            result = trainer.fit()
+        finally:
+            if profiler is not None:
+                profiler.stop()
         run_s = time.perf_counter() - t0
         per_step, data_ms = replay_batches(trainer, total)
-        mine = rank_result(trainer, rec, per_step, args.warmup, total, result.losses, measured)
+        mine = rank_result(trainer, rec, per_step, args.warmup, total, result.losses, measured, args.profile_steps)
         mine["data_ms_per_batch"] = data_ms
+        if profiler is not None:
+            if not profiler.recorded():
+                raise RuntimeError("the profiler recorded nothing: the trainer never reached the profiled steps")
+            mine["profile"] = profiler.summary(trainer.rank)
+            mine["profile"]["trace"] = profiler.export(args.profile_dir, trainer.rank) if args.profile_dir else None
     finally:
         trainer.close()
     ranks = [mine]
@@ -398,6 +625,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         dist.all_gather_object(ranks, mine)
     if trainer.rank != 0:
         return 0
+    profiles = [r.pop("profile") for r in ranks] if profiler is not None else None
 
     ref, ref_src = single_gpu_reference(args, trainer.cfgs.model.name, trainer.cfgs.data)
     vendor = device_peak_flops(trainer.device)
@@ -428,9 +656,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except ImportError:
         pass
     print_report(conf, agg, ranks)
+    out = {"config": conf, "aggregate": agg, "ranks": ranks}
+    if profiles is not None:
+        print_profile(profiles, ranks, args.warmup)
+        out["profile"] = {"recorded_steps": [profiler.first, profiler.last], "profiler_warmup_step": profiler.first - 1,
+                          "activities": profiler.activities, "ranks": profiles,
+                          "note": "the recorded steps (and the profiler warmup step) count in the timing"}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"config": conf, "aggregate": agg, "ranks": ranks}, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"results written to {args.json}")
     return 0
 

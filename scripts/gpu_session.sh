@@ -19,6 +19,8 @@
 #   bench            bench_attention.py, all sections, full shapes ($BENCH_ARGS adds flags)
 #   train1-tests     pytest -m gpu tests/data tests/model                      (needs the GPU stack)
 #   train1-bench     bench_train.py on one GPU, experiment=gpu_base ($TRAIN_EXPERIMENT)  (needs the GPU stack)
+#   train1-profile   the same with --warmup 10 --steps 20 --profile-steps 5: top ops and device-time buckets of
+#                    the last 5 steps (train1_profile.json)                     (needs the GPU stack)
 #   train1           train1-tests, then train1-bench
 #   train2           bench_train.py on 2 GPUs under torchrun ($TRAIN2_PARALLEL), scaling ratio vs train1's
 #                    figure, then tests/dist/gpu_check.py                      (needs the GPU stack, 2 GPUs)
@@ -250,6 +252,13 @@ stage_train1_bench() {
         && cp "$OUT/train1.json" "$WORK/train1.json"  # the reference for train2 on this machine
 }
 
+stage_train1_profile() {
+    need_stack train1-profile || return 1
+    step train1-profile "bench_train profile 1 GPU $TRAIN_EXPERIMENT" 240 '^bench_train summary' "$BENCH_SHOW" \
+        env GEM_DUMP_STACKS_AFTER=210 "$PY" scripts/bench_train.py --warmup 10 --steps 20 --profile-steps 5 \
+        --json "$OUT/train1_profile.json" experiment="$TRAIN_EXPERIMENT"
+}
+
 stage_train2() {
     need_stack train2 || return 1
     local n
@@ -302,6 +311,7 @@ run_stage() {
         bench) stage_bench ;;
         train1-tests) stage_train1_tests ;;
         train1-bench) stage_train1_bench ;;
+        train1-profile) stage_train1_profile ;;
         train1) stage_train1_tests; stage_train1_bench ;;
         train2) stage_train2 ;;
         *) note "$1" "stage" FAIL "unknown stage (see the head of scripts/gpu_session.sh)"; return 2 ;;
@@ -341,7 +351,7 @@ for g in "$@"; do  # reject a typo before spending device time
     IFS='+,' read -ra ps <<< "$g"
     for s in "${ps[@]}"; do
         case $s in
-            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train2) ;;
+            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train1-profile|train2) ;;
             kt-*) [ -f "tests/ops/test_${s#kt-}.py" ] || { echo "gpu_session.sh: no tests/ops/test_${s#kt-}.py" >&2; exit 2; } ;;
             *) echo "gpu_session.sh: unknown stage '$s' (see the head of this script)" >&2; exit 2 ;;
         esac
