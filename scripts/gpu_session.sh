@@ -24,6 +24,10 @@
 #   train1           train1-tests, then train1-bench
 #   train2           bench_train.py on 2 GPUs under torchrun ($TRAIN2_PARALLEL), scaling ratio vs train1's
 #                    figure, then tests/dist/gpu_check.py                      (needs the GPU stack, 2 GPUs)
+#   train1-sweep     bench_train (5 + 15 steps) once per override set in $TRAIN1_SWEEP (";"-separated; default
+#                    grouped-GEMM MoE; compiled blocks), one GPU
+#   train2-sweep     the same on 2 GPUs with $TRAIN2_PARALLEL, sets from $TRAIN2_SWEEP (default no reshard after
+#                    forward; ep 1; grouped-GEMM MoE), scaling vs train1.json or $SINGLE_GPU_TFLOPS
 #   env              versions and devices (runs first in every invocation anyway)
 #
 # Environment: GPU_SESSION_DEADLINE (seconds for the whole invocation, default 560), PYTHON (default python3),
@@ -252,6 +256,32 @@ stage_train1_bench() {
         && cp "$OUT/train1.json" "$WORK/train1.json"  # the reference for train2 on this machine
 }
 
+# train_sweep STAGE NPROC VARIANTS: a short bench_train run per variant (";"-separated override sets), to compare
+# knobs within one machine: the scaling / MFU targets need choices that only a timed run can make.
+train_sweep() {
+    local stage=$1 nproc=$2 v i=0 scratch ref=()
+    local -a sets
+    IFS=';' read -ra sets <<< "$3"
+    [ -n "${SINGLE_GPU_TFLOPS:-}" ] && ref=(--single-gpu-tflops "$SINGLE_GPU_TFLOPS")
+    [ -f "$WORK/train1.json" ] && ref=(--single-gpu-json "$WORK/train1.json")
+    for v in "${sets[@]}"; do
+        i=$((i + 1))
+        scratch=$(mktemp -d "${TMPDIR:-/tmp}/gem-bench.XXXXXX")
+        # shellcheck disable=SC2086  # the variant is a list of overrides
+        if (( nproc == 1 )); then
+            step "$stage" "variant $i: $v" 200 '^bench_train summary' '^bench_train summary' \
+                "$PY" scripts/bench_train.py --warmup 5 --steps 15 --json "$OUT/$stage-$i.json" \
+                experiment="$TRAIN_EXPERIMENT" $v
+        else
+            step "$stage" "variant $i: $v" 240 '^bench_train summary' '^bench_train summary' env TMPDIR="$scratch" \
+                GEM_DIST_TIMEOUT_S=${GEM_DIST_TIMEOUT_S:-120} "$PY" -m torch.distributed.run --standalone \
+                --nproc_per_node="$nproc" scripts/bench_train.py --warmup 5 --steps 15 ${ref[@]+"${ref[@]}"} \
+                --json "$OUT/$stage-$i.json" experiment="$TRAIN_EXPERIMENT" $TRAIN2_PARALLEL $v
+        fi
+        rm -rf "$scratch"
+    done
+}
+
 stage_train1_profile() {
     need_stack train1-profile || return 1
     step train1-profile "bench_train profile 1 GPU $TRAIN_EXPERIMENT" 240 '^bench_train summary' "$BENCH_SHOW" \
@@ -314,6 +344,9 @@ run_stage() {
         train1-profile) stage_train1_profile ;;
         train1) stage_train1_tests; stage_train1_bench ;;
         train2) stage_train2 ;;
+        train1-sweep) need_stack train1-sweep && train_sweep train1-sweep 1 "${TRAIN1_SWEEP:-model.moe.grouped_mm=true;parallel.compile=true}" ;;
+        train2-sweep) need_stack train2-sweep && train_sweep train2-sweep 2 \
+            "${TRAIN2_SWEEP:-parallel.reshard_after_forward=false;parallel.ep=1;model.moe.grouped_mm=true}" ;;
         *) note "$1" "stage" FAIL "unknown stage (see the head of scripts/gpu_session.sh)"; return 2 ;;
     esac
 }
@@ -351,7 +384,7 @@ for g in "$@"; do  # reject a typo before spending device time
     IFS='+,' read -ra ps <<< "$g"
     for s in "${ps[@]}"; do
         case $s in
-            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train1-profile|train2) ;;
+            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train1-profile|train2|train1-sweep|train2-sweep) ;;
             kt-*) [ -f "tests/ops/test_${s#kt-}.py" ] || { echo "gpu_session.sh: no tests/ops/test_${s#kt-}.py" >&2; exit 2; } ;;
             *) echo "gpu_session.sh: unknown stage '$s' (see the head of this script)" >&2; exit 2 ;;
         esac
