@@ -56,11 +56,21 @@ def _check_offsets(name: str, offsets: torch.Tensor, device: torch.device) -> No
         raise ValueError(f"{name} is on {offsets.device} but q is on {device}")
     if torch.compiler.is_compiling():
         return
+    # Checked once per offsets tensor and version: every layer passes the same offsets, and on the GPU each check
+    # costs kernel launches. (Inference tensors have no version: checked every time.)
+    try:
+        version = offsets._version
+    except RuntimeError:
+        version = None
+    if version is not None and offsets.__dict__.get("_gem_offsets_checked") == version:
+        return
     if offsets.device.type == "cpu":
         if int(offsets[0]) != 0:
             raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
     else:  # no host sync on the GPU: the check fires asynchronously
         torch._assert_async(offsets[0] == 0, f"{name} must start at 0")
+    if version is not None:
+        offsets._gem_offsets_checked = version
 
 
 def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):

@@ -618,8 +618,8 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
 
 
 # ------------------------------------------------------------------------------------ custom ops + autograd
-@torch.library.custom_op("gem::gdpa_fwd", mutates_args=())
-def gdpa_fwd_op(
+# _gdpa_fwd / _gdpa_bwd do the work; the custom ops wrap them for torch.compile, _GdpaFn for eager calls.
+def _gdpa_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -664,13 +664,34 @@ def gdpa_fwd_op(
     return out
 
 
+@torch.library.custom_op("gem::gdpa_fwd", mutates_args=())
+def gdpa_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: torch.Tensor,
+    offsets_k: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    activation: str,
+    approx: str,
+    left: int,
+    right: int,
+    scale: float,
+    out_scale: float,
+    ordered: bool,
+    short_kv: int,
+) -> torch.Tensor:
+    return _gdpa_fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale,
+                     out_scale, ordered, short_kv)
+
+
 @gdpa_fwd_op.register_fake
 def _(q, *args):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("gem::gdpa_bwd", mutates_args=())
-def gdpa_bwd_op(
+def _gdpa_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -711,6 +732,28 @@ def gdpa_bwd_op(
     return dq, dk, dv
 
 
+@torch.library.custom_op("gem::gdpa_bwd", mutates_args=())
+def gdpa_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: torch.Tensor,
+    offsets_k: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    activation: str,
+    approx: str,
+    left: int,
+    right: int,
+    scale: float,
+    out_scale: float,
+    ordered: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gdpa_bwd(do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale,
+                     out_scale, ordered)
+
+
 @gdpa_bwd_op.register_fake
 def _(do, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -729,5 +772,24 @@ def _backward(ctx, do):
 
 gdpa_fwd_op.register_autograd(_backward, setup_context=_setup)
 
-# the differentiable entry point gdpa() calls
-gdpa_op = gdpa_fwd_op
+class _GdpaFn(torch.autograd.Function):
+    """Eager path: the custom op's kernels without its per-call dispatch overhead (see triton_jfa._JfaFn)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets_q, offsets_k, *rest):
+        out = _gdpa_fwd(q, k, v, offsets_q, offsets_k, *rest)
+        ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
+        ctx.rest = rest[:-1]  # all but short_kv, which the backward does not take
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        dq, dk, dv = _gdpa_bwd(do, *ctx.saved_tensors, *ctx.rest)
+        return (dq, dk, dv) + (None,) * 12
+
+
+def gdpa_op(q, k, v, offsets_q, offsets_k, *rest):
+    """The differentiable entry point gdpa() calls: the custom op while torch.compile traces, else _GdpaFn."""
+    if torch.compiler.is_compiling():
+        return gdpa_fwd_op(q, k, v, offsets_q, offsets_k, *rest)
+    return _GdpaFn.apply(q, k, v, offsets_q, offsets_k, *rest)

@@ -181,6 +181,27 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+def test_eager_calls_bypass_the_custom_op_with_the_same_result(monkeypatch):
+    """Eager calls take the autograd.Function (no custom-op dispatch per call); both give bit-identical results."""
+    import gem.ops.triton_jfa as tj
+
+    lens = [7, 0, 12]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    out_op, _ = tj.jfa_fwd_op(q, k, v, off, off, 12, 12, 0.25, -1, 0, False)
+    want = (out_op, *torch.autograd.grad(out_op, (q, k, v), g))
+
+    def no_op(*args):
+        raise AssertionError("the custom op ran in eager mode")
+
+    monkeypatch.setattr(tj, "jfa_fwd_op", no_op)
+    out = jagged_attention(q, k, v, off, 12, causal=True, scale=0.25, kernel="triton")
+    got = (out, *torch.autograd.grad(out, (q, k, v), g))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_fullgraph():
     lens = [5, 17, 0]
     q, k, v = _inputs(lens, h=2, h_kv=1)
@@ -554,6 +575,15 @@ def test_bad_inputs_raise(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         jagged_attention(**args)
+
+
+def test_offsets_check_is_cached_per_version_and_sees_in_place_writes():
+    q, k, v = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16), torch.zeros(4, 1, 16)
+    off = torch.tensor([0, 1, 4])
+    jagged_attention(q, k, v, off, 3, kernel="triton")
+    off[0] = 1  # an in-place write bumps the version: checked again
+    with pytest.raises(ValueError, match="start at 0"):
+        jagged_attention(q, k, v, off, 3, kernel="triton")
 
 
 # ------------------------------------------------------------------------------------------- GPU (H200)
