@@ -510,6 +510,20 @@ def _blocks(d: int) -> tuple[int, int]:
     return 128, (64 if d > 64 else 128)
 
 
+def _fwd_block_m(d: int) -> int:
+    """The forward's q tile height: _blocks's, or GEM_GDPA_FWD_BLOCK_M (16..128, a power of two) to time others.
+
+    A 128-row tile at D 128 holds a 64 KB fp32 accumulator: one program per SM. 64 rows allow two, which may
+    hide more load latency on short K/V (docs/PERF.md, GDPA roofline); the benchmark times both.
+    """
+    env = os.environ.get("GEM_GDPA_FWD_BLOCK_M")
+    if not env:
+        return _blocks(d)[0]
+    if env not in ("16", "32", "64", "128"):
+        raise ValueError(f"GEM_GDPA_FWD_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
+    return int(env)
+
+
 def _consts(activation: str, approx: str) -> dict:
     if approx:
         p = POLY6[activation]
@@ -643,7 +657,7 @@ def _gdpa_fwd(
     out = torch.empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
     lq = offsets_q[1:] - offsets_q[:-1]
     lk = offsets_k[1:] - offsets_k[:-1]
-    block_m, _ = _blocks(d)
+    block_m = _fwd_block_m(d)
     kv_tile = _bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
     tiles = 1

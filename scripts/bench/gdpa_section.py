@@ -4,7 +4,8 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   self   SiLU, causal, lengths ~ U[1, N], N 512..4096
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
-Each of ours also runs with approx="poly6"; the cross case also with the short-K/V path forced off.
+Each of ours also runs with approx="poly6"; the cross case also with the short-K/V path forced off, and with
+64-row q tiles in the forward (GEM_GDPA_FWD_BLOCK_M=64; the backward is unchanged).
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them); the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
@@ -25,10 +26,28 @@ TOKENS = 65536
 CROSS_TOKENS = 8 * TOKENS
 
 
-def _ours(q, k, v, oq, mq, ok, mk, **kw):
+def _ours(q, k, v, oq, mq, ok, mk, env=None, **kw):
+    """A call of our gdpa; `env`: environment settings (kernel knobs) in force during each call."""
+    import os
+
     from gem.ops.gdpa import gdpa
 
-    return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+    if not env:
+        return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+
+    def call():
+        old = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            return gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return call
 
 
 def _padded_compiled(q, k, v, oq, mq, ok, mk, *, activation, causal):
@@ -162,7 +181,8 @@ def run(args) -> list[Row]:
             lk,
             activation="gelu_tanh",
             causal=False,
-            extra_impls=[("gdpa long-K/V path", {"short_kv": False})],
+            extra_impls=[("gdpa long-K/V path", {"short_kv": False}),
+                         ("gdpa 64-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "64"}})],
         )
     lq = _lognormal_lengths(tokens, 256, 1.2, 8192)
     rows += _case_rows(

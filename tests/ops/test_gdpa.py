@@ -332,3 +332,18 @@ def test_reference_cpu_default_matches():
                     s = (q[qs][i] * k[ks][j]).sum(-1) / math.sqrt(8)  # [H]
                     want[qs.start + i] += torch.nn.functional.gelu(s)[:, None] * v[ks][j]
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("block_m", ["32", "64"])
+def test_forward_q_tile_height_knob(monkeypatch, block_m):
+    """GEM_GDPA_FWD_BLOCK_M changes only the forward's tiling (for the benchmark): results still match."""
+    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", block_m)
+    _check([70, 0, 33, 1], [9, 4, 0, 17], activation="gelu")
+    _check([70, 5], [9, 300], activation="silu", short_kv=False)
+
+
+def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", "48")
+    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
+    with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
+        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
