@@ -147,25 +147,6 @@ def _visible(offs_m, offs_n, doff, LEFT, RIGHT):
 
 
 @triton.jit
-def _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whether tile [m0, m0+BM) x [n0, n0+BN) crosses the window edge (else every key is visible)."""
-    cut = n0 < 0  # a runtime i1 (never true), so both branches below keep one type
-    if LEFT >= 0:
-        cut = cut | (n0 < m0 + BLOCK_M - 1 + doff - LEFT)
-    if RIGHT >= 0:
-        cut = cut | (n0 + BLOCK_N - 1 > m0 + doff + RIGHT)
-    return cut
-
-
-@triton.jit
-def _edge_mask(x, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """x [M, N] with the invisible entries zeroed, checked only on tiles that cross the window edge."""
-    if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
-        x = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), x, 0.0)
-    return x
-
-
-@triton.jit
 def _work_item(WORK, NUM_HEADS):
     """(sequence, tile, head) of this program; one flat grid, head fastest, so the work order holds across heads."""
     pid = tl.program_id(0) // NUM_HEADS
@@ -221,7 +202,37 @@ def _partner_range(p0, n, off, BELOW, ABOVE, MASKED: tl.constexpr, BLOCK_P: tl.c
     return lo, hi
 
 
+@triton.jit
+def _runs(p0, p_last, lo, nt, off, BELOW, ABOVE, BLOCK_R: tl.constexpr):
+    """Of the nt partner tiles (BLOCK_R wide, from lo) of rows [p0, p_last], row p seeing p+off-BELOW ..
+    p+off+ABOVE: [t_a, t_b) are inside every row's window (no mask); tiles before t_a cross the lower edge, tiles
+    from t_b on the upper one. Split loops let the unmasked run be software-pipelined, with no per-tile branch."""
+    t_a = 0
+    t_b = nt
+    if BELOW >= 0:
+        t_a = tl.cdiv(tl.maximum(p_last + off - BELOW - lo, 0), BLOCK_R)
+    if ABOVE >= 0:
+        t_b = tl.maximum(p0 + off + ABOVE + 1 - lo, 0) // BLOCK_R
+    t_a = tl.minimum(t_a, nt)
+    t_b = tl.minimum(tl.maximum(t_b, t_a), nt)
+    return t_a, t_b
+
+
 # ------------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
+                 MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += act(q k^T) v over one key tile; MASK: the tile crosses the window edge."""
+    offs_n = n0 + offs_n0
+    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
+    a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    if MASK:
+        a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+    return _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
+
+
 @triton.jit
 def _fwd_kernel(
     Q,
@@ -296,18 +307,67 @@ def _fwd_kernel(
                 acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
             else:
                 lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-                for n0 in range(lo, hi, BLOCK_N):
-                    offs_n = n0 + offs_n0
-                    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-                    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
-                    a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-                    if MASKED:
-                        a = _edge_mask(a, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N)
-                    acc = _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
+                nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+                t_a = 0
+                t_b = nt
+                if MASKED:
+                    t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+                for t in range(t_a):
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
+                for t in range(t_a, t_b):
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
+                                       C5, C6, CLAMP, DOT_PREC, UPCAST)
+                for t in range(t_b, nt):
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
+@triton.jit
+def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT,
+                 RIGHT, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
+                 C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+                 C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """dK, dV of one key tile += one query tile's share; MASK: the tile pair crosses the window edge."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+    q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
+    do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
+    q = _scaled(q, scale)  # scaled q serves both S^T and dK
+    st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
+    at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    dpt = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
+    dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    if MASK:
+        vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT))
+        at = tl.where(vis, at, 0.0)
+        dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
+    dv = _mma(at.to(do.dtype), do, dv, DOT_PREC, UPCAST)
+    dk = _mma(dst.to(q.dtype), q, dk, DOT_PREC, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
+                MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """dQ of one query tile += one key tile's share; MASK: the tile crosses the window edge."""
+    offs_n = n0 + offs_n0
+    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
+    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
+    dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST)
+    ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    if MASK:
+        ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), ds, 0.0)
+    return _mma(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
+
+
 @triton.jit
 def _bwd_dkdv_kernel(
     Q,
@@ -371,27 +431,27 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # q rows whose window meets this key tile: n0 - doff - right <= i <= n0 + BN - 1 - doff + left
     lo, hi = _partner_range(n0, lq, -doff, RIGHT, LEFT, MASKED, BLOCK_N, BLOCK_M)
+    nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    t_a = 0
+    t_b = nt
+    if MASKED:  # the mirror of the q tiles' runs: query i sees key j for j-doff-RIGHT <= i <= j-doff+LEFT
+        t_a, t_b = _runs(n0, tl.minimum(n0 + BLOCK_N, lk) - 1, lo, nt, -doff, RIGHT, LEFT, BLOCK_M)
     for g in range(GROUP):
         head = kvh * GROUP + g
         Qb = Q + q_start * stride_qt + head * stride_qh
         DOb = DO + q_start * stride_dot + head * stride_doh
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
-            do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
-            q = _scaled(q, scale)  # scaled q serves both S^T and dK
-            st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
-            at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-            dpt = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
-            dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-            if MASKED:  # noqa: SIM102 - constexpr test first: the edge check compiles only when masked
-                if _tile_needs_mask(m0, n0, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N):
-                    vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT))
-                    at = tl.where(vis, at, 0.0)
-                    dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
-            dv = _mma(at.to(do.dtype), do, dv, DOT_PREC, UPCAST)
-            dk = _mma(dst.to(q.dtype), q, dk, DOT_PREC, UPCAST)
+        for t in range(t_a):
+            dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
+                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
+        for t in range(t_a, t_b):
+            dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
+                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, False, ACT, POLY, C1, C2, C3, C4,
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
+        for t in range(t_b, nt):
+            dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
+                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
     DVb = DV + k_start * stride_dvt + kvh * stride_dvh
     tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * out_scale).to(DK.dtype.element_ty), mask=kmask)
@@ -461,15 +521,24 @@ def _bwd_dq_kernel(
     Vb = V + k_start * stride_vt + kvh * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-        s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
-        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST)
-        ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-        if MASKED:
-            ds = _edge_mask(ds, m0, n0, offs_m, offs_n, doff, LEFT, RIGHT, BLOCK_M, BLOCK_N)
-        dq = _mma(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
+    nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    t_a = 0
+    t_b = nt
+    if MASKED:
+        t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for t in range(t_a):
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                         stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
+                         UPCAST)
+    for t in range(t_a, t_b):
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                         stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
+                         UPCAST)
+    for t in range(t_b, nt):
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                         stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
+                         UPCAST)
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
     tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), mask=qmask)
 

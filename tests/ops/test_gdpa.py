@@ -113,6 +113,17 @@ def test_window(window):
     _check(lens, lens, activation="relu", window=window)
 
 
+@pytest.mark.parametrize("lq,lk,window,causal", [
+    ([90, 70, 1], None, (40, 20), False),  # edge tiles on both sides and unmasked ones between
+    ([60, 33, 0], [90, 20, 7], (30, 10), False),  # cross: windows bottom-right aligned (Lk != Lq)
+    ([95, 17], None, None, True),  # causal: unmasked tiles left of the diagonal
+    ([64, 48], [100, 3], (None, 5), False),
+])
+def test_long_path_edge_and_inner_tiles(lq, lk, window, causal):
+    """The tiled loops split into edge tiles (masked) and inner ones (not): many tiles per row, every split."""
+    _check(lq, lq if lk is None else lk, activation="gelu", window=window, causal=causal, short_kv=False)
+
+
 def test_window_with_causal():
     lens = [29, 5]
     _check(lens, lens, activation="leaky_relu", window=(5, 8), causal=True)
