@@ -108,6 +108,37 @@ def _q_range(m0, length, block_size, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr, sin_ptr, qk_scale,
+              block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
+              CAUSAL: tl.constexpr,
+              ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, PREC: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """One key tile of the online softmax; MASK: diagonal, ragged-end or block-straddling tile."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED)
+    s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS, PREC,
+                   DOT_F32)
+    s = s * qk_scale
+    if MASK:
+        allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = _mm(p.to(v.dtype), v, acc, PREC, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd,
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
@@ -136,28 +167,16 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED)
-        s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
-                       PREC, DOT_F32)
-        s = s * qk_scale
-        if n0 + BLOCK_N > full_hi:
-            allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
-            if CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = _mm(p.to(v.dtype), v, acc, PREC, DOT_F32)
-        m_i = m_new
+    # key tiles ending at or before full_hi need no mask: run them first, in a loop of their own
+    n_full = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, n_full, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
+                                  sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
+                                  PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC, DOT_F32)
+    for n0 in range(n_full, hi, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
+                                  sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
+                                  PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC, DOT_F32)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     tl.store(O + q_row[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -174,6 +193,42 @@ def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.con
     o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
+
+
+@triton.jit
+def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, offs_n, d, d_ok, cos_ptr,
+               sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+               PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """dK, dV of a key tile += one query tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < hi
+    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B, ROPE,
+                             HAS_PASS, INTERLEAVED)
+    r_off = h.to(tl.int64) * T + start + offs_m
+    lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
+    s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE, HAS_PASS, PREC,
+                     DOT_F32)
+    s_t = s_t * qk_scale - lse[None, :]
+    if MASK:
+        allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
+        s_t = tl.where(allowed, s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t)
+    do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    dv = _mm(p_t.to(do.dtype), do, dv, PREC, DOT_F32)
+    dp_t = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_F32)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q1.dtype)
+    if ROPE:
+        dk1 = _mm(ds_t, q1, dk1, PREC, DOT_F32)
+        dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
+    if HAS_PASS:
+        dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
+    return dv, dk1, dk2, dkp
 
 
 @triton.jit
@@ -215,41 +270,66 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     dk1 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
     dk2 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
     dkp = tl.zeros([BLOCK_N, PASS_B], dtype=tl.float32)
+    # Query tiles [m_a, m_b) need no mask: one block, past the diagonal (causal), not ragged at hi. The others run
+    # in loops of their own, so the unmasked one carries no per-tile branch.
+    m_a = lo
+    if CAUSAL:
+        m_a = lo + tl.cdiv(tl.maximum(n_last - lo, 0), BLOCK_M) * BLOCK_M
+    m_b = tl.maximum(lo + (hi - lo) // BLOCK_M * BLOCK_M, m_a)
+    m_a = tl.where(one_block, m_a, lo)
+    m_b = tl.where(one_block, m_b, lo)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < hi
-            q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-            q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                                     PASS_B, ROPE, HAS_PASS, INTERLEAVED)
-            r_off = h.to(tl.int64) * T + start + offs_m
-            lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
-            s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE,
-                             HAS_PASS, PREC, DOT_F32)
-            s_t = s_t * qk_scale - lse[None, :]
-            full = one_block & (m0 + BLOCK_M <= hi)
-            if CAUSAL:
-                full = full & (m0 >= n_last)
-            if not full:
-                allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
-                if CAUSAL:
-                    allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
-                s_t = tl.where(allowed, s_t, float("-inf"))
-            p_t = tl.math.exp2(s_t)
-            do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            dv = _mm(p_t.to(do.dtype), do, dv, PREC, DOT_F32)
-            dp_t = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_F32)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
-            if ROPE:
-                dk1 = _mm(ds_t, q1, dk1, PREC, DOT_F32)
-                dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
-            if HAS_PASS:
-                dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
+        for m0 in range(lo, m_a, BLOCK_M):
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
+                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+                                           D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
+                                           INTERLEAVED, PREC, DOT_F32)
+        for m0 in range(m_a, m_b, BLOCK_M):
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
+                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+                                           D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS,
+                                           INTERLEAVED, PREC, DOT_F32)
+        for m0 in range(m_b, hi, BLOCK_M):
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
+                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+                                           D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
+                                           INTERLEAVED, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
     _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, half,
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+
+
+@triton.jit
+def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr, sin_ptr,
+             qk_scale, block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
+             INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """dQ of a query tile += one key tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED)
+    v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
+                   PREC, DOT_F32)
+    s = s * qk_scale - lse[:, None]
+    if MASK:
+        allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+    p = tl.math.exp2(s)
+    dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_F32)
+    ds = (p * (dp - delta[:, None])).to(q1.dtype)
+    if ROPE:
+        dq1 = _mm(ds, k1, dq1, PREC, DOT_F32)
+        dq2 = _mm(ds, k2, dq2, PREC, DOT_F32)
+    if HAS_PASS:
+        dqp = _mm(ds, kp, dqp, PREC, DOT_F32)
+    return dq1, dq2, dqp
 
 
 @triton.jit
@@ -283,29 +363,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
     dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dqp = tl.zeros([BLOCK_M, PASS_B], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED)
-        v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
-                       PREC, DOT_F32)
-        s = s * qk_scale - lse[:, None]
-        if n0 + BLOCK_N > full_hi:
-            allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
-            if CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(allowed, s, float("-inf"))
-        p = tl.math.exp2(s)
-        dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_F32)
-        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)
-        if ROPE:
-            dq1 = _mm(ds, k1, dq1, PREC, DOT_F32)
-            dq2 = _mm(ds, k2, dq2, PREC, DOT_F32)
-        if HAS_PASS:
-            dqp = _mm(ds, kp, dqp, PREC, DOT_F32)
+    n_full = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N  # as in the forward: unmasked tiles first
+    for n0 in range(lo, n_full, BLOCK_N):
+        dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
+                                 cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
+                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC,
+                                 DOT_F32)
+    for n0 in range(n_full, hi, BLOCK_N):
+        dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
+                                 cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
+                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC,
+                                 DOT_F32)
     _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, half,
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
