@@ -292,39 +292,41 @@ def _fwd_kernel(
     if SHORT_KV:
         # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item
         k_all, v_all, _ = _load_kv(Kb, Vb, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt)
-    for t in range(TILES):
-        m0 = (group_id * TILES + t) * BLOCK_M
-        if m0 < lq:
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            if SHORT_KV:
-                s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
-                a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-                if MASKED:
-                    a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
-                acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
-            else:
-                lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-                nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-                t_a = 0
-                t_b = nt
-                if MASKED:
-                    t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
-                for t in range(t_a):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                       C6, CLAMP, DOT_PREC, UPCAST)
-                for t in range(t_a, t_b):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
-                                       C5, C6, CLAMP, DOT_PREC, UPCAST)
-                for t in range(t_b, nt):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                       C6, CLAMP, DOT_PREC, UPCAST)
-            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
+    # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
+    first = group_id * TILES
+    n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
+    for t in range(n_tiles):
+        m0 = (first + t) * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+        q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if SHORT_KV:
+            s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
+            a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+            if MASKED:
+                a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
+            acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
+        else:
+            lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+            nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+            t_a = 0
+            t_b = nt
+            if MASKED:
+                t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+            for j in range(t_a):  # j: t is the q-tile loop's
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                   stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                   C6, CLAMP, DOT_PREC, UPCAST)
+            for j in range(t_a, t_b):
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                   stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
+                                   C5, C6, CLAMP, DOT_PREC, UPCAST)
+            for j in range(t_b, nt):
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                   stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                   C6, CLAMP, DOT_PREC, UPCAST)
+        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward

@@ -1,0 +1,164 @@
+"""Compile every Triton kernel of gem.ops for the H200 (sm_90) on a machine without a GPU.
+
+The ops run their host code on CPU tensors with the GPU's launch configs; each kernel launch is turned into a
+compile (Triton's warmup path, against a stand-in driver that reports an sm_90 target), down to a cubin through
+ptxas. Catches what the interpreter cannot: compile errors of the real lowering (layouts, pipelining, TMA, dtype
+rules) and shared memory over the H200's 227 KB per block. It cannot catch what only shows when a kernel runs.
+
+    python scripts/compile_check.py [--ops jfa,gdpa,block]   # a line per op call, then a summary; exit 1 on failure
+
+Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU session on the ops changed.
+
+Run without TRITON_INTERPRET (it refuses otherwise): the config lists are the GPU's only then.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on the H200 (227 KB, opt-in)
+
+
+class _Sm90Driver:
+    """Enough of a Triton driver for compiling: device 0, stream 0, target cuda sm_90."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+COMPILED: list[tuple[str, int, float]] = []
+
+
+def _install() -> None:
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Sm90Driver())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        t0 = time.perf_counter()
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        shared = int(getattr(kernel.metadata, "shared", 0)) if kernel is not None else -1
+        COMPILED.append((self.fn.__name__, shared, time.perf_counter() - t0))
+        if shared > SMEM_LIMIT:  # what the launch would raise on the GPU: the ops' tuners then try the next config
+            from triton.runtime.errors import OutOfResources
+
+            raise OutOfResources(shared, SMEM_LIMIT, "shared memory")
+        return kernel
+
+    JITFunction.run = compile_only
+
+
+def _cases():
+    """(op, name, thunk) per op call; each thunk runs an op's forward and backward host code on CPU tensors."""
+    import torch
+
+    from gem.ops import triton_block, triton_gdpa, triton_jfa
+    from gem.ops.rotary import RopeConfig
+
+    def offsets(lengths):
+        return torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+
+    def qkv(lq, lk, h, hk, d, dtype):
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(sum(lq), h, d, generator=g).to(dtype), torch.randn(sum(lk), hk, d, generator=g).to(dtype),
+                torch.randn(sum(lk), hk, d, generator=g).to(dtype))
+
+    lens = [300, 1, 0, 77, 129]
+    cases = []
+    for variant in triton_jfa.VARIANTS:
+        # bf16 only: ptxas spent minutes on the fp32 (ieee-dot) forward here; the GPU tests cover fp32
+        for d, dtype in ((128, torch.bfloat16), (64, torch.bfloat16)):
+            for left, right in ((-1, -1), (-1, 0), (19, 0)):
+                def jfa(variant=variant, d=d, dtype=dtype, left=left, right=right):
+                    os.environ["GEM_JFA_VARIANT"] = variant
+                    q, k, v = qkv(lens, lens, 4, 2, d, dtype)
+                    off = offsets(lens)
+                    out, lse = triton_jfa._fwd(q, k, v, off, off, 300, 300, 0.1, left, right, False)
+                    triton_jfa._bwd(torch.randn_like(out), q, k, v, out, lse, off, off, 300, 300, 0.1, left, right,
+                                    False)
+                cases.append(("jfa", f"jfa {variant} d={d} {str(dtype)[6:]} window=({left},{right})", jfa))
+    for short, lk in ((1, [9, 4, 0, 30, 1]), (0, [300, 70, 5, 1, 0])):
+        for left, right in ((-1, -1), (-1, 0)):
+            for act, approx in (("gelu_tanh", ""), ("silu", "poly6")):
+                def gdpa(short=short, lk=lk, left=left, right=right, act=act, approx=approx):
+                    q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
+                    oq, ok = offsets(lens), offsets(lk)
+                    args = (oq, ok, 300, max(lk), act, approx, left, right, 0.1, 1.0, True)
+                    out = triton_gdpa._gdpa_fwd(q, k, v, *args, short)
+                    triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
+                cases.append(("gdpa", f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} "
+                                      f"window=({left},{right})", gdpa))
+    for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),
+                                   (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
+                                   (128, torch.float32, RopeConfig(rotary_dim=64), False),
+                                   (96, torch.float32, RopeConfig(rotary_dim=48), True)):
+        def block(d=d, dtype=dtype, rope=rope, causal=causal):
+            q, k, v = qkv(lens, lens, 4, 2, d, dtype)
+            off = offsets(lens)
+            rd = rope.resolve_dim(d) if rope else 0
+            args = (off, 300, 128, causal, 0.1, 10000.0, rd, bool(rope and rope.interleaved))
+            out, lse = triton_block._fwd(q, k, v, *args)
+            triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
+        cases.append(("block", f"block d={d} {str(dtype)[6:]} rope={rope is not None} causal={causal}", block))
+    return cases
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="jfa,gdpa,block", help="comma list of jfa, gdpa, block")
+    ops = set(ap.parse_args().ops.split(","))
+    if not ops <= {"jfa", "gdpa", "block"}:
+        print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block")
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (the GPU config lists are used only without it)")
+        return 2
+    for knob in ("GEM_JFA_AUTOTUNE", "GEM_GDPA_AUTOTUNE", "GEM_BLOCK_AUTOTUNE"):
+        os.environ[knob] = "0"  # first config: no timing (nothing runs)
+    sys.path.insert(0, str(ROOT))
+    _install()
+    failed = []
+    for op, name, thunk in _cases():
+        if op not in ops:
+            continue
+        start = len(COMPILED)
+        t0 = time.perf_counter()
+        try:
+            thunk()
+        except Exception as e:  # noqa: BLE001 - report every case, fail at the end
+            failed.append(name)
+            print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            traceback.print_exc(limit=3)
+            continue
+        kernels = COMPILED[start:]
+        over = sorted({k for k, s, _ in kernels if s > SMEM_LIMIT})
+        smem = max((s for _, s, _ in kernels if s <= SMEM_LIMIT), default=0)
+        note = f"; configs over the shared-memory limit, skipped as on the GPU: {', '.join(over)}" if over else ""
+        print(f"ok   {name}: {len(kernels)} compiles, max shared {smem // 1024} KB, "
+              f"{time.perf_counter() - t0:.1f} s{note}")
+    print(f"compile_check: {len(COMPILED)} kernel compiles for sm_90, {len(failed)} failed case(s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
