@@ -104,8 +104,8 @@ def _cases():
                     args = (oq, ok, 300, max(lk), act, approx, left, right, 0.1, 1.0, True)
                     out = triton_gdpa._gdpa_fwd(q, k, v, *args, short)
                     triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
-                cases.append(("gdpa", f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} "
-                                      f"window=({left},{right})", gdpa))
+                label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
+                cases.append(("gdpa", label, gdpa))
     for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),
                                    (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
                                    (128, torch.float32, RopeConfig(rotary_dim=64), False),
