@@ -199,7 +199,8 @@ kernel_tests() {  # kernel_tests STAGE [NAME...]: tests/ops/test_NAME.py (all wi
     for f in "${files[@]}"; do
         case $f in
             *test_rope.py) budget=50 ;;
-            *test_jfa.py|*test_block.py) budget=${KERNEL_TEST_BUDGET:-240} ;;  # ~200 s each on the H200
+            *test_jfa.py) budget=${KERNEL_TEST_BUDGET:-330} ;;  # > 240 s on a machine that compiles afresh
+            *test_block.py) budget=${KERNEL_TEST_BUDGET:-240} ;;  # ~170 s on the H200
             *) budget=${KERNEL_TEST_BUDGET:-100} ;;
         esac
         # Correctness runs on each kernel's first config (the tuners compile every config per new shape key; the
