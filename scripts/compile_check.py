@@ -126,7 +126,10 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="jfa,gdpa,block", help="comma list of jfa, gdpa, block")
-    ops = set(ap.parse_args().ops.split(","))
+    ap.add_argument("--quick", action="store_true",
+                    help="JFA's auto variant only and bf16 only (the CPU suite's subset, a few minutes cold)")
+    a = ap.parse_args()
+    ops = set(a.ops.split(","))
     if not ops <= {"jfa", "gdpa", "block"}:
         print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block")
         return 2
@@ -139,7 +142,7 @@ def main() -> int:
     _install()
     failed = []
     for op, name, thunk in _cases():
-        if op not in ops:
+        if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto")))):
             continue
         start = len(COMPILED)
         t0 = time.perf_counter()
