@@ -749,26 +749,8 @@ def _gdpa_fwd(
     return out
 
 
-@torch.library.custom_op("gem::gdpa_fwd", mutates_args=())
-def gdpa_fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets_q: torch.Tensor,
-    offsets_k: torch.Tensor,
-    max_len_q: int,
-    max_len_k: int,
-    activation: str,
-    approx: str,
-    left: int,
-    right: int,
-    scale: float,
-    out_scale: float,
-    ordered: bool,
-    short_kv: int,
-) -> torch.Tensor:
-    return _gdpa_fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale,
-                     out_scale, ordered, short_kv)
+# the custom op wraps the annotated function itself (its schema comes from the annotations)
+gdpa_fwd_op = torch.library.custom_op("gem::gdpa_fwd", _gdpa_fwd, mutates_args=())
 
 
 @gdpa_fwd_op.register_fake
@@ -817,26 +799,7 @@ def _gdpa_bwd(
     return dq, dk, dv
 
 
-@torch.library.custom_op("gem::gdpa_bwd", mutates_args=())
-def gdpa_bwd_op(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets_q: torch.Tensor,
-    offsets_k: torch.Tensor,
-    max_len_q: int,
-    max_len_k: int,
-    activation: str,
-    approx: str,
-    left: int,
-    right: int,
-    scale: float,
-    out_scale: float,
-    ordered: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _gdpa_bwd(do, q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, activation, approx, left, right, scale,
-                     out_scale, ordered)
+gdpa_bwd_op = torch.library.custom_op("gem::gdpa_bwd", _gdpa_bwd, mutates_args=())
 
 
 @gdpa_bwd_op.register_fake

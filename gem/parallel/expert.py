@@ -50,8 +50,10 @@ class AllToAllDispatcher:
         local_sizes = [sum(recv_h[r * e_local + e] for r in range(ep)) for e in range(e_local)]
         x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, self.group)
         # received rows are grouped by (src rank, local expert): regroup by local expert, src order kept
+        # output_size from the host counts: repeat_interleave would otherwise sync to learn it
         expert_of_row = torch.repeat_interleave(
-            torch.arange(e_local, device=x_sorted.device).repeat(ep), recv_counts.flatten().to(x_sorted.device)
+            torch.arange(e_local, device=x_sorted.device).repeat(ep), recv_counts.flatten().to(x_sorted.device),
+            output_size=sum(out_splits),
         )
         perm = torch.argsort(expert_of_row, stable=True)
         x_local = x_recv[perm]
