@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -43,3 +44,42 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) 
 
 def padded_to_jagged(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return padded[mask]
+
+
+OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and op: (pass, block) pairs of a few variants and configs
+
+
+def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
+    """build(), computed once per pair of offsets tensors and stored in a dict `attr` on offsets_a.
+
+    Every layer of a model, and its backward, gets the same offsets tensors, so per-batch tables (work orders,
+    tile counts) are built once. A hit needs the same two objects at the same _version (an in-place write
+    misses) on the same CUDA stream. Not cached while compiling, during CUDA graph capture (a hit would freeze the
+    table into the graph), for inference tensors (no version), or with the env knob `knob` set to 0 (writes
+    that bypass the version counter, e.g. through .data, are not seen).
+    """
+    if torch.compiler.is_compiling() or os.environ.get(knob, "1") == "0":
+        return build()
+    stream = None
+    if offsets_a.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return build()
+        stream = torch.cuda.current_stream(offsets_a.device).cuda_stream  # a table is ready on its own stream only
+    try:
+        versions = (offsets_a._version, offsets_b._version)
+        cache = offsets_a.__dict__.get(attr)
+        if cache is None:
+            cache = offsets_a.__dict__[attr] = {}
+    except (AttributeError, RuntimeError, TypeError):
+        return build()
+    full_key = (id(offsets_b), stream) + tuple(key)
+    hit = cache.get(full_key)
+    # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
+    if hit is not None and hit[0]() is offsets_b and hit[1] == versions:
+        return hit[2]
+    value = build()
+    cache.pop(full_key, None)
+    while len(cache) >= OFFSETS_CACHE_MAX:
+        cache.pop(next(iter(cache)))  # oldest first
+    cache[full_key] = (weakref.ref(offsets_b), versions, value)
+    return value

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import triton_interpreting
+from gem.ops._common import offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
 
@@ -461,14 +461,16 @@ def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
 
 
 class _Tables:
-    """Work tables per tile height within one call, so timing a config does not rebuild them."""
+    """Work tables per tile height, built once per offsets tensor (gem.ops._common.offsets_cached): the layers of
+    a model, the backward and the tuner's timed configs reuse them (GEM_BLOCK_WORK_CACHE=0: rebuild per call)."""
 
     def __init__(self, offsets, total):
-        self.offsets, self.total, self.cache = offsets, total, {}
+        self.user, self.offsets, self.total, self.cache = offsets, offsets.to(torch.int32), total, {}
 
     def __call__(self, tile):
         if tile not in self.cache:
-            self.cache[tile] = work_table(self.offsets, tile, self.total)
+            self.cache[tile] = offsets_cached("_gem_block_work", "GEM_BLOCK_WORK_CACHE", self.user, self.user,
+                                              (tile, self.total), lambda: work_table(self.offsets, tile, self.total))
         return self.cache[tile]
 
 
@@ -503,10 +505,10 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0 or offsets.numel() < 2:
         return o.zero_(), lse.zero_()
-    offsets = offsets.to(torch.int32)
+    tables = _Tables(offsets, t)
+    offsets = tables.offsets
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal)
-    tables = _Tables(offsets, t)
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
@@ -526,14 +528,14 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     if t == 0 or offsets.numel() < 2:
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
-    offsets = offsets.to(torch.int32)
+    tables = _Tables(offsets, t)
+    offsets = tables.offsets
     delta = torch.empty_like(lse)
     bt = 16 if triton_interpreting() else 64
     _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
-    tables = _Tables(offsets, t)
 
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     def dkdv(cfg):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import triton_interpreting
+from gem.ops._common import offsets_cached, triton_interpreting
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
@@ -669,6 +669,18 @@ def work_table(
     return table.to(torch.int32).contiguous()
 
 
+def _table(offsets_a, offsets_b, max_len_a, rows, left, right, ordered, transpose, total):
+    """work_table of one pass, built once per offsets pair (gem.ops._common.offsets_cached): the layers of a
+    model and the backward reuse it, so a call launches its kernel alone (GEM_GDPA_WORK_CACHE=0: rebuild)."""
+    def build():
+        la = offsets_a[1:] - offsets_a[:-1]
+        lb = offsets_b[1:] - offsets_b[:-1]
+        return work_table(la, lb, max_len_a, rows, left, right, ordered, transpose=transpose, total=total)
+
+    return offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_a, offsets_b,
+                          (max_len_a, rows, left, right, ordered, transpose, total), build)
+
+
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -726,8 +738,6 @@ def _gdpa_fwd(
     if t == 0 or max_len_q == 0 or h == 0:
         return torch.zeros_like(q)
     out = torch.empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
-    lq = offsets_q[1:] - offsets_q[:-1]
-    lk = offsets_k[1:] - offsets_k[:-1]
     block_m = _fwd_block_m(d)
     kv_tile = _bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
@@ -738,7 +748,7 @@ def _gdpa_fwd(
         # (no more tiles than the longest sequence has: the extra ones would only be skipped)
         while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
             tiles *= 2
-    table = work_table(lq, lk, max_len_q, block_m * tiles, left, right, ordered, total=t)
+    table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
@@ -777,23 +787,22 @@ def _gdpa_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
-        return dq, dk, dv
-    lq = offsets_q[1:] - offsets_q[:-1]
-    lk = offsets_k[1:] - offsets_k[:-1]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # every row lies in some work item's tiles (a sequence with no partners stores zeros), so no memset
+    dq = torch.empty_like(q) if t and max_len_q > 0 else torch.zeros_like(q)
+    dk = torch.empty_like(k) if k.shape[0] and max_len_k > 0 else torch.zeros_like(k)
+    dv = torch.empty_like(v) if k.shape[0] and max_len_k > 0 else torch.zeros_like(v)
     block_m, block_n = _blocks(d)
     common = _common(q, k, left, right, activation, approx)
     if k.shape[0] and max_len_k > 0:
-        ktab = work_table(lk, lq, max_len_k, block_n, left, right, ordered, transpose=True, total=k.shape[0])
+        ktab = _table(offsets_k, offsets_q, max_len_k, block_n, left, right, ordered, True, k.shape[0])
         args = _launch_args(
             (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
         )
         _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
     if t and max_len_q > 0:
-        qtab = work_table(lq, lk, max_len_q, block_m, left, right, ordered, total=t)
+        qtab = _table(offsets_q, offsets_k, max_len_q, block_m, left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
         _bwd_dq[(qtab.shape[0] * h,)](*args, BLOCK_M=block_m, **common)
     return dq, dk, dv

@@ -21,13 +21,12 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import triton_interpreting
+from gem.ops._common import OFFSETS_CACHE_MAX, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 
 LOG2E = 1.4426950408889634
@@ -592,45 +591,15 @@ def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, righ
     return torch.sort(keys, descending=True).values, nt
 
 
-_WORK_CACHE_MAX = 16  # entries per offsets tensor: (pass, block) pairs of a few variants and configs
+_WORK_CACHE_MAX = OFFSETS_CACHE_MAX
 
 
 def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
-    """_work_keys for one pass, built once per offsets tensor pair.
-
-    Every layer of a model, and its backward, gets the same offsets tensors: the table is stored in a dict on
-    offsets_a and reused while both tensors are the same objects at the same _version (an in-place write misses).
-    Not cached while compiling, during CUDA graph capture (a hit would freeze the table into the graph) or with
-    GEM_JFA_WORK_CACHE=0 (writes that bypass the version counter, e.g. through .data, are not seen).
-    """
-    def build():
-        return _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side)
-
-    if torch.compiler.is_compiling() or os.environ.get("GEM_JFA_WORK_CACHE", "1") == "0":
-        return build()
-    stream = None
-    if offsets_a.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
-            return build()
-        stream = torch.cuda.current_stream(offsets_a.device).cuda_stream  # a table is ready on its own stream only
-    try:
-        versions = (offsets_a._version, offsets_b._version)  # inference tensors have none: no cache
-        cache = offsets_a.__dict__.get("_gem_jfa_work")
-        if cache is None:
-            cache = offsets_a._gem_jfa_work = {}
-    except (AttributeError, RuntimeError, TypeError):
-        return build()
-    key = (id(offsets_b), stream, q_side, max_len_a, block, left, right)
-    hit = cache.get(key)
-    # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
-    if hit is not None and hit[0]() is offsets_b and hit[1] == versions:
-        return hit[2]
-    table = build()
-    cache.pop(key, None)
-    while len(cache) >= _WORK_CACHE_MAX:
-        cache.pop(next(iter(cache)))  # oldest first
-    cache[key] = (weakref.ref(offsets_b), versions, table)
-    return table
+    """_work_keys for one pass, built once per offsets tensor pair (gem.ops._common.offsets_cached; knob
+    GEM_JFA_WORK_CACHE=0 turns the cache off)."""
+    return offsets_cached("_gem_jfa_work", "GEM_JFA_WORK_CACHE", offsets_a, offsets_b,
+                          (q_side, max_len_a, block, left, right),
+                          lambda: _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side))
 
 
 # Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.

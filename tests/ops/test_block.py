@@ -321,3 +321,26 @@ def test_gpu_config_lists(monkeypatch, block_size):
             assert {c[:2] for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tb.configs("fwd", 512) == [(16, 16, 4, 1)]
+
+
+def test_work_tables_built_once_per_offsets(monkeypatch):
+    # layers share offsets: the forward's and backward's tables are built once and reused by later calls;
+    # an in-place write to the offsets rebuilds them (and the result stays right)
+    from gem.ops import triton_block
+
+    built = []
+    real = triton_block.work_table
+    monkeypatch.setattr(triton_block, "work_table", lambda *a: built.append(a[1]) or real(*a))
+    lengths = [40, 1, 0, 23]
+    q, k, v, _, off = _inputs(lengths, 2, 2, 32, torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    for _ in range(3):
+        block_attention(q, k, v, off, 40, block_size=16, kernel="triton").sum().backward()
+    n = len(built)
+    assert 1 <= n <= 3  # one per distinct tile height (fwd, dK/dV, dQ), not per call
+    new = [23, 40, 0, 1]
+    off.copy_(_offsets(new))
+    out = block_attention(q, k, v, off, 40, block_size=16, kernel="triton")
+    assert len(built) > n
+    ref = block_attention_reference(q, k, v, off, 40, block_size=16)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=2e-5)

@@ -358,3 +358,33 @@ def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
     q, k, v, oq, mq, ok, mk = _inputs([5], [3])
     with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+
+
+def test_work_tables_built_once_per_offsets(monkeypatch):
+    # the layers of a model share offsets: one table per pass, reused by later calls and the backward;
+    # an in-place write to the offsets (a new batch in the same buffer) rebuilds them and stays correct
+    from gem.ops import triton_gdpa
+
+    built = []
+    real = triton_gdpa.work_table
+    monkeypatch.setattr(triton_gdpa, "work_table", lambda *a, **kw: built.append(a[3]) or real(*a, **kw))
+    lq, lk = [40, 0, 17, 33], [9, 5, 0, 30]
+    q, k, v, oq, mq, ok, mk = _inputs(lq, lk)
+    counts = []
+    for _ in range(3):
+        out = gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
+        out.sum().backward()
+        counts.append(len(built))
+    # fwd, dK/dV, dQ (the forward's and dQ's coincide when they tile q alike), then no more
+    assert counts[0] in (2, 3) and counts[1] == counts[2] == counts[0]
+    new_lq = [17, 33, 40, 0]
+    oq.copy_(_offsets(new_lq))
+    _check(new_lq, lk)  # fresh tensors: builds its own tables
+    out = gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
+    assert len(built) > 2 * counts[0]  # the write bumped oq's version: rebuilt
+    ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
+    _close(out, ref, torch.float32, "out after an in-place offsets write")
+    monkeypatch.setenv("GEM_GDPA_WORK_CACHE", "0")
+    n = len(built)
+    gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
+    assert len(built) == n + 1

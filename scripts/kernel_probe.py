@@ -1,0 +1,139 @@
+"""Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
+
+    python scripts/kernel_probe.py [--cases gdpa,jfa,block] [--iters 20]
+
+For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
+calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
+kernel, the host (launch gaps) or small helper kernels (work tables, offsets checks) dominate. Bench shapes as in
+scripts/bench (bf16, H 4, D 128, ~64K tokens). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from scripts.bench.common import bench_ms, jagged_lengths, offsets_of  # noqa: E402
+
+H, D = 4, 128
+
+
+def _qkv(lq, lk, dtype=torch.bfloat16):
+    tq, tk = int(lq.sum()), int(lk.sum())
+    q = torch.randn(tq, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(tk, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(tk, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v, offsets_of(lq), int(lq.max()), offsets_of(lk), int(lk.max())
+
+
+def _gdpa_cases():
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    for n, causal, approx in ((512, True, None), (512, False, None), (512, True, "poly6"), (2048, True, None)):
+        lq = jagged_lengths(n, 65536, seed=n)
+        q, k, v, oq, mq, ok, mk = _qkv(lq, lq)
+        name = f"gdpa self silu N={n} {'causal' if causal else 'full'}{' poly6' if approx else ''}"
+        out.append((name, (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, causal=causal, approx=approx:
+                    gdpa(q, k, v, oq, mq, ok, mk, activation="silu", causal=causal, approx=approx, kernel="triton")))
+    lq = jagged_lengths(256, 8 * 65536, seed=256)
+    g = torch.Generator().manual_seed(64)
+    lk = torch.randint(1, 65, (lq.numel(),), generator=g).to("cuda")
+    q, k, v, oq, mq, ok, mk = _qkv(lq, lk)
+    out.append(("gdpa cross gelu_tanh N=256 M=64", (q, k, v), lambda: gdpa(
+        q, k, v, oq, mq, ok, mk, activation="gelu_tanh", kernel="triton")))
+    return out
+
+
+def _jfa_cases():
+    from gem.ops.jfa import jagged_attention
+
+    out = []
+    for n, causal in ((1024, True), (1024, False)):
+        lq = jagged_lengths(n, 131072, seed=n)
+        q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+        out.append((f"jfa N={n} {'causal' if causal else 'full'}", (q, k, v),
+                    lambda q=q, k=k, v=v, oq=oq, mq=mq, causal=causal:
+                    jagged_attention(q, k, v, oq, mq, causal=causal, kernel="triton")))
+    lq = jagged_lengths(16384, 65536, low=8192, seed=16384)
+    q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+    out.append(("swa w512 N=16384", (q, k, v), lambda: jagged_attention(q, k, v, oq, mq, window=(511, 0),
+                                                                      kernel="triton")))
+    return out
+
+
+def _block_cases():
+    from gem.ops.block import block_attention
+    from gem.ops.rotary import RopeConfig
+
+    out = []
+    for n in (1024, 8192):
+        lq = jagged_lengths(n, 65536, low=n // 2, seed=n)
+        q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+        out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
+            q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
+    return out
+
+
+CASES = {"gdpa": _gdpa_cases, "jfa": _jfa_cases, "block": _block_cases}
+
+
+def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    tot: dict[str, float] = defaultdict(float)
+    cnt: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            tot[ev.name] += ev.device_time
+            cnt[ev.name] += 1
+    rows = sorted(((n[:70], t / iters, cnt[n] // iters) for n, t in tot.items()), key=lambda r: -r[1])
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="gdpa,jfa,block")
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_probe: needs CUDA")
+        return 2
+    for group in a.cases.split(","):
+        for name, inputs, fwd in CASES[group]():
+            def both(fwd=fwd, inputs=inputs):
+                o = fwd()
+                torch.autograd.grad(o, inputs, torch.ones_like(o))
+
+            try:
+                fwd()  # compile / tune outside the timing
+                both()
+                f_ms, fb_ms = bench_ms(fwd), bench_ms(both)
+                print(f"\n## {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms (events)")
+                for label, fn in (("fwd", fwd), ("fwd+bwd", both)):
+                    rows = _kernel_table(fn, a.iters)
+                    dev = sum(r[1] for r in rows) / 1000
+                    print(f"{label}: device {dev:.3f} ms per call in {sum(r[2] for r in rows)} kernels")
+                    for kname, us, c in rows[:8]:
+                        print(f"   {us:9.1f} us  x{c:<3d} {kname}")
+            except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
+                print(f"\n## {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
