@@ -103,7 +103,7 @@ def _cases():
                     oq, ok = offsets(lens), offsets(lk)
                     args = (oq, ok, 300, max(lk), act, approx, left, right, 0.1, 1.0, True)
                     out = triton_gdpa._gdpa_fwd(q, k, v, *args, short)
-                    triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
+                    triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args, short)
                 label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
                 cases.append(("gdpa", label, gdpa))
     for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),

@@ -227,7 +227,8 @@ def gdpa(
     causal / window: FlashAttention semantics, bottom-right aligned when Lq != Lk (see module doc).
     scale: defaults to 1/sqrt(D). normalize: None, "max_len_k" (divide by max_len_k, as HSTU) or a divisor.
     kernel: "auto" | "triton" | "reference". ordered: Triton work items longest first (load balance);
-    short_kv: force (True/False) the whole-K/V-in-SRAM forward path; None picks by max_len_k.
+    short_kv: force (True/False) the short-K/V paths (forward: whole K/V in one tile; backward: one pass per
+    sequence when that tile also holds fp32 dK/dV); None picks by max_len_k and D.
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)

@@ -4,8 +4,10 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   self   SiLU, causal, lengths ~ U[1, N], N 512..4096
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
-Each of ours also runs with approx="poly6"; the cross case also with the short-K/V path forced off, and with
-64-row q tiles in the forward (GEM_GDPA_FWD_BLOCK_M=64; the backward is unchanged).
+Each of ours also runs with approx="poly6"; the cross case also with the short-K/V paths forced off (the tiled
+forward and the two-pass backward), and with 64-row q tiles in the forward (GEM_GDPA_FWD_BLOCK_M=64; the backward
+is unchanged). Work tables are cached per offsets tensor, as in a model whose layers share one batch's offsets:
+after the first call a timed call launches only its kernels.
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them); the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
