@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--ops", default="jfa,gdpa,block", help="comma list of jfa, gdpa, block")
     ap.add_argument("--quick", action="store_true",
                     help="JFA's auto variant only and bf16 only (the CPU suite's subset, a few minutes cold)")
+    ap.add_argument("--match", default="", help="only the cases whose label contains this text (e.g. 'jfa ds')")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
     if not ops <= {"jfa", "gdpa", "block"}:
@@ -143,6 +144,8 @@ def main() -> int:
     failed = []
     for op, name, thunk in _cases():
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto")))):
+            continue
+        if a.match and a.match not in name:
             continue
         start = len(COMPILED)
         t0 = time.perf_counter()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from scripts.bench.common import bench_ms, jagged_lengths, offsets_of  # noqa: E402
+from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
 
 H, D = 4, 128
 
