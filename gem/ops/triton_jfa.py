@@ -357,9 +357,9 @@ def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, col, stride_qt, stride_dot, m,
-               offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, ds_base, stride_dst, desc_ds,
-               ds_col, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
-               ROWMAJOR: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr):
+               offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
+               ROWMAJOR: tl.constexpr, TMA: tl.constexpr):
     rows = m + offs_m
     in_q = rows < Lq
     if TMA:  # rows >= Lq come back as zeros
@@ -387,14 +387,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
     dpT = _mm(v, tl.trans(do), DOT_PREC)
     if ROWMAJOR:
         dv = _mm_acc(pT.to(do.dtype), do, dv, DOT_PREC)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-        dk = _mm_acc(dsT, q, dk, DOT_PREC)
-        if STORE_DS:  # for the dQ GEMM (_jfa_bwd_dq_ds_kernel): dS[row, head, col]
-            if TMA:  # one bulk copy per tile; the copy engine drops rows >= Lq
-                desc_ds.store([m, ds_col], tl.trans(dsT))
-            else:  # element stores, transposed: slow, for the pointer-load form only
-                tl.store(ds_base + rows[None, :].to(tl.int64) * stride_dst + offs_n[:, None], dsT,
-                         mask=in_q[None, :] & (offs_n[:, None] < Lk))
+        dsT = pT * (dpT - delta[None, :])
+        dk = _mm_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
     else:
         dv += _mm(pT.to(do.dtype), do, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
@@ -403,13 +397,13 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
 
 
 @triton.jit
-def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK, DS,
+def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh, stride_dst, stride_dsh,
+                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                          qk_scale, sm_scale, win_left, win_right, NT,
                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, STORE_DS: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
@@ -445,37 +439,27 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK, D
         desc_do = tl.make_tensor_descriptor(DO + q_start.to(tl.int64) * stride_dot + kvh * GROUP * stride_doh,
                                             shape=[tl.maximum(Lq, 1), GROUP * HEAD_D], strides=[stride_dot, 1],
                                             block_shape=[BLOCK_M, HEAD_D])
-    desc_ds = None
-    if STORE_DS and TMA:  # over the group's heads, like desc_q: made once; stride_dsh (the row width) >= n0 + BN
-        desc_ds = tl.make_tensor_descriptor(DS + q_start.to(tl.int64) * stride_dst + kvh * GROUP * stride_dsh,
-                                            shape=[tl.maximum(Lq, 1), GROUP * stride_dsh], strides=[stride_dst, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N])
     for g in range(GROUP):
         h = kvh * GROUP + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
         lse_base = LSE2 + h * stride_lh + q_start
         delta_base = DELTA + h * stride_lh + q_start
-        ds_base = DS + h.to(tl.int64) * stride_dsh + q_start.to(tl.int64) * stride_dst
-        ds_col = g * stride_dsh + n0
         for t in range(k_lo):  # rows still left of the causal / right-window edge
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
                                 g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, ds_base, stride_dst, desc_ds, ds_col, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA,
-                                STORE_DS)
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_lo, k_hi):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
                                 g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, ds_base, stride_dst, desc_ds, ds_col, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA,
-                                STORE_DS)
+                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_hi, n_t):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
                                 g * HEAD_D, stride_qt, stride_dot,
                                 lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, ds_base, stride_dst, desc_ds, ds_col, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA,
-                                STORE_DS)
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=in_k[:, None])
@@ -592,58 +576,6 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
              dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
 
 
-@triton.jit
-def _dq_ds_tile(dq, ds_base, stride_dst, k_base, stride_kt, n, offs_m, offs_n, offs_d, in_q, shift, Lk, win_left,
-                win_right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    cols = n + offs_n
-    in_k = cols < Lk
-    k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-    ds = tl.load(ds_base + offs_m[:, None].to(tl.int64) * stride_dst + cols[None, :],
-                 mask=in_q[:, None] & in_k[None, :], other=0.0)
-    if MASKED:  # entries outside the window were never written: select, so stale memory cannot leak in
-        ds = tl.where(_vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, False), ds, 0.0)
-    return _mm_acc(ds.to(k.dtype), k, dq, DOT_PREC)
-
-
-@triton.jit
-def _jfa_bwd_dq_ds_kernel(DS, K, DQ, OFF_Q, OFF_K, WORK, stride_dst, stride_dsh, stride_kt, stride_kh, stride_dqt,
-                          stride_dqh, sm_scale, win_left, win_right, NT,
-                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
-                          HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    """dQ = dS @ K over the visible key tiles, from the dS that the dK/dV pass stored: one matmul per tile pair
-    instead of recomputing S, P and dP (three). Same work table and tile runs as _jfa_bwd_dq_kernel."""
-    item, h = _program_item(WORK, H_GRID, True)
-    if item < 0:
-        return
-    b = item // NT
-    m0 = (item % NT) * BLOCK_M
-    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
-    shift = Lk - Lq
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    in_q = offs_m < Lq
-    ds_base = DS + h.to(tl.int64) * stride_dsh + q_start.to(tl.int64) * stride_dst
-    k_base = K + k_start.to(tl.int64) * stride_kt + (h // GROUP) * stride_kh
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    for t in range(k_lo):
-        dq = _dq_ds_tile(dq, ds_base, stride_dst, k_base, stride_kt, lo + t * BLOCK_N, offs_m, offs_n, offs_d, in_q,
-                         shift, Lk, win_left, win_right, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    for t in range(k_lo, k_hi):  # every entry visible, hence written (keys past Lk load as zeros)
-        dq = _dq_ds_tile(dq, ds_base, stride_dst, k_base, stride_kt, lo + t * BLOCK_N, offs_m, offs_n, offs_d, in_q,
-                         shift, Lk, win_left, win_right, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    for t in range(k_hi, n_t):
-        dq = _dq_ds_tile(dq, ds_base, stride_dst, k_base, stride_kt, lo + t * BLOCK_N, offs_m, offs_n, offs_d, in_q,
-                         shift, Lk, win_left, win_right, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    dq = dq * sm_scale
-    tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
-
-
 # ----------------------------------------------------------------------------------------------- host side
 
 
@@ -682,24 +614,11 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
 #             fused into the dQ pass (which runs first), lean masks on edge tiles
 #   tma       rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V, dQ pass
 #             K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
-#   ds        tma, with a third backward form: delta from the preprocessing kernel, the dK/dV pass also stores dS
-#             ([Tq, H, max_len_k] in q's dtype, its visited tiles, by TMA), and dQ = dS @ K is a GEMM pass
-#             over the same visible tiles: one matmul per tile pair instead of recomputing S, P and dP. Only while
-#             dS fits GEM_JFA_DS_BUDGET_MB (default 1024); otherwise the tma backward
 # Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned or their heads not
 # adjacent (_tma_ok), on the CPU too, so that the interpreter runs what the GPU runs.
 # The sweep also measured the first forward kernel and a persistent-grid forward; neither won anywhere, so both
 # were removed. Work tables are cached on the offsets tensor (_cached_table): layers and the backward share them.
-VARIANTS = ("auto", "base", "rowmajor", "tma", "ds")
-
-
-# Tests set this to NaN: entries of dS that the dK/dV pass does not write must never reach dQ.
-_DS_POISON: float | None = None
-
-
-def _ds_budget_bytes() -> int:
-    """Most bytes the "ds" backward may hold for dS ([Tq, H, max_len_k]); above it the dQ pass recomputes."""
-    return int(float(os.environ.get("GEM_JFA_DS_BUDGET_MB", "1024")) * 2**20)
+VARIANTS = ("auto", "base", "rowmajor", "tma")
 
 # auto backward: "base" from this max_len_q up (H200, D=128: 329 vs 314 TFLOP/s full and 267 vs 243 causal at
 # N=4096; v2 wins at N=1024 causal, 124 vs 96). A module constant so that tests can move it.
@@ -788,7 +707,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     var = variant()
     if var == "auto":
         var = _auto_choice("fwd", max_len_q, left, right)
-    tma = var in ("tma", "ds") and _tma_ok(k, v)
+    tma = var == "tma" and _tma_ok(k, v)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
@@ -823,20 +742,13 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     var = variant()
     if var == "auto":
         var = _auto_choice("bwd", max_len_q, left, right)
-    ds_cols = -(-max(max_len_k, 1) // 128) * 128  # dS [Tq, H, cols]: no dK/dV tile crosses into the next head
-    store_ds = var == "ds" and h * tq * ds_cols * q.element_size() <= _ds_budget_bytes()
-    if var == "ds" and not store_ds:
-        var = "tma"  # dS would not fit the budget: recompute it in the dQ pass
     v2 = var != "base"
-    tma = var in ("tma", "ds") and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
+    tma = var == "tma" and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
     lse2 = lse * LOG2E
-    ds = q.new_empty((tq, h, ds_cols)) if store_ds else dq  # unused (STORE_DS off) unless stored
-    if store_ds and _DS_POISON is not None:
-        ds.fill_(_DS_POISON)
-    if not v2 or store_ds:  # delta first: the dK/dV pass runs first
+    if not v2:
         pre_block = 16 if triton_interpreting() else 128
         _jfa_bwd_pre_kernel[(triton.cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
@@ -853,21 +765,11 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
             work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
             grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
             _jfa_bwd_dkdv_kernel[grid_k](
-                q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k, ds,
+                q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                 do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-                ds.stride(0) if store_ds else 0, ds.stride(1) if store_ds else 0,
                 scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
-                H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages,
-                STORE_DS=store_ds, **common)
-
-        def dq_from_ds():
-            work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
-            _jfa_bwd_dq_ds_kernel[(work_q.numel() * h,)](
-                ds, k, dq, offsets_q, offsets_k, work_q, ds.stride(0), ds.stride(1), k.stride(0), k.stride(1),
-                dq.stride(0), dq.stride(1), scale, max(left, 0), max(right, 0), nt_q,
-                H_GRID=h, GROUP=group, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, DOT_PREC=_dot_prec(q.dtype),
-                BLOCK_M=bm2, BLOCK_N=bn2, HEAD_D=d, num_warps=warps, num_stages=stages)
+                H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
         def dq_pass():
             work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
@@ -881,18 +783,14 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
                 BLOCK_M=bm2, BLOCK_N=bn2,
                 num_warps=warps, num_stages=stages, **common)
 
-        if store_ds:  # dK/dV stores dS, from which the dQ GEMM reads
-            dkdv()
-            dq_from_ds()
-        elif v2:  # the dQ pass writes delta, which dK/dV reads
+        if v2:  # the dQ pass writes delta, which dK/dV reads
             dq_pass()
             dkdv()
         else:
             dkdv()
             dq_pass()
 
-    key = ("base" if not v2 else ("v2-ds" if store_ds else "v2") + ("-tma" if tma else ""), d, q.dtype,
-           _len_bucket(max_len_q),
+    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
            _len_bucket(max_len_k), left, right, group)
     launch(_TUNER.pick("bwd", key, _bwd_configs(d, "v2" if v2 else "base"), launch, q.device))
     return dq, dk, dv

@@ -244,17 +244,13 @@ VARIANT_CASES = [
 
 
 # every case on every variant but auto (the default elsewhere in this file)
-_VARIANT_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma", "ds") for c in VARIANT_CASES]
+_VARIANT_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma") for c in VARIANT_CASES]
 
 
 @pytest.mark.parametrize("variant,case", _VARIANT_PARAMS,
                          ids=[f"{v}-" + "-".join(f"{k}={x}" for k, x in c.items()) for v, c in _VARIANT_PARAMS])
 def test_variants_match_reference(variant, case, monkeypatch):
-    from gem.ops import triton_jfa
-
     monkeypatch.setenv("GEM_JFA_VARIANT", variant)
-    # dS entries the dK/dV pass leaves unwritten must never reach dQ: start from NaN memory
-    monkeypatch.setattr(triton_jfa, "_DS_POISON", float("nan"))
     case = dict(case)
     lens, lens_k = case.pop("lens"), case.pop("lens_k", None)
     shape = {k: case.pop(k) for k in ("h", "h_kv", "d", "dtype") if k in case}
@@ -264,15 +260,12 @@ def test_variants_match_reference(variant, case, monkeypatch):
     _check(got, want, shape.get("dtype", torch.float32))
 
 
-@pytest.mark.parametrize("variant", ["tma", "ds"])
-def test_tma_needs_adjacent_heads_and_falls_back(variant, monkeypatch):
+def test_tma_needs_adjacent_heads_and_falls_back(monkeypatch):
     """Heads that are not adjacent in memory (a slice of a wider tensor) cannot share one descriptor: the tma
-    variants then take pointer loads (ds: and element stores of dS), and still match the reference."""
-    from gem.ops import triton_jfa
+    variant then takes pointer loads, and still matches the reference."""
     from gem.ops.triton_jfa import _tma_ok
 
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
-    monkeypatch.setattr(triton_jfa, "_DS_POISON", float("nan"))
+    monkeypatch.setenv("GEM_JFA_VARIANT", "tma")
     lens = [13, 0, 6]
     g = torch.Generator().manual_seed(5)
     wide = [torch.randn(sum(lens), 4, 32, generator=g) for _ in range(3)]
@@ -283,7 +276,7 @@ def test_tma_needs_adjacent_heads_and_falls_back(variant, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("variant", ["rowmajor", "tma", "ds"])
+@pytest.mark.parametrize("variant", ["rowmajor", "tma"])
 def test_variants_large_negative_scores(variant, monkeypatch):
     """The subtraction scheme's cancellation fallback in the v2 forward, and the v2 backward's clamp."""
     monkeypatch.setenv("GEM_JFA_VARIANT", variant)
@@ -302,7 +295,7 @@ def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
     off = _offsets(lens)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     results = {}
-    for variant in ["base", "tma", "tma", "ds", "ds"]:
+    for variant in ["base", "tma", "tma"]:
         monkeypatch.setenv("GEM_JFA_VARIANT", variant)
         out = jagged_attention(q, k, v, off, 33, causal=True, kernel="triton")
         res = (out, *torch.autograd.grad(out, (q, k, v), g))
@@ -310,36 +303,8 @@ def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
             for a, b in zip(results[variant], res):
                 assert torch.equal(a, b)
         results[variant] = res
-    for a, b, c in zip(results["base"], results["tma"], results["ds"]):
+    for a, b in zip(results["base"], results["tma"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
-
-
-def test_ds_backward_over_budget_recomputes(monkeypatch):
-    """The "ds" backward stores dS only within GEM_JFA_DS_BUDGET_MB; above it the dQ pass recomputes dS (same
-    gradients either way), and the stored form really runs its dQ GEMM when dS fits."""
-    from gem.ops import triton_jfa
-
-    monkeypatch.setenv("GEM_JFA_VARIANT", "ds")
-    lens = [30, 0, 12]
-    q, k, v = _inputs(lens, h=2, h_kv=1)
-    launched = []
-    real = triton_jfa._jfa_bwd_dq_ds_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_jfa, "_jfa_bwd_dq_ds_kernel", Spy())
-    stored, want = _run(q, k, v, lens, causal=True)
-    n = len(launched)
-    assert n >= 1
-    monkeypatch.setenv("GEM_JFA_DS_BUDGET_MB", "0")
-    recomputed, _ = _run(q, k, v, lens, causal=True)
-    assert len(launched) == n  # over budget: no dQ GEMM
-    for got in (stored, recomputed):
-        _check(got, want, torch.float32)
 
 
 def test_auto_choice():
@@ -643,7 +608,6 @@ _GPU_MASKS = [(False, None), (True, None), (False, 256), (False, (100, 30))]
 # on the masks whose code differs most
 _GPU_PARAMS = [(v, d, c, w) for v in ("auto", "base", "tma") for d in (64, 128) for c, w in _GPU_MASKS]
 _GPU_PARAMS += [("rowmajor", 128, c, w) for c, w in _GPU_MASKS[1::2]]
-_GPU_PARAMS += [("ds", d, c, w) for d in (64, 128) for c, w in _GPU_MASKS]  # dS stored, dQ as a GEMM
 
 
 @gpu
@@ -671,7 +635,7 @@ def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["auto", "base", "tma", "ds"])
+@pytest.mark.parametrize("variant", ["auto", "base", "tma"])
 def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
     _need_gpu()
     monkeypatch.setenv("GEM_JFA_VARIANT", variant)
@@ -688,7 +652,7 @@ def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["base", "tma", "ds"])
+@pytest.mark.parametrize("variant", ["base", "tma"])
 def test_gpu_variants_every_config(variant, monkeypatch):
     """Every config in the lists compiles and matches (the tuner would silently drop one that fails)."""
     _need_gpu()
