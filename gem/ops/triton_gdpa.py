@@ -685,15 +685,17 @@ def _blocks(d: int) -> tuple[int, int]:
     return 128, (64 if d > 64 else 128)
 
 
-def _fwd_block_m(d: int) -> int:
-    """The forward's q tile height: _blocks's, or GEM_GDPA_FWD_BLOCK_M (16..128, a power of two) to time others.
+def _fwd_block_m(d: int, kv_tile: int = 0) -> int:
+    """The forward's q tile height, or GEM_GDPA_FWD_BLOCK_M (16..128, a power of two) to time others.
 
-    A 128-row tile at D 128 holds a 64 KB fp32 accumulator: one program per SM. 64 rows allow two, which may
-    hide more load latency on short K/V (docs/PERF.md, GDPA roofline); the benchmark times both.
+    A 128-row tile at D 128 holds a 64 KB fp32 accumulator: one program per SM. On the short-K/V path with up to
+    64 keys (kv_tile), 64-row tiles were faster on the H200 (cross N256 M64: 0.49 vs 0.58 ms, and 0.61 vs 0.68 in
+    the session before; docs/PERF.md); longer K/V keeps 128 (the tiled path at M 256: 1.77 vs 1.23 ms).
     """
     env = os.environ.get("GEM_GDPA_FWD_BLOCK_M")
     if not env:
-        return _blocks(d)[0]
+        rows = _blocks(d)[0]
+        return min(rows, 64) if 0 < kv_tile <= 64 else rows
     if env not in ("16", "32", "64", "128"):
         raise ValueError(f"GEM_GDPA_FWD_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
     return int(env)
@@ -842,9 +844,9 @@ def _gdpa_fwd(
     if t == 0 or max_len_q == 0 or h == 0:
         return torch.zeros_like(q)
     out = torch.empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
-    block_m = _fwd_block_m(d)
     kv_tile = _bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
+    block_m = _fwd_block_m(d, kv_tile if use_short else 0)
     tiles = 1
     if use_short:
         # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
