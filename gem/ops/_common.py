@@ -83,3 +83,46 @@ def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: tor
         cache.pop(next(iter(cache)))  # oldest first
     cache[full_key] = (weakref.ref(offsets_b), versions, value)
     return value
+
+
+def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, device: torch.device | None = None):
+    """One clear error for offsets that would make a kernel read out of bounds or silently drop work.
+
+    Shape and dtype (and device, when given) are checked on the host. The contents (offsets[0] == 0,
+    non-decreasing, offsets[-1] <= rows, every length <= max_len) are checked on the CPU directly and on the GPU
+    with asynchronous device asserts (no host sync). Done once per offsets tensor, version and (rows, max_len):
+    every layer of a model passes the same offsets. (Inference tensors have no version: checked every time.)
+    """
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D tensor [B+1]")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if device is not None and offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
+    if torch.compiler.is_compiling():
+        return
+    try:
+        version = offsets._version
+    except RuntimeError:
+        version = None
+    key = (version, int(rows), int(max_len))
+    if version is not None and offsets.__dict__.get("_gem_offsets_checked") == key:
+        return
+    lengths = offsets[1:] - offsets[:-1]
+    if offsets.device.type == "cpu":
+        if int(offsets[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise ValueError(f"{name} must be non-decreasing (sequence {int(lengths.argmin())} has a negative length)")
+        if int(offsets[-1]) > rows:
+            raise ValueError(f"{name} ends at {int(offsets[-1])}, past the {rows} rows of the values")
+        if lengths.numel() and int(lengths.max()) > max_len:
+            raise ValueError(f"a sequence of {name} has {int(lengths.max())} rows, more than max_len={max_len}")
+    else:  # no host sync on the GPU: the asserts fire asynchronously
+        torch._assert_async(offsets[0] == 0, f"{name} must start at 0")
+        torch._assert_async(offsets[-1] <= rows, f"{name} ends past the {rows} rows of the values")
+        if lengths.numel():
+            torch._assert_async(lengths.min() >= 0, f"{name} must be non-decreasing")
+            torch._assert_async(lengths.max() <= max_len, f"a sequence of {name} is longer than max_len={max_len}")
+    if version is not None:
+        offsets._gem_offsets_checked = key

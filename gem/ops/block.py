@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from gem.ops._common import jagged_to_padded, padded_to_jagged, resolve_kernel
+from gem.ops._common import check_offsets, jagged_to_padded, padded_to_jagged, resolve_kernel
 from gem.ops.rotary import RopeConfig, rope_reference
 
 
@@ -34,6 +34,7 @@ def _validate(q, k, v, offsets, max_len, block_size, rope, scale):
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     if max_len < 0:
         raise ValueError(f"max_len={max_len} must be >= 0")
+    check_offsets("offsets", offsets, t, max_len, q.device)
     if rope is not None:
         if not isinstance(rope, RopeConfig):
             raise TypeError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")

@@ -10,8 +10,9 @@ Masks, with i the query position and j the key position inside one sequence, and
   window=w (int):    causal left window, same as causal=True, window=(w, 0)
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
 
-`max_len_q` / `max_len_k` must be >= every sequence length: this is the caller's promise and is not checked
-on the GPU (checking would synchronise with the host). A too-small max_len silently drops work.
+`max_len_q` / `max_len_k` must be >= every sequence length, and the offsets must start at 0, not decrease and
+end within the rows of q / k: checked on the CPU, and on the GPU by asynchronous device asserts (no host sync),
+once per offsets tensor and version (gem.ops._common.check_offsets).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 
 import torch
 
-from gem.ops._common import jagged_to_padded, resolve_kernel
+from gem.ops._common import check_offsets, jagged_to_padded, resolve_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -47,32 +48,6 @@ def _norm_window(causal: bool, window) -> tuple[int, int]:
     return left, right
 
 
-def _check_offsets(name: str, offsets: torch.Tensor, device: torch.device) -> None:
-    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D tensor [B+1]")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
-    if offsets.device != device:
-        raise ValueError(f"{name} is on {offsets.device} but q is on {device}")
-    if torch.compiler.is_compiling():
-        return
-    # Checked once per offsets tensor and version: every layer passes the same offsets, and on the GPU each check
-    # costs kernel launches. (Inference tensors have no version: checked every time.)
-    try:
-        version = offsets._version
-    except RuntimeError:
-        version = None
-    if version is not None and offsets.__dict__.get("_gem_offsets_checked") == version:
-        return
-    if offsets.device.type == "cpu":
-        if int(offsets[0]) != 0:
-            raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
-    else:  # no host sync on the GPU: the check fires asynchronously
-        torch._assert_async(offsets[0] == 0, f"{name} must start at 0")
-    if version is not None:
-        offsets._gem_offsets_checked = version
-
-
 def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -89,15 +64,15 @@ def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if k.device != q.device or v.device != q.device:
         raise ValueError("q, k, v must be on one device")
-    _check_offsets("offsets_q", offsets_q, q.device)
     if not isinstance(max_len_q, int) or max_len_q < 0:
         raise ValueError(f"max_len_q must be an int >= 0, got {max_len_q!r}")
+    check_offsets("offsets_q", offsets_q, q.shape[0], max_len_q, q.device)
     if offsets_k is not None:
-        _check_offsets("offsets_k", offsets_k, q.device)
-        if offsets_k.numel() != offsets_q.numel():
-            raise ValueError(f"offsets_q has {offsets_q.numel() - 1} sequences, offsets_k {offsets_k.numel() - 1}")
         if not isinstance(max_len_k, int) or max_len_k < 0:
             raise ValueError(f"max_len_k must be an int >= 0 for cross attention, got {max_len_k!r}")
+        check_offsets("offsets_k", offsets_k, k.shape[0], max_len_k, q.device)
+        if offsets_k.numel() != offsets_q.numel():
+            raise ValueError(f"offsets_q has {offsets_q.numel() - 1} sequences, offsets_k {offsets_k.numel() - 1}")
     elif k.shape[0] != q.shape[0]:
         raise ValueError(f"self attention needs as many k rows as q rows ({k.shape[0]} vs {q.shape[0]})")
     if scale is not None and not isinstance(scale, (int, float)):

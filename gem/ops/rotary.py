@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import resolve_kernel, triton_interpreting
+from gem.ops._common import check_offsets, resolve_kernel, triton_interpreting
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ def _check(x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> None:
         raise ValueError(f"max_len={max_len} must be >= 0")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"rope supports fp16/bf16/fp32, got {x.dtype}")
+    check_offsets("offsets", offsets, x.shape[0], max_len, x.device)
 
 
 def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config: RopeConfig, *,

@@ -1,0 +1,67 @@
+"""Bad offsets / max_len get one clear error from every jagged op, before any kernel reads out of bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gem.ops import block_attention, gdpa, jagged_attention, rope
+from gem.ops._common import check_offsets
+from gem.ops.rotary import RopeConfig
+
+T, H, D = 10, 2, 16
+
+
+def _calls():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+
+    def jfa(off, max_len):
+        return jagged_attention(q, k, v, off, max_len, kernel="reference")
+
+    def jfa_cross(off, max_len):
+        return jagged_attention(q, k, v, torch.tensor([0, 5, 10]), 5, off, max_len, kernel="reference")
+
+    def gdpa_q(off, max_len):
+        return gdpa(q, k, v, off, max_len, torch.tensor([0, 5, 10]), 5, kernel="reference")
+
+    def gdpa_k(off, max_len):
+        return gdpa(q, k, v, torch.tensor([0, 5, 10]), 5, off, max_len, kernel="reference")
+
+    def block(off, max_len):
+        return block_attention(q, k, v, off, max_len, block_size=4, kernel="reference")
+
+    def rope_op(off, max_len):
+        return rope(q, off, max_len, config=RopeConfig(), kernel="reference")
+
+    return {"jfa": jfa, "jfa_cross": jfa_cross, "gdpa_q": gdpa_q, "gdpa_k": gdpa_k, "block": block, "rope": rope_op}
+
+
+BAD = [
+    ([1, 5, 10], 9, "start at 0"),
+    ([0, 7, 4], 7, "non-decreasing"),
+    ([0, 5, 11], 6, "past the 10 rows"),
+    ([0, 2, 10], 5, "more than max_len=5"),
+]
+
+
+@pytest.mark.parametrize("op", list(_calls()))
+@pytest.mark.parametrize("offsets,max_len,message", BAD)
+def test_bad_offsets_raise_one_clear_error(op, offsets, max_len, message):
+    fn = _calls()[op]
+    with pytest.raises(ValueError, match=message):
+        fn(torch.tensor(offsets), max_len)
+    fn(torch.tensor([0, 5, 10]), 5)  # the same call with good offsets runs
+
+
+def test_check_is_cached_per_version_and_limits():
+    off = torch.tensor([0, 3, 8])
+    check_offsets("offsets", off, 8, 5)
+    assert off._gem_offsets_checked == (off._version, 8, 5)
+    with pytest.raises(ValueError, match="max_len=4"):
+        check_offsets("offsets", off, 8, 4)  # other limits: checked again
+    off[2] = 20  # an in-place write bumps the version: checked again
+    with pytest.raises(ValueError, match="past the 8 rows"):
+        check_offsets("offsets", off, 8, 5)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        check_offsets("offsets", off.float(), 8, 5)
