@@ -84,6 +84,17 @@ class TargetInteraction(nn.Module):
         self.kv_proj = nn.Linear(d, 2 * self.num_kv_heads * self.head_dim, bias=False)
         self.out = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
+    def _offsets_q(self, b: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        """[0, n, 2n, ...]: one tensor per (B, n), so GDPA's checks and work tables are built once, not per step."""
+        if torch.compiler.is_compiling():
+            return torch.arange(b + 1, device=like.device, dtype=like.dtype) * n
+        key = (b, n, like.dtype, like.device)
+        cached = self.__dict__.get("_offsets_q_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.arange(b + 1, device=like.device, dtype=like.dtype) * n)
+            self.__dict__["_offsets_q_cache"] = cached  # not a buffer: never saved, moved or sharded
+        return cached[1]
+
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
                 ) -> torch.Tensor:
         """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
@@ -91,7 +102,7 @@ class TargetInteraction(nn.Module):
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(self.q_norm(tokens.reshape(b * n, d))).reshape(b * n, h, dh)
         k, v = self.kv_proj(seq).reshape(seq.shape[0], 2, hk, dh).unbind(1)
-        offsets_q = torch.arange(b + 1, device=tokens.device, dtype=seq_offsets.dtype) * n
+        offsets_q = self._offsets_q(b, n, seq_offsets)
         o = ops.gdpa(q, k, v, offsets_q, n, seq_offsets, max_seq_len, activation=self.activation,
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
         return tokens + self.out(o.reshape(b * n, h * dh)).reshape(b, n, d)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 KERNELS = ("auto", "triton", "reference")
 
@@ -48,17 +51,35 @@ def padded_to_jagged(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and op: (pass, block) pairs of a few variants and configs
 
+# Per-offsets caches live here, not on the tensors: a tensor's __dict__ travels with pickle / deepcopy (and a
+# weak reference cannot be pickled). Entries die with their offsets tensor.
+_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_EAGER = threading.local()
+
+
+@contextlib.contextmanager
+def eager_tables():
+    """Marks an eager autograd call of an op: only there are per-offsets tables cached (offsets_cached). The custom
+    ops, which torch.compile graphs and CUDA-graph trees run from private streams and memory pools, rebuild them."""
+    prev = getattr(_EAGER, "on", False)
+    _EAGER.on = True
+    try:
+        yield
+    finally:
+        _EAGER.on = prev
+
 
 def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
-    """build(), computed once per pair of offsets tensors and stored in a dict `attr` on offsets_a.
+    """build(), computed once per pair of offsets tensors (for an op's table kind `attr`).
 
     Every layer of a model, and its backward, gets the same offsets tensors, so per-batch tables (work orders,
     tile counts) are built once. A hit needs the same two objects at the same _version (an in-place write
-    misses) on the same CUDA stream. Not cached while compiling, during CUDA graph capture (a hit would freeze the
-    table into the graph), for inference tensors (no version), or with the env knob `knob` set to 0 (writes
-    that bypass the version counter, e.g. through .data, are not seen).
+    misses) on the same CUDA stream. Cached only in eager calls (eager_tables); not while compiling, during CUDA
+    graph capture (a hit would freeze the table into the graph), for inference tensors (no version), or with the
+    env knob `knob` set to 0 (writes that bypass the version counter, e.g. through .data, are not seen).
     """
-    if torch.compiler.is_compiling() or os.environ.get(knob, "1") == "0":
+    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling() or os.environ.get(knob, "1") == "0":
         return build()
     stream = None
     if offsets_a.is_cuda:
@@ -67,11 +88,12 @@ def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: tor
         stream = torch.cuda.current_stream(offsets_a.device).cuda_stream  # a table is ready on its own stream only
     try:
         versions = (offsets_a._version, offsets_b._version)
-        cache = offsets_a.__dict__.get(attr)
-        if cache is None:
-            cache = offsets_a.__dict__[attr] = {}
-    except (AttributeError, RuntimeError, TypeError):
+    except RuntimeError:
         return build()
+    kinds = _TABLES.get(offsets_a)
+    if kinds is None:
+        kinds = _TABLES[offsets_a] = {}
+    cache = kinds.setdefault(attr, {})
     full_key = (id(offsets_b), stream) + tuple(key)
     hit = cache.get(full_key)
     # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
@@ -85,18 +107,27 @@ def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: tor
     return value
 
 
-def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, device: torch.device | None = None):
-    """One clear error for offsets that would make a kernel read out of bounds or silently drop work.
+def cached_tables(offsets: torch.Tensor, attr: str) -> dict:
+    """The cache entries of one table kind for an offsets tensor (for tests and debugging)."""
+    return _TABLES.get(offsets, {}).get(attr, {})
 
-    Shape and dtype (and device, when given) are checked on the host. The contents (offsets[0] == 0,
-    non-decreasing, offsets[-1] <= rows, every length <= max_len) are checked on the CPU directly and on the GPU
-    with asynchronous device asserts (no host sync). Done once per offsets tensor, version and (rows, max_len):
-    every layer of a model passes the same offsets. (Inference tensors have no version: checked every time.)
+
+def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, device: torch.device | None = None):
+    """One clear error for offsets that would make a kernel read out of bounds, leave rows unwritten or silently
+    drop work.
+
+    Shape, dtype, contiguity (the kernels read offsets with stride 1) and device are checked on the host. The
+    contents (offsets[0] == 0, non-decreasing, offsets[-1] == rows, every length <= max_len) are checked on the
+    CPU directly and on the GPU with asynchronous device asserts (no host sync). Done once per offsets tensor,
+    version and (rows, max_len): every layer of a model passes the same offsets. (Inference tensors have no
+    version: checked every time.)
     """
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must be a 1-D tensor [B+1]")
     if offsets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.numel() > 1 and offsets.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride {offsets.stride(0)}): the kernels read it with stride 1")
     if device is not None and offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
     if torch.compiler.is_compiling():
@@ -106,7 +137,8 @@ def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, dev
     except RuntimeError:
         version = None
     key = (version, int(rows), int(max_len))
-    if version is not None and offsets.__dict__.get("_gem_offsets_checked") == key:
+    seen = _CHECKED.get(offsets) if version is not None else None
+    if seen is not None and key in seen:
         return
     lengths = offsets[1:] - offsets[:-1]
     if offsets.device.type == "cpu":
@@ -114,15 +146,18 @@ def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, dev
             raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
         if lengths.numel() and int(lengths.min()) < 0:
             raise ValueError(f"{name} must be non-decreasing (sequence {int(lengths.argmin())} has a negative length)")
-        if int(offsets[-1]) > rows:
-            raise ValueError(f"{name} ends at {int(offsets[-1])}, past the {rows} rows of the values")
+        if int(offsets[-1]) != rows:
+            raise ValueError(f"{name} ends at {int(offsets[-1])} but the values have {rows} rows (offsets[-1] == T)")
         if lengths.numel() and int(lengths.max()) > max_len:
             raise ValueError(f"a sequence of {name} has {int(lengths.max())} rows, more than max_len={max_len}")
     else:  # no host sync on the GPU: the asserts fire asynchronously
         torch._assert_async(offsets[0] == 0, f"{name} must start at 0")
-        torch._assert_async(offsets[-1] <= rows, f"{name} ends past the {rows} rows of the values")
+        torch._assert_async(offsets[-1] == rows, f"{name} must end at the {rows} rows of the values")
         if lengths.numel():
             torch._assert_async(lengths.min() >= 0, f"{name} must be non-decreasing")
             torch._assert_async(lengths.max() <= max_len, f"a sequence of {name} is longer than max_len={max_len}")
     if version is not None:
-        offsets._gem_offsets_checked = key
+        if seen is None or seen[0][0] != version:  # a new version: the old keys are void
+            seen = _CHECKED[offsets] = []
+        seen.append(key)
+        del seen[:-4]  # a few (rows, max_len) pairs per tensor, e.g. q and k sides

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import offsets_cached, triton_interpreting
+from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
 
@@ -606,7 +606,8 @@ class _BlockAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, *rest):
-        o, lse = _fwd(q, k, v, offsets, *rest)
+        with eager_tables():
+            o, lse = _fwd(q, k, v, offsets, *rest)
         ctx.save_for_backward(q, k, v, o, lse, offsets)
         ctx.rest = rest
         return o
@@ -614,7 +615,8 @@ class _BlockAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, offsets = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest)
+        with eager_tables():
+            dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest)
         return (dq, dk, dv) + (None,) * (1 + len(ctx.rest))
 
 

@@ -21,13 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import offsets_cached, triton_interpreting
+from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
 # one-pass backward while a sequence's whole K/V fits one tile whose fp32 dK and dV stay in registers
 SHORT_BWD_ELEMS = 64 * 128
+# Tests set this to NaN: outputs start as NaN, so a row that no program writes fails the comparison.
+_POISON: float | None = None
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    return out.fill_(_POISON) if _POISON is not None else out
 
 
 # ----------------------------------------------------------------------------------------------- activations
@@ -666,8 +673,8 @@ else:  # a small space: each config costs a compile per key
         _FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG, _SHORT_BWD_CFG = (
             c[:1] for c in (_FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES"])(_fwd_kernel)
-_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES"])(_fwd_kernel)
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY)(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
@@ -843,7 +850,7 @@ def _gdpa_fwd(
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
         return torch.zeros_like(q)
-    out = torch.empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
+    out = _empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
     kv_tile = _bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
@@ -897,14 +904,16 @@ def _gdpa_bwd(
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv_tile = _bucket(max_len_k)
-    fits = kv_tile * _bucket(d) <= SHORT_BWD_ELEMS
-    if (fits if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
+    fits = kv_tile <= 128 and kv_tile * _bucket(d) <= SHORT_BWD_ELEMS
+    # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
+    wide = (offsets_q.numel() - 1) * k.shape[1] >= _num_sms(q.device)
+    if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
         return _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right,
                                scale, out_scale, ordered)
     # every row lies in some work item's tiles (a sequence with no partners stores zeros), so no memset
-    dq = torch.empty_like(q) if t and max_len_q > 0 else torch.zeros_like(q)
-    dk = torch.empty_like(k) if k.shape[0] and max_len_k > 0 else torch.zeros_like(k)
-    dv = torch.empty_like(v) if k.shape[0] and max_len_k > 0 else torch.zeros_like(v)
+    dq = _empty_like(q) if t and max_len_q > 0 else torch.zeros_like(q)
+    dk = _empty_like(k) if k.shape[0] and max_len_k > 0 else torch.zeros_like(k)
+    dv = _empty_like(v) if k.shape[0] and max_len_k > 0 else torch.zeros_like(v)
     block_m, block_n = _blocks(d)
     common = _common(q, k, left, right, activation, approx)
     if k.shape[0] and max_len_k > 0:
@@ -923,7 +932,7 @@ def _gdpa_bwd(
 def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale,
                     ordered):
     """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every row is written
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)  # every row is written
     nb = offsets_q.numel() - 1
 
     def order():
@@ -967,14 +976,16 @@ class _GdpaFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offsets_q, offsets_k, *rest):
-        out = _gdpa_fwd(q, k, v, offsets_q, offsets_k, *rest)
+        with eager_tables():
+            out = _gdpa_fwd(q, k, v, offsets_q, offsets_k, *rest)
         ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
         ctx.rest = rest
         return out
 
     @staticmethod
     def backward(ctx, do):
-        dq, dk, dv = _gdpa_bwd(do, *ctx.saved_tensors, *ctx.rest)
+        with eager_tables():
+            dq, dk, dv = _gdpa_bwd(do, *ctx.saved_tensors, *ctx.rest)
         return (dq, dk, dv) + (None,) * 12
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import OFFSETS_CACHE_MAX, offsets_cached, triton_interpreting
+from gem.ops._common import OFFSETS_CACHE_MAX, eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 
 LOG2E = 1.4426950408889634
@@ -847,7 +847,8 @@ class _JfaFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offsets_q, offsets_k, *rest):
-        out, lse = _fwd(q, k, v, offsets_q, offsets_k, *rest)
+        with eager_tables():
+            out, lse = _fwd(q, k, v, offsets_q, offsets_k, *rest)
         ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)
@@ -856,7 +857,8 @@ class _JfaFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.rest)
+        with eager_tables():
+            dq, dk, dv = _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.rest)
         return (dq, dk, dv) + (None,) * (2 + len(ctx.rest))
 
 

@@ -503,13 +503,20 @@ def test_work_cache_never_shared_between_offsets_tensors(variant, monkeypatch):
 
 def test_work_cache_bounds_and_opt_outs(monkeypatch):
     from gem.ops import triton_jfa
+    from gem.ops._common import cached_tables, eager_tables
+
+    with eager_tables():  # the op's eager autograd path, where tables are cached
+        _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch)
+
+
+def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
 
     calls = _count_builders(monkeypatch)
     off = _offsets([300, 100, 0, 129])
     blocks = [16 * (i + 1) for i in range(2 * triton_jfa._WORK_CACHE_MAX)]
     for block in blocks:
         triton_jfa._cached_table(off, off, 300, block, -1, 0, True)
-    assert len(off._gem_jfa_work) == triton_jfa._WORK_CACHE_MAX
+    assert len(cached_tables(off, "_gem_jfa_work")) == triton_jfa._WORK_CACHE_MAX
     n = calls["keys"]
     keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0, True)
     assert calls["keys"] == n  # the newest entries stay
@@ -539,7 +546,7 @@ def test_work_cache_bounds_and_opt_outs(monkeypatch):
         off_inf = _offsets([3, 4])
         for _ in range(2):
             triton_jfa._cached_table(off_inf, off_inf, 4, 16, -1, -1, True)
-    assert "_gem_jfa_work" not in off_inf.__dict__
+    assert not cached_tables(off_inf, "_gem_jfa_work")
     assert calls["keys"] == 4
 
 
@@ -672,3 +679,24 @@ def test_gpu_variants_every_config(variant, monkeypatch):
             got, want = _run(q, k, v, lens, causal=causal, max_q=2048)
             _check(got, want, torch.bfloat16, tol=3e-2)
     triton_jfa._TUNER.best.clear()
+
+
+
+def test_tables_cached_only_in_eager_calls_and_offsets_stay_picklable(monkeypatch):
+    """The custom op (what torch.compile runs) rebuilds its tables; the eager path caches them off the tensor, so
+    the offsets still pickle (a batch saved after a step)."""
+    import io
+
+    from gem.ops import triton_jfa
+    from gem.ops._common import cached_tables
+
+    calls = _count_builders(monkeypatch)
+    lens = [5, 0, 17]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    off = _offsets(lens)
+    for _ in range(2):
+        triton_jfa.jfa_fwd_op(q, k, v, off, off, 17, 17, 0.25, -1, 0, False)
+    assert calls["keys"] == 2 and not cached_tables(off, "_gem_jfa_work")
+    _fwd_bwd(q, k, v, off, 17, causal=True)
+    assert cached_tables(off, "_gem_jfa_work")
+    torch.save(off, io.BytesIO())

@@ -40,7 +40,8 @@ def _calls():
 BAD = [
     ([1, 5, 10], 9, "start at 0"),
     ([0, 7, 4], 7, "non-decreasing"),
-    ([0, 5, 11], 6, "past the 10 rows"),
+    ([0, 5, 11], 6, "have 10 rows"),
+    ([0, 5, 9], 5, "have 10 rows"),  # rows past offsets[-1] would be left unwritten
     ([0, 2, 10], 5, "more than max_len=5"),
 ]
 
@@ -55,13 +56,26 @@ def test_bad_offsets_raise_one_clear_error(op, offsets, max_len, message):
 
 
 def test_check_is_cached_per_version_and_limits():
+    from gem.ops._common import _CHECKED
+
     off = torch.tensor([0, 3, 8])
     check_offsets("offsets", off, 8, 5)
-    assert off._gem_offsets_checked == (off._version, 8, 5)
+    assert (off._version, 8, 5) in _CHECKED[off]
     with pytest.raises(ValueError, match="max_len=4"):
         check_offsets("offsets", off, 8, 4)  # other limits: checked again
     off[2] = 20  # an in-place write bumps the version: checked again
-    with pytest.raises(ValueError, match="past the 8 rows"):
+    with pytest.raises(ValueError, match="have 8 rows"):
         check_offsets("offsets", off, 8, 5)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_offsets("offsets", torch.tensor([0, 9, 3, 9, 8, 9])[::2], 8, 5)
+
+
+@pytest.mark.parametrize("offsets,rows,max_len", [([0], 0, 0), ([0, 0, 0], 0, 0), ([0, 4, 4], 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_valid_edge_offsets_pass(offsets, rows, max_len, dtype):
+    check_offsets("offsets", torch.tensor(offsets, dtype=dtype), rows, max_len)
+
+
+def test_float_offsets_are_a_type_error():
     with pytest.raises(TypeError, match="int32 or int64"):
-        check_offsets("offsets", off.float(), 8, 5)
+        check_offsets("offsets", torch.tensor([0.0, 3.0]), 3, 3)
