@@ -9,7 +9,7 @@ int32 table built on device, longest first by default, so a skewed batch does no
 The backward has two forms, neither with atomics. Two-pass (split dQ, as FlashAttention): one program set per
 (K tile, KV head) makes dK/dV over the Q tiles of every head of its GQA group, another per (Q tile, head) makes
 dQ. One-pass, when a sequence's whole K/V and its fp32 dK/dV fit one program (short K/V, the cross-attention
-case): one program per (sequence, KV head) streams the sequence's q/dO tiles once, stores each tile's dQ and
+case) and the batch fills a wave of programs: one program per (sequence, KV head) streams the sequence's q/dO tiles once, stores each tile's dQ and
 keeps dK/dV in registers: 5 matmuls per tile pair instead of 7, and q/dO read once instead of twice.
 """
 
