@@ -17,6 +17,7 @@
 #                    kills the CUDA context), to find which shape/variant faults
 #   jfa-variants     the JFA kernel-variant sweep (jfa and swa sections, every variant, varlen_attn anchor)
 #   bench            bench_attention.py, all sections, full shapes ($BENCH_ARGS adds flags)
+#   probe            scripts/kernel_probe.py: per-kernel device time of each op call beside its event time
 #   train1-tests     pytest -m gpu tests/data tests/model                      (needs the GPU stack)
 #   train1-bench     bench_train.py on one GPU, experiment=gpu_base ($TRAIN_EXPERIMENT)  (needs the GPU stack)
 #   train1-profile   the same with --warmup 10 --steps 20 --profile-steps 5: top ops and device-time buckets of
@@ -339,6 +340,7 @@ run_stage() {
         jfa-faults) step jfa-faults "jfa_fault_matrix" 240 '^(ok|FAULT|WRONG)' '^(FAULT|WRONG)' \
             "$PY" scripts/jfa_fault_matrix.py ;;
         jfa-variants) stage_jfa_variants ;;
+        probe) step probe "kernel_probe" 300 '^## ' '^(## |fwd)' "$PY" scripts/kernel_probe.py ;;
         bench) stage_bench ;;
         train1-tests) stage_train1_tests ;;
         train1-bench) stage_train1_bench ;;
@@ -385,7 +387,7 @@ for g in "$@"; do  # reject a typo before spending device time
     IFS='+,' read -ra ps <<< "$g"
     for s in "${ps[@]}"; do
         case $s in
-            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|train1|train1-tests|train1-bench|train1-profile|train2|train1-sweep|train2-sweep) ;;
+            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|probe|train1|train1-tests|train1-bench|train1-profile|train2|train1-sweep|train2-sweep) ;;
             kt-*) [ -f "tests/ops/test_${s#kt-}.py" ] || { echo "gpu_session.sh: no tests/ops/test_${s#kt-}.py" >&2; exit 2; } ;;
             *) echo "gpu_session.sh: unknown stage '$s' (see the head of this script)" >&2; exit 2 ;;
         esac
