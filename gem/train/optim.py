@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -71,7 +70,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-NamedParams = Union[Mapping[str, torch.nn.Parameter], Iterable[tuple[str, torch.nn.Parameter]]]
+NamedParams = Mapping[str, torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]]
 
 
 class TrainOptimizer:

@@ -289,7 +289,8 @@ class Trainer:
         if run_dir and self.rank == 0:
             os.makedirs(run_dir, exist_ok=True)
         self.logger = TrainLogger(run_dir, enabled=self.rank == 0, tensorboard=tc.tensorboard)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if (run_dir and self.rank == 0) else None
+        # held for the whole run (closed in close()): a context manager cannot span it
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if (run_dir and self.rank == 0) else None  # noqa: SIM115
 
         self.peak_flops = device_peak_flops(self.device)
         self.measured_peak = tc.mfu.measured_peak_flops
