@@ -666,7 +666,8 @@ if triton_interpreting():
 else:  # a small space: each config costs a compile per key
     _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
-    _DKDV_CFG = _configs(("BLOCK_M",), [(m, w, 2) for m in (32, 64) for w in (4, 8)])
+    # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread)
+    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1)])
     if os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0":  # first config only: fast compiles (GPU tests)
