@@ -426,7 +426,7 @@ def _default_tiles(block_size: int, backward: bool) -> tuple[int, int]:
 # Candidate tiles (BLOCK_M, BLOCK_N), crossed with num_warps x num_stages below. dK/dV keeps a BLOCK_N key tile
 # resident and streams BLOCK_M query tiles; dQ the reverse, so their useful shapes are mirrored.
 FWD_TILES = ((128, 64), (64, 64), (64, 128), (128, 128))
-DKDV_TILES = ((64, 64), (32, 128), (64, 128), (128, 128))
+DKDV_TILES = ((64, 64), (32, 64), (32, 128), (64, 128), (128, 128))
 DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
 
 
@@ -441,11 +441,16 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     cap = max(16, triton.next_power_of_2(block_size))
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
-    out = [(bm, bn, 8 if bm * bn >= 128 * 64 else 4, 3)]  # default warps/stages: a guess, not measured
+    # The backward holds more per thread (two accumulators, K/V or q/dO, RoPE tables): at D 128 with RoPE ptxas
+    # spills 190-1600 bytes per thread in 4-warp backward tiles, and 0-50 bytes on 8 warps (32x64, 64x64, 128x64).
+    def warps(m, n):
+        return 8 if kind != "fwd" or m * n >= 128 * 64 else 4
+
+    out = [(bm, bn, warps(bm, bn), 3)]  # default warps/stages: a guess, not measured
     # One warps count per tile and two stages: every candidate costs a compile per key, in the first training step.
     for tm, tn in tiles:
         tm, tn = min(tm, cap), min(tn, cap)
-        cfg = (tm, tn, 8 if tm * tn >= 128 * 64 else 4, 2)
+        cfg = (tm, tn, warps(tm, tn), 2)
         if cfg not in out:
             out.append(cfg)
     return out
