@@ -43,9 +43,27 @@ class _Sm90Driver:
 
 
 COMPILED: list[tuple[str, int, float]] = []
+RESOURCES: list[tuple[str, int, int]] = []  # (kernel, registers, spill bytes per thread) with --resources
 
 
-def _install() -> None:
+def _resources(kernel) -> tuple[int, int]:
+    """(registers, stack bytes per thread) of a compiled kernel, from cuobjdump on its cubin (stack = spills)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+
+
+def _install(resources: bool = False) -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -57,6 +75,8 @@ def _install() -> None:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         shared = int(getattr(kernel.metadata, "shared", 0)) if kernel is not None else -1
         COMPILED.append((self.fn.__name__, shared, time.perf_counter() - t0))
+        if resources and kernel is not None:
+            RESOURCES.append((self.fn.__name__, *_resources(kernel)))
         if shared > SMEM_LIMIT:  # what the launch would raise on the GPU: the ops' tuners then try the next config
             from triton.runtime.errors import OutOfResources
 
@@ -128,6 +148,8 @@ def main() -> int:
     ap.add_argument("--ops", default="jfa,gdpa,block", help="comma list of jfa, gdpa, block")
     ap.add_argument("--quick", action="store_true",
                     help="JFA's auto variant only and bf16 only (the CPU suite's subset, a few minutes cold)")
+    ap.add_argument("--resources", action="store_true",
+                    help="also report each case's most registers and spill bytes per thread (cuobjdump)")
     ap.add_argument("--match", default="", help="only the cases whose label contains this text (e.g. 'jfa ds')")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
@@ -140,14 +162,14 @@ def main() -> int:
     for knob in ("GEM_JFA_AUTOTUNE", "GEM_GDPA_AUTOTUNE", "GEM_BLOCK_AUTOTUNE"):
         os.environ[knob] = "0"  # first config: no timing (nothing runs)
     sys.path.insert(0, str(ROOT))
-    _install()
+    _install(a.resources)
     failed = []
     for op, name, thunk in _cases():
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto")))):
             continue
         if a.match and a.match not in name:
             continue
-        start = len(COMPILED)
+        start, start_res = len(COMPILED), len(RESOURCES)
         t0 = time.perf_counter()
         try:
             thunk()
@@ -160,6 +182,11 @@ def main() -> int:
         over = sorted({k for k, s, _ in kernels if s > SMEM_LIMIT})
         smem = max((s for _, s, _ in kernels if s <= SMEM_LIMIT), default=0)
         note = f"; configs over the shared-memory limit, skipped as on the GPU: {', '.join(over)}" if over else ""
+        if a.resources:
+            res = RESOURCES[start_res:]
+            spills = sorted({f"{k} {st} B" for k, _, st in res if st > 0})
+            note += (f"; max {max((r for _, r, _ in res), default=0)} registers"
+                     f"; spills: {', '.join(spills) if spills else 'none'}")
         print(f"ok   {name}: {len(kernels)} compiles, max shared {smem // 1024} KB, "
               f"{time.perf_counter() - t0:.1f} s{note}")
     print(f"compile_check: {len(COMPILED)} kernel compiles for sm_90, {len(failed)} failed case(s)")
