@@ -79,3 +79,10 @@ def test_valid_edge_offsets_pass(offsets, rows, max_len, dtype):
 def test_float_offsets_are_a_type_error():
     with pytest.raises(TypeError, match="int32 or int64"):
         check_offsets("offsets", torch.tensor([0.0, 3.0]), 3, 3)
+
+
+def test_content_check_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("GEM_OFFSETS_CHECK", "0")
+    check_offsets("offsets", torch.tensor([0, 9, 3]), 3, 1)  # contents not checked
+    with pytest.raises(TypeError, match="int32 or int64"):  # shape / dtype still are
+        check_offsets("offsets", torch.tensor([0.0, 3.0]), 3, 3)
