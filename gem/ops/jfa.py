@@ -11,7 +11,7 @@ Masks, with i the query position and j the key position inside one sequence, and
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
 
 `max_len_q` / `max_len_k` must be >= every sequence length, and the offsets must start at 0, not decrease and
-end within the rows of q / k: checked on the CPU, and on the GPU by asynchronous device asserts (no host sync),
+end at the row count of q / k: checked on the CPU, and on the GPU by asynchronous device asserts (no host sync),
 once per offsets tensor and version (gem.ops._common.check_offsets).
 """
 
