@@ -77,6 +77,8 @@ def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
         raise ValueError(f"self attention needs as many k rows as q rows ({k.shape[0]} vs {q.shape[0]})")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale)}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):  # the kernels scale row maxima by it
+        raise ValueError(f"scale must be a finite float > 0, got {scale}")
 
 
 def jagged_attention(

@@ -196,7 +196,8 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
 
 
 # ----------------------------------------------------------------------------------------------- forward
-# q is scaled by scale*log2(e) once in registers, K is loaded as [BLOCK_N, D] rows (contiguous) and fed to the dot
+# Scores are scaled by scale*log2(e) in fp32 (pre-scaling q in bf16 would round it: an error proportional to |score|,
+# 4% of the output at scores near -900 on the H200). K is loaded as [BLOCK_N, D] rows (contiguous) and fed to the dot
 # transposed, P @ V accumulates straight into acc. TMA: per-sequence tensor descriptors of shape [Lk, D], so rows
 # past Lk come back as zeros from the copy engine (the subtraction scheme's masked rows) with no address math or
 # predicates.
@@ -212,7 +213,7 @@ def _mm_acc(a, b, acc, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
-               shift, Lq, Lk, win_left, win_right,
+               shift, Lq, Lk, win_left, win_right, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
                TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
@@ -223,15 +224,15 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
         in_k = cols < Lk
         k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-    s = _mm(q, tl.trans(k), DOT_PREC)  # log2 units: q carries the scale
+    s = _mm(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
     if MASKED:
         vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _mm_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
@@ -240,7 +241,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
 
 @triton.jit
 def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
-               win_left, win_right, lo, n_t, k_lo, k_hi,
+               win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
                SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr,
                DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_D: tl.constexpr):
@@ -250,18 +251,18 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
     for t in range(k_lo):  # left window edge
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     k_full = k_hi
     if not SUB:
         k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
     for t in range(k_lo, k_full):  # no mask at all
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                   qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     for t in range(k_full, n_t):  # right edge / causal diagonal
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     n_masked = 0
     if SUB:
         n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
@@ -288,7 +289,6 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
     in_q = offs_m < Lq
     q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=in_q[:, None], other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)  # scale and log2(e) once, not per score tile
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
     desc_k = None
@@ -303,8 +303,8 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
     lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
-                                         offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo, k_hi,
-                                         SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                                         offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo,
+                                         k_hi, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
                                          HEAD_D)
     if SUB:
         l_raw = l_i
@@ -312,8 +312,8 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
         bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
             acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
-                                                 offs_n, offs_d, shift, Lq, Lk, win_left, win_right, lo, n_t, k_lo,
-                                                 k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
+                                                 offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo,
+                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
                                                  BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -368,12 +368,12 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
         do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
     lse2 = tl.load(lse_base + rows, mask=in_q, other=float("inf"))  # log2 domain; +inf -> p = 0
     delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
-    if ROWMAJOR:  # q as contiguous [BLOCK_M, D] rows; k was pre-scaled by scale*log2(e)
+    if ROWMAJOR:  # q as contiguous [BLOCK_M, D] rows
         if TMA:
             q = desc_q.load([m, col])
         else:
             q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=in_q[:, None], other=0.0)
-        sT = _mm(k, tl.trans(q), DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        sT = _mm(k, tl.trans(q), DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
     else:
         qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
         sT = _mm(k, qT, DOT_PREC) * qk_scale
@@ -420,8 +420,6 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                 mask=in_k[:, None], other=0.0)
     v = tl.load(V + (k_start + offs_n[:, None]).to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :],
                 mask=in_k[:, None], other=0.0)
-    if ROWMAJOR:  # k is stationary: fold scale*log2(e) into it once
-        k = (k.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
     dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
@@ -474,14 +472,14 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
              DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
     in_k = cols < Lk
-    if ROWMAJOR:  # contiguous [BLOCK_N, D] rows, transposed for free in the dot; q carries the scale
+    if ROWMAJOR:  # contiguous [BLOCK_N, D] rows, transposed for free in the dot
         if TMA:
             k = desc_k.load([n, 0])
             v = desc_v.load([n, 0])
         else:
             k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), DOT_PREC) - lse2[:, None]
+        s = _mm(q, tl.trans(k), DOT_PREC) * qk_scale - lse2[:, None]
     else:
         kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
         vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
@@ -539,8 +537,6 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=in_q)
     else:
         delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
-    if ROWMAJOR:
-        q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
     desc_k = None
