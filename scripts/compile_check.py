@@ -130,14 +130,17 @@ def _cases():
                                    (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
                                    (128, torch.float32, RopeConfig(rotary_dim=64), False),
                                    (96, torch.float32, RopeConfig(rotary_dim=48), True)):
-        def block(d=d, dtype=dtype, rope=rope, causal=causal):
-            q, k, v = qkv(lens, lens, 4, 2, d, dtype)
-            off = offsets(lens)
-            rd = rope.resolve_dim(d) if rope else 0
-            args = (off, 300, 128, causal, 0.1, 10000.0, rd, bool(rope and rope.interleaved))
-            out, lse = triton_block._fwd(q, k, v, *args)
-            triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
-        cases.append(("block", f"block d={d} {str(dtype)[6:]} rope={rope is not None} causal={causal}", block))
+        for stream in triton_block.ROPE_STREAM_MODES if rope else ("prerotated",):  # both RoPE kernel variants
+            def block(d=d, dtype=dtype, rope=rope, causal=causal, stream=stream):
+                os.environ["GEM_BLOCK_ROPE_STREAM"] = stream
+                q, k, v = qkv(lens, lens, 4, 2, d, dtype)
+                off = offsets(lens)
+                rd = rope.resolve_dim(d) if rope else 0
+                args = (off, 300, 128, causal, 0.1, 10000.0, rd, bool(rope and rope.interleaved))
+                out, lse = triton_block._fwd(q, k, v, *args)
+                triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
+            label = f"block d={d} {str(dtype)[6:]} rope={rope is not None}{f' {stream}' if rope else ''} causal={causal}"
+            cases.append(("block", label, block))
     return cases
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import check_offsets, resolve_kernel, triton_interpreting
+from gem.ops._common import check_offsets, eager_tables, offsets_cached, resolve_kernel, triton_interpreting
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ def positions_of(offsets: torch.Tensor, total: int) -> torch.Tensor:
     seq = torch.searchsorted(offsets[1:].to(torch.long), idx, right=True)
     seq = seq.clamp_max(offsets.numel() - 2) if offsets.numel() > 1 else seq
     return idx - offsets.to(torch.long)[seq]
+
+
+def positions_cached(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """positions_of as int32 for the kernels, built once per offsets tensor and row count in eager calls
+    (gem.ops._common.offsets_cached; GEM_ROPE_POS_CACHE=0 rebuilds every call): building it is ~7 small launches,
+    far more than the rope kernel's own memory time at 64K tokens."""
+    return offsets_cached("_gem_rope_pos", "GEM_ROPE_POS_CACHE", offsets, offsets, (int(total),),
+                          lambda: positions_of(offsets, total).to(torch.int32))
 
 
 _TABLES: dict = {}
@@ -101,7 +109,7 @@ def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Triton: one program per token tile, looping over heads so each cos/sin row is fetched once per token; positions
-# come from a [T] int32 vector built on device once per call.
+# come from a [T] int32 vector built on device (once per offsets tensor in eager calls: positions_cached).
 
 
 @triton.jit
@@ -114,18 +122,25 @@ def _half_cols(half, HALF_B: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def rope_load_rotated(base_ptr, row_off, rows_ok, pos, cos_ptr, sin_ptr, half, HALF_B: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, SIGN: tl.constexpr):
-    """Load the two rotary halves of a [rows, D] tile and rotate them by the angles of `pos` (fp32 out).
+def rope_load_halves(base_ptr, row_off, rows_ok, half, HALF_B: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Load the two rotary halves of a [rows, D] tile unrotated, in the tensor's dtype.
 
     row_off: [R] element offsets of the rows; the two outputs are [R, HALF_B] (columns >= half are zero).
-    SIGN = 1 rotates forward, -1 applies the inverse rotation.
     """
     c1, c2 = _half_cols(half, HALF_B, INTERLEAVED)
     m2 = rows_ok[:, None] & (tl.arange(0, HALF_B) < half)[None, :]
-    x1 = tl.load(base_ptr + row_off[:, None] + c1[None, :], mask=m2, other=0.0).to(tl.float32)
-    x2 = tl.load(base_ptr + row_off[:, None] + c2[None, :], mask=m2, other=0.0).to(tl.float32)
-    return rope_rotate_regs(x1, x2, pos, rows_ok, cos_ptr, sin_ptr, half, HALF_B, SIGN)
+    x1 = tl.load(base_ptr + row_off[:, None] + c1[None, :], mask=m2, other=0.0)
+    x2 = tl.load(base_ptr + row_off[:, None] + c2[None, :], mask=m2, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def rope_load_rotated(base_ptr, row_off, rows_ok, pos, cos_ptr, sin_ptr, half, HALF_B: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, SIGN: tl.constexpr):
+    """rope_load_halves, rotated by the angles of `pos` (fp32 out). SIGN = 1 rotates forward, -1 inversely."""
+    x1, x2 = rope_load_halves(base_ptr, row_off, rows_ok, half, HALF_B, INTERLEAVED)
+    return rope_rotate_regs(x1.to(tl.float32), x2.to(tl.float32), pos, rows_ok, cos_ptr, sin_ptr, half, HALF_B,
+                            SIGN)
 
 
 @triton.jit
@@ -186,7 +201,7 @@ def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: flo
     y = torch.empty_like(x)
     if t == 0 or h == 0:
         return y
-    pos = positions_of(offsets, t).to(torch.int32)
+    pos = positions_cached(offsets, t)
     cos, sin = cos_sin_table(max(max_len, 1), rd, base, x.device)
     half = rd // 2
     block_t = 16 if triton_interpreting() else 32
@@ -236,13 +251,15 @@ class _RopeFn(torch.autograd.Function):
     def forward(ctx, x, offsets, max_len, base, rotary_dim, interleaved, inverse):
         ctx.save_for_backward(offsets)
         ctx.args = (max_len, base, rotary_dim, interleaved, inverse)
-        return _rope_triton(x, offsets, max_len, base, rotary_dim, interleaved, inverse)
+        with eager_tables():  # positions cached per offsets tensor (the custom op rebuilds them)
+            return _rope_triton(x, offsets, max_len, base, rotary_dim, interleaved, inverse)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
         max_len, base, rotary_dim, interleaved, inverse = ctx.args
-        gx = _RopeFn.apply(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
+        with eager_tables():
+            gx = _RopeFn.apply(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
         return gx, None, None, None, None, None, None
 
 

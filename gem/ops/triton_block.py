@@ -9,9 +9,15 @@ Backward (FlashAttention-2 style split, deterministic, no atomics): a delta = ro
 per (q tile, head) for dQ. P is recomputed in each. Blocks of 64-512 rows do not fit SRAM as a whole (q, k, v, dO
 for 512 x 128 bf16 rows is 512 KB), so a single program per block computing dQ, dK, dV together is not an option.
 
-RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels) and rotated in registers, so
-QK^T is the sum of two or three tl.dot calls over the parts; dQ/dK are accumulated per part and inversely rotated
-before the store. Rotated copies never reach memory.
+RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels), so QK^T is the sum of two or
+three tl.dot calls over the parts; dQ/dK are accumulated per part (w.r.t. the rotated q/k) and inversely rotated
+before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV pass) is rotated
+in registers on load, once per program. The streamed operand (k tiles in the forward and dQ pass, q tiles in dK/dV)
+is read from a rotated copy that one rope-kernel pass writes right before the launch (K_rot in the forward, Q_rot
+and K_rot recomputed in the backward, never saved): rotating every streamed tile in the inner loop costs a load of
+cos/sin twice the tile's bytes plus math between load and tl.dot, ~30% of fwd+bwd on the H200, while the copy
+costs one read and write of q or k. GEM_BLOCK_ROPE_STREAM=inkernel rotates streamed tiles in-kernel instead (no
+copies; the default is prerotated).
 
 Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (gem.ops._tune),
 since the work table, hence the grid, depends on the tile height.
@@ -19,7 +25,9 @@ since the work table, hence the grid, depends on the tile height.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -27,7 +35,15 @@ import triton.language as tl
 
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
-from gem.ops.rotary import RopeConfig, cos_sin_table, rope_load_rotated, rope_rotate_regs, rope_store_halves
+from gem.ops.rotary import (
+    RopeConfig,
+    _rope_triton,
+    cos_sin_table,
+    rope_load_halves,
+    rope_load_rotated,
+    rope_rotate_regs,
+    rope_store_halves,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -35,13 +51,19 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _load_parts(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, rd, D: tl.constexpr, R: tl.constexpr,
                 HALF_B: tl.constexpr, PASS_B: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
-    """[R, D] tile as (rotated half 1, rotated half 2, pass-through part), all in the input dtype."""
+                INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr):
+    """[R, D] tile as (rotated half 1, rotated half 2, pass-through part), all in the input dtype.
+
+    ROTATE=False: ptr already holds rotated rows (a rope-kernel copy); the halves are only split out, in the same
+    column convention, so the parts line up with a rotated operand's."""
     ty = ptr.dtype.element_ty
     if ROPE:
-        a1, a2 = rope_load_rotated(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, HALF_B, INTERLEAVED, 1.0)
-        a1 = a1.to(ty)
-        a2 = a2.to(ty)
+        if ROTATE:
+            a1, a2 = rope_load_rotated(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, HALF_B, INTERLEAVED, 1.0)
+            a1 = a1.to(ty)
+            a2 = a2.to(ty)
+        else:
+            a1, a2 = rope_load_halves(ptr, row_off, ok, half, HALF_B, INTERLEAVED)
     else:
         a1 = tl.zeros([R, HALF_B], dtype=ty)
         a2 = tl.zeros([R, HALF_B], dtype=ty)
@@ -112,14 +134,14 @@ def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_o
               block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr,
-              ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, PREC: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr,
+              PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """One key tile of the online softmax; MASK: diagonal, ragged-end or block-straddling tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED)
+                             ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
     s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS, PREC,
                    DOT_F32)
     s = s * qk_scale
@@ -143,7 +165,8 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
                 CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(work + 2 * w)
@@ -158,7 +181,7 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED)
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
     # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
@@ -172,11 +195,11 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     for n0 in range(lo, n_full, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
                                   sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
-                                  PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC, DOT_F32)
+                                  PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     for n0 in range(n_full, hi, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
                                   sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
-                                  PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC, DOT_F32)
+                                  PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     tl.store(O + q_row[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -200,13 +223,13 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               PREC: tl.constexpr, DOT_F32: tl.constexpr):
+               ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """dK, dV of a key tile += one query tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < hi
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B, ROPE,
-                             HAS_PASS, INTERLEAVED)
+                             HAS_PASS, INTERLEAVED, ROT_STREAM)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
@@ -236,7 +259,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                      block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                      GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
-                     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile); K is rotated here on load."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.load(work + 2 * w)
@@ -250,7 +275,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     n_ok = offs_n < length
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED)
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     d = tl.arange(0, D_B)
     d_ok = d < D
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -284,17 +309,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, PREC, DOT_F32)
+                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_a, m_b, BLOCK_M):
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, PREC, DOT_F32)
+                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_b, hi, BLOCK_M):
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, PREC, DOT_F32)
+                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
     _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, half,
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
@@ -305,13 +330,13 @@ def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi,
              qk_scale, block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
              MASK: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-             INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+             INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """dQ of a query tile += one key tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED)
+                             ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
                    PREC, DOT_F32)
@@ -337,7 +362,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile); Q is rotated here on load."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(work + 2 * w)
@@ -352,7 +378,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED)
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     d = tl.arange(0, D_B)
     d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -367,13 +393,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
     for n0 in range(lo, n_full, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
-                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC,
-                                 DOT_F32)
+                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
+                                 ROT_STREAM, PREC, DOT_F32)
     for n0 in range(n_full, hi, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
-                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, PREC,
-                                 DOT_F32)
+                                 BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
+                                 ROT_STREAM, PREC, DOT_F32)
     _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, half,
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
@@ -459,10 +485,23 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
 _TUNER = ConfigTuner("gem.ops.block", "GEM_BLOCK_AUTOTUNE")
 
 
-def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
+ROPE_STREAM_MODES = ("prerotated", "inkernel")
+
+
+def rope_stream_mode() -> str:
+    """GEM_BLOCK_ROPE_STREAM, read per call (benchmarks switch it): how the streamed q/k tiles get rotated."""
+    mode = os.environ.get("GEM_BLOCK_ROPE_STREAM", "prerotated")
+    if mode not in ROPE_STREAM_MODES:
+        raise ValueError(f"GEM_BLOCK_ROPE_STREAM={mode!r}: expected one of {ROPE_STREAM_MODES}")
+    return mode
+
+
+def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tuple:
     _, h, d = q.shape
-    # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune.
-    return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1])
+    # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune. The stream
+    # mode changes the kernels' inner loops, so each mode is tuned on its own (no mode without rope).
+    return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1],
+            stream if rotary_dim > 0 else None)
 
 
 class _Tables:
@@ -491,7 +530,7 @@ def _rope_tables(rotary_dim: int, base: float, max_len: int, device):
     return cos_sin_table(max(max_len, 1), rotary_dim, base, device)
 
 
-def _meta(q, k, rotary_dim, interleaved, causal):
+def _meta(q, k, rotary_dim, interleaved, causal, stream):
     d = q.shape[2]
     half = rotary_dim // 2
     return dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
@@ -499,12 +538,23 @@ def _meta(q, k, rotary_dim, interleaved, causal):
         HALF_B=max(16, triton.next_power_of_2(max(half, 1))),
         PASS_B=max(16, triton.next_power_of_2(max(d - rotary_dim, 1))),
         CAUSAL=causal, ROPE=rotary_dim > 0, HAS_PASS=d > rotary_dim, INTERLEAVED=interleaved,
+        ROT_STREAM=rotary_dim > 0 and stream == "inkernel",
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=triton_interpreting() and q.dtype == torch.bfloat16,
     )
 
 
+def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
+    """The copy of x that a kernel streams: x rotated by one rope-kernel pass (a temporary), or x itself when the
+    kernel rotates streamed tiles (inkernel) or there is no rope. Positions come from the rope op's per-offsets
+    cache in eager calls."""
+    if rotary_dim == 0 or stream == "inkernel":
+        return x
+    return _rope_triton(x, tables.user, max_len, rope_base, rotary_dim, interleaved, False)
+
+
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    stream = rope_stream_mode()
     t, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
@@ -513,21 +563,23 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
     tables = _Tables(offsets, t)
     offsets = tables.offsets
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    meta = _meta(q, k, rotary_dim, interleaved, causal)
+    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
+    k_s = _rotated(k, tables, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
         work = tables(bm)
         _fwd_kernel[(work.shape[0], h)](
-            q, k, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
+            q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
 
-    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     launch(_TUNER.pick("fwd", key, configs("fwd", block_size), launch, q.device))
     return o, lse
 
 
 def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    stream = rope_stream_mode()
     t, h, d = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or offsets.numel() < 2:
@@ -539,27 +591,33 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     bt = 16 if triton_interpreting() else 64
     _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    meta = _meta(q, k, rotary_dim, interleaved, causal)
+    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
 
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
-    def dkdv(cfg):
+    def dkdv(cfg, q_s):
         bm, bn, warps, stages = cfg
         work = tables(bn)  # one program per key tile
         _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
-            q, k, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            q_s, k, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **meta)
 
-    def dq_pass(cfg):
+    def dq_pass(cfg, k_s):
         bm, bn, warps, stages = cfg
         work = tables(bm)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0], h)](
-            q, k, v, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            q, k_s, v, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **meta)
 
-    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
-    dkdv(_TUNER.pick("dkdv", key, configs("dkdv", block_size), dkdv, q.device))
-    dq_pass(_TUNER.pick("dq", key, configs("dq", block_size), dq_pass, q.device))
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
+    rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
+    # Q_rot and K_rot are recomputed, not saved by the forward (activation memory weighs more than ~10 us a pass),
+    # and made one at a time: the backward's peak grows by max(q, k), not q + k.
+    run = functools.partial(dkdv, q_s=_rotated(q, *rot))
+    run(_TUNER.pick("dkdv", key, configs("dkdv", block_size), run, q.device))
+    del run  # frees Q_rot before K_rot is made
+    run = functools.partial(dq_pass, k_s=_rotated(k, *rot))
+    run(_TUNER.pick("dq", key, configs("dq", block_size), run, q.device))
     return dq, dk, dv
 
 

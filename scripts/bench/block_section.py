@@ -4,6 +4,8 @@ Cases (bf16, H 4, D 128, about 64K tokens per batch, lengths ~ U[L/2, L], causal
 blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, positions restart per sequence):
   block fused RoPE     gem.ops.block_attention(rope=RopeConfig())
   block + rope op      gem.ops.rope on q and k, then block_attention without rope
+  block RoPE in-kernel the fused op with every tile rotated in registers (GEM_BLOCK_ROPE_STREAM=inkernel)
+  block no RoPE        block_attention without any RoPE (the floor)
   JFA full causal      gem.ops.jagged_attention(causal=True) + rope op (the O(L^2) baseline)
   JFA window           gem.ops.jagged_attention(window=(block-1, 0)) + rope op (sliding window, same cost order)
   flex block-causal    torch FlexAttention with a document + block-causal mask, RoPE in PyTorch, compiled
@@ -13,7 +15,9 @@ fused row, the unfused/fused ratio. TFLOP/s count allowed (block-causal) pairs o
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import traceback
 
 import torch
@@ -46,13 +50,15 @@ def _ours_fused(q, k, v, off, max_len, block):
     return lambda: block_attention(q, k, v, off, max_len, block_size=block, rope=cfg, kernel="triton")
 
 
-def _ours_unfused(q, k, v, off, max_len, block):
+def _ours_unfused(q, k, v, off, max_len, block, rope_op=True):
     from gem.ops.block import block_attention
     from gem.ops.rotary import rope
 
     cfg = _rope_cfg()
 
     def f():
+        if not rope_op:  # the attention alone: the floor any RoPE scheme adds to
+            return block_attention(q, k, v, off, max_len, block_size=block, kernel="triton")
         qr = rope(q, off, max_len, config=cfg, kernel="triton")
         kr = rope(k, off, max_len, config=cfg, kernel="triton")
         return block_attention(qr, kr, v, off, max_len, block_size=block, kernel="triton")
@@ -110,6 +116,22 @@ def _flex(q, k, v, off, max_len, block):
     return lambda: fc(q, k, v)
 
 
+@contextlib.contextmanager
+def _knob(name, value):
+    """Set env var `name` for one row (fwd and bwd both read it); None leaves the environment alone."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def _measure(case, impl, make, inputs, flops, extra) -> Row:
     row = Row(SECTION, case, impl, extra=dict(extra))
     try:
@@ -144,12 +166,18 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
     case = f"L={length} block={block}"
     info = {"B": lengths.numel(), "tokens": t}
     impls = [("block fused RoPE", lambda: _ours_fused(q, k, v, off, max_len, block)),
-             ("block + rope op", lambda: _ours_unfused(q, k, v, off, max_len, block))]
+             ("block + rope op", lambda: _ours_unfused(q, k, v, off, max_len, block)),
+             # every tile rotated in registers, streamed ones too (GEM_BLOCK_ROPE_STREAM=inkernel)
+             ("block RoPE in-kernel", lambda: _ours_fused(q, k, v, off, max_len, block)),
+             ("block no RoPE", lambda: _ours_unfused(q, k, v, off, max_len, block, rope_op=False))]
     if competitors:
         impls += [("JFA full causal", lambda: _jfa(q, k, v, off, max_len, block, window=False)),
                   ("JFA window", lambda: _jfa(q, k, v, off, max_len, block, window=True)),
                   ("flex block-causal", lambda: _flex(q, k, v, off, max_len, block))]
-    rows = [_measure(case, name, make, (q, k, v), flops, info) for name, make in impls]
+    rows = []
+    for name, make in impls:
+        with _knob("GEM_BLOCK_ROPE_STREAM", "inkernel" if name == "block RoPE in-kernel" else None):
+            rows.append(_measure(case, name, make, (q, k, v), flops, info))
     fused, unfused = rows[0], rows[1]
     for key, a, b in (("unfused/fused fwd", unfused.fwd_ms, fused.fwd_ms),
                       ("unfused/fused fwd+bwd", unfused.extra.get("fwd+bwd_ms", math.nan),

@@ -347,3 +347,67 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
     assert len(built) > n
     ref = block_attention_reference(q, k, v, off, 40, block_size=16)
     assert torch.allclose(out, ref, atol=2e-5, rtol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE of the streamed operand: pre-rotated copies (default) or rotated per tile in-kernel (GEM_BLOCK_ROPE_STREAM).
+
+
+@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
+@pytest.mark.parametrize(
+    "lengths,h,hkv,block_size,causal,rope_cfg,dtype",
+    [
+        ([29, 0, 1, 14], 2, 2, 8, True, RopeConfig(interleaved=True), torch.float32),
+        ([23, 1, 0, 9], 4, 2, 12, False, RopeConfig(rotary_dim=16), torch.float32),  # GQA, pass-through channels
+        ([17, 1, 0, 20], 4, 2, 20, True, RopeConfig(rotary_dim=8, interleaved=True, base=500.0), torch.float32),
+        ([21, 1, 6], 4, 2, 4, True, RopeConfig(rotary_dim=16), torch.bfloat16),
+    ],
+)
+def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, block_size, causal, rope_cfg, dtype):
+    from gem.ops import triton_block
+
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    passes = []
+    real = triton_block._rope_triton
+    monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
+    _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
+    # prerotated: K_rot for the forward, then Q_rot and K_rot for the backward; inkernel: no copies
+    assert passes == ([hkv, h, hkv] if mode == "prerotated" else [])
+
+
+def test_rope_stream_bad_value(monkeypatch):
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", "fused")
+    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="GEM_BLOCK_ROPE_STREAM='fused'"):
+        block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
+
+
+def test_rope_stream_modes_tuned_apart(monkeypatch):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(16, 16, 4, 1)])
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    for mode in ("prerotated", "inkernel"):
+        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+        _check([9, 4], block_size=8, rope_cfg=RopeConfig())
+    assert len(tb._TUNER.best) == 6  # fwd, dkdv, dq per mode
+    for mode in ("prerotated", "inkernel"):  # without rope the mode changes nothing: one key
+        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+        _check([9, 4], block_size=8)
+    assert len(tb._TUNER.best) == 9
+
+
+def test_rotated_copies_reuse_cached_positions(monkeypatch):
+    # the K_rot / Q_rot passes take positions from the rope op's per-offsets cache: built once for all layers
+    from gem.ops import rotary
+
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", "prerotated")
+    built = []
+    real = rotary.positions_of
+    monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
+    q, k, v, _, off = _inputs([19, 1, 0, 12], 4, 2, 32, torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    for _ in range(2):
+        block_attention(q, k, v, off, 19, block_size=8, rope=RopeConfig(), kernel="triton").sum().backward()
+    rope(k.detach(), off, 19, config=RopeConfig(), kernel="triton")  # the standalone op shares the cache
+    assert built == [32]

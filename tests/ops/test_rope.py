@@ -151,3 +151,48 @@ def test_gpu_matches_complex_rotation(cfg):
     off = _offsets(lengths).cuda()
     got = rope(x, off, 4096, config=cfg).cpu()
     torch.testing.assert_close(got.double(), _complex_rope(x.cpu(), lengths, cfg), atol=1e-4, rtol=1e-4)
+
+
+def _count_position_builds(monkeypatch, cache):
+    """positions_of calls over 3 eager fwd+bwd rope calls on one offsets tensor, then after an in-place write."""
+    from gem.ops import rotary
+
+    monkeypatch.setenv("GEM_ROPE_POS_CACHE", cache)
+    built = []
+    real = rotary.positions_of
+    monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
+    lengths, cfg = [17, 0, 1, 20], RopeConfig(rotary_dim=16)
+    x = torch.randn(38, 2, 32, requires_grad=True)
+    off = _offsets(lengths)
+    counts = []
+    for _ in range(3):
+        rope(x, off, 20, config=cfg, kernel="triton").sum().backward()
+        counts.append(len(built))
+    new = [20, 1, 0, 17]
+    off.copy_(_offsets(new))  # same T, new positions: must rebuild
+    y = rope(x, off, 20, config=cfg, kernel="triton")
+    torch.testing.assert_close(y.double(), _complex_rope(x.detach(), new, cfg), atol=1e-5, rtol=1e-5)
+    counts.append(len(built))
+    return counts
+
+
+def test_positions_built_once_per_offsets(monkeypatch):
+    # the forward and backward of every call share one positions vector until the offsets are written
+    assert _count_position_builds(monkeypatch, "1") == [1, 1, 1, 2]
+
+
+def test_positions_cache_off_rebuilds(monkeypatch):
+    # GEM_ROPE_POS_CACHE=0: one build per kernel call (so the test above would fail without the cache)
+    assert _count_position_builds(monkeypatch, "0") == [2, 4, 6, 7]
+
+
+def test_custom_op_does_not_cache_positions(monkeypatch):
+    from gem.ops import rotary
+
+    built = []
+    real = rotary.positions_of
+    monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
+    x, off = torch.randn(12, 2, 32), torch.tensor([0, 5, 12])
+    for _ in range(2):
+        rotary._rope_op(x, off, 7, 10000.0, 32, False, False)
+    assert built == [12, 12]
