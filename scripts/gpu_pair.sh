@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two queues of steps side by side on GPUs 0 and 1 (one device call): gpu_pair.sh "Q0" "Q1", each queue a
-# ";"-separated list of "LIMIT_S NAME CMD..." steps; logs in $OUT/NAME.log, status lines and tails on stdout.
+# ";"-separated list of "LIMIT_S NAME CMD..." steps (a CMD cannot contain ";"); each step's output goes to
+# $OUT/NAME.log, and a start line and an "rc=N: <last pytest summary line>" line per step to stdout.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$ROOT/outputs/gpu_pair}
