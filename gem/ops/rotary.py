@@ -10,12 +10,14 @@ The rotation is orthogonal, so the backward of rope is the inverse rotation (sin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from gem.ops._common import check_offsets, eager_tables, offsets_cached, resolve_kernel, triton_interpreting
+from gem.ops._tune import ConfigTuner
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,9 @@ def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton: one program per token tile, looping over heads so each cos/sin row is fetched once per token; positions
-# come from a [T] int32 vector built on device (once per offsets tensor in eager calls: positions_cached).
+# Triton: a program rotates a tile of token rows, for every head (cos/sin fetched once per token) or for one head
+# (layouts and launch configs below, picked per shape by the tuner, GEM_ROPE_AUTOTUNE=0: the first); positions come
+# from a [T] int32 vector built on device (once per offsets tensor in eager calls: positions_cached).
 
 
 @triton.jit
@@ -166,14 +169,16 @@ def rope_store_halves(base_ptr, row_off, rows_ok, y1, y2, half, HALF_B: tl.const
 @triton.jit
 def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr, half, rd,
                  BLOCK_T: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, HAS_PASS: tl.constexpr,
-                 INTERLEAVED: tl.constexpr, SIGN: tl.constexpr):
+                 INTERLEAVED: tl.constexpr, SIGN: tl.constexpr, HEADS: tl.constexpr):
+    """Layout "halves": BLOCK_T rows x HEADS heads (from head program_id(1) * HEADS); each head's two rotary halves
+    are loaded as [BLOCK_T, HALF_B] tiles, the pass-through channels as a third."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < T
     pos = tl.load(pos_ptr + rows, mask=ok, other=0)
     i = tl.arange(0, HALF_B)
     m_rot = ok[:, None] & (i < half)[None, :]
     t = pos[:, None] * half + i[None, :]
-    # One cos/sin fetch serves every head of the token.
+    # One cos/sin fetch serves every head of the program.
     c = tl.load(cos_ptr + t, mask=m_rot, other=1.0)
     s = tl.load(sin_ptr + t, mask=m_rot, other=0.0) * SIGN
     if INTERLEAVED:
@@ -182,8 +187,9 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D:
     else:
         c1 = i
         c2 = i + half
-    for h in range(H):
-        row_off = rows.to(tl.int64) * (H * D) + h * D
+    h0 = tl.program_id(1) * HEADS
+    for hh in range(HEADS):
+        row_off = rows.to(tl.int64) * (H * D) + (h0 + hh) * D
         x1 = tl.load(x_ptr + row_off[:, None] + c1[None, :], mask=m_rot, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + row_off[:, None] + c2[None, :], mask=m_rot, other=0.0).to(tl.float32)
         rope_store_halves(y_ptr, row_off, ok, x1 * c - x2 * s, x2 * c + x1 * s, half, HALF_B, INTERLEAVED)
@@ -192,6 +198,117 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D:
             m2 = ok[:, None] & (j < D - rd)[None, :]
             p = row_off[:, None] + rd + j[None, :]
             tl.store(y_ptr + p, tl.load(x_ptr + p, mask=m2), mask=m2)
+
+
+@triton.jit
+def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr,
+                      HALF: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      SIGN: tl.constexpr, HEADS: tl.constexpr):
+    """Layout "full": each head's rows are one contiguous [BLOCK_T, D_B] load and store; the pairs are split in
+    registers (reshape + split, rejoined by join + reshape). Interleaved: the row is D_B // 2 adjacent pairs, the first
+    HALF rotate. NeoX (HALF a power of two): the row is D_B // (2 * HALF) chunks of [2, HALF] (halves of rotary_dim),
+    chunk 0 rotates. Channels past rotary_dim take x's value unchanged (a select, not a rotation by angle 0)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0)
+    cols = tl.arange(0, D_B)
+    m = ok[:, None] & (cols < D)[None, :]
+    rot = (cols < 2 * HALF)[None, :]
+    if INTERLEAVED:
+        p = tl.arange(0, D_B // 2)
+        mc = ok[:, None] & (p < HALF)[None, :]
+        t = pos[:, None] * HALF + p[None, :]
+        c = tl.load(cos_ptr + t, mask=mc, other=1.0)  # [BLOCK_T, D_B // 2]
+        s = tl.load(sin_ptr + t, mask=mc, other=0.0) * SIGN
+    else:
+        i = tl.arange(0, HALF)
+        t = pos[:, None] * HALF + i[None, :]
+        c = tl.expand_dims(tl.load(cos_ptr + t, mask=ok[:, None], other=1.0), 1)  # [BLOCK_T, 1, HALF]
+        s = tl.expand_dims(tl.load(sin_ptr + t, mask=ok[:, None], other=0.0) * SIGN, 1)
+    h0 = tl.program_id(1) * HEADS
+    for hh in range(HEADS):
+        off = rows.to(tl.int64) * (H * D) + (h0 + hh) * D
+        ptrs = off[:, None] + cols[None, :]
+        x = tl.load(x_ptr + ptrs, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        if INTERLEAVED:
+            a, b = tl.split(tl.reshape(xf, (BLOCK_T, D_B // 2, 2)))
+            y = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_T, D_B))
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(xf, (BLOCK_T, D_B // (2 * HALF), 2, HALF)), (0, 1, 3, 2)))
+            y = tl.reshape(tl.permute(tl.join(a * c - b * s, b * c + a * s), (0, 1, 3, 2)), (BLOCK_T, D_B))
+        tl.store(y_ptr + ptrs, tl.where(rot, y.to(x.dtype), x), mask=m)
+
+
+class RopeLaunch(NamedTuple):
+    """One launch config of the rope kernels (what the tuner picks between)."""
+
+    layout: str  # "halves": two half-row loads per head (_rope_kernel); "full": one row load (_rope_full_kernel)
+    block_t: int  # token rows per program
+    heads: str  # "loop": a program loops over every head, cos/sin fetched once; "grid": one head per program
+    num_warps: int
+
+    def __str__(self) -> str:  # as GEM_TUNE_LOG=1 prints it
+        return f"{self.layout}/{self.block_t}/{self.heads}/w{self.num_warps}"
+
+
+LAYOUTS = ("halves", "full")
+
+
+def full_layout_ok(rd: int, interleaved: bool) -> bool:
+    """The "full" layout splits NeoX halves by a reshape, so it needs rotary_dim a power of two (interleaved: any)."""
+    return interleaved or rd & (rd - 1) == 0
+
+
+def gpu_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
+    """Candidates on the GPU; the first is the measured default (36 us on 64K x 4 x 128 bf16 on the H200)."""
+    out = [RopeLaunch("halves", 32, "loop", 4)]
+    # (128 rows, 4 warps) is left out: ptxas spills 144-3288 bytes per thread there
+    out += [RopeLaunch("halves", bt, "loop", w) for bt in (32, 64, 128) for w in (4, 8)
+            if (bt, w) not in ((32, 4), (128, 4))]
+    # head-parallel: H times the programs, cos/sin re-read per head (from L2)
+    out += [RopeLaunch("halves", 64, "grid", 4), RopeLaunch("halves", 128, "grid", 4),
+            RopeLaunch("halves", 128, "grid", 8)]
+    if full_layout_ok(rd, interleaved):
+        out += [RopeLaunch("full", 32, "loop", 4), RopeLaunch("full", 64, "loop", 8),
+                RopeLaunch("full", 64, "grid", 4), RopeLaunch("full", 128, "grid", 8)]
+    return out
+
+
+def rope_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
+    """The tuner's candidates: gpu_configs, or one small config under the interpreter (CPU tests stay fast)."""
+    if triton_interpreting():
+        return [RopeLaunch("halves", 16, "loop", 4)]
+    return gpu_configs(rd, interleaved)
+
+
+_TUNER = ConfigTuner("gem.ops.rope", "GEM_ROPE_AUTOTUNE")
+
+
+def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, rd: int, interleaved: bool, inverse: bool) -> None:
+    """Write y = rope(x) ([T, H, D], contiguous, T > 0) with launch config cfg; pos [T] int32, cos/sin tables."""
+    t, h, d = x.shape
+    heads = {"loop": h, "grid": 1}[cfg.heads]
+    grid = (triton.cdiv(t, cfg.block_t), h // heads)
+    sign = -1.0 if inverse else 1.0
+    half = rd // 2
+    if cfg.layout == "halves":
+        _rope_kernel[grid](
+            x, y, pos, cos, sin, t, h, d, half, rd,
+            BLOCK_T=cfg.block_t, HALF_B=max(1, triton.next_power_of_2(half)),
+            PASS_B=max(1, triton.next_power_of_2(max(d - rd, 1))), HAS_PASS=d > rd,
+            INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
+        )
+    elif cfg.layout == "full":
+        if not full_layout_ok(rd, interleaved):
+            raise ValueError(f"rope layout 'full' needs a power-of-two rotary_dim for NeoX halves, got {rd}")
+        _rope_full_kernel[grid](
+            x, y, pos, cos, sin, t, h, d, HALF=half, D_B=triton.next_power_of_2(d), BLOCK_T=cfg.block_t,
+            INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
+        )
+    else:
+        raise ValueError(f"rope layout {cfg.layout!r}: expected one of {LAYOUTS}")
 
 
 def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: float, rd: int, interleaved: bool,
@@ -203,16 +320,13 @@ def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: flo
         return y
     pos = positions_cached(offsets, t)
     cos, sin = cos_sin_table(max(max_len, 1), rd, base, x.device)
-    half = rd // 2
-    block_t = 16 if triton_interpreting() else 32
-    grid = (triton.cdiv(t, block_t),)
-    _rope_kernel[grid](
-        x, y, pos, cos, sin, t, h, d, half, rd,
-        BLOCK_T=block_t, HALF_B=max(1, triton.next_power_of_2(half)),
-        PASS_B=max(1, triton.next_power_of_2(max(d - rd, 1))), HAS_PASS=d > rd,
-        INTERLEAVED=interleaved, SIGN=-1.0 if inverse else 1.0,
-        num_warps=4,
-    )
+
+    def launch(cfg):  # writes y from x only: idempotent, as the tuner's timing needs
+        _rope_launch(cfg, x, y, pos, cos, sin, rd, interleaved, inverse)
+
+    # Not T (a new batch size must not re-tune), nor the direction (the sign is a constant: same speed).
+    key = (h, d, rd, x.dtype, interleaved)
+    launch(_TUNER.pick("rope", key, rope_configs(rd, interleaved), launch, x.device))
     return y
 
 

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gem.ops.rotary import RopeConfig, positions_of, rope, rope_reference
+from gem.ops import rotary
+from gem.ops.rotary import RopeConfig, RopeLaunch, full_layout_ok, gpu_configs, positions_of, rope, rope_reference
 
 
 def _offsets(lengths):
@@ -196,3 +197,144 @@ def test_custom_op_does_not_cache_positions(monkeypatch):
     for _ in range(2):
         rotary._rope_op(x, off, 7, 10000.0, 32, False, False)
     assert built == [12, 12]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configs: every layout the GPU tuner may pick, forced one at a time under the interpreter; the tuner itself.
+
+GPU_LAUNCHES = gpu_configs(32, False)  # every candidate (a power-of-two NeoX rotary_dim admits the "full" layout)
+
+# (lengths, heads, head dim, config, dtype): T not a multiple of any BLOCK_T, T = 0 and 1, H = 1 and 3, rotary_dim = D
+# and partial (pass-through channels), NeoX and interleaved, a head dim that is not a power of two, fp32 and bf16.
+LAUNCH_CASES = [
+    ([17, 0, 1, 40], 3, 32, RopeConfig(), torch.float32),
+    ([17, 0, 1, 40], 3, 32, RopeConfig(interleaved=True), torch.float32),
+    ([70, 3], 1, 32, RopeConfig(rotary_dim=16), torch.bfloat16),
+    ([30, 9], 3, 32, RopeConfig(rotary_dim=10, interleaved=True, base=500.0), torch.bfloat16),
+    ([13, 20], 3, 48, RopeConfig(rotary_dim=16), torch.float32),
+    ([5, 6], 3, 32, RopeConfig(rotary_dim=10), torch.float32),  # NeoX rotary_dim 10: no "full" layout
+    ([1], 1, 32, RopeConfig(), torch.bfloat16),
+    ([1], 3, 32, RopeConfig(rotary_dim=8, interleaved=True), torch.float32),
+    ([0, 0], 3, 32, RopeConfig(), torch.float32),
+]
+
+
+def _force(monkeypatch, *cands):
+    """rope's tuner sees only cands (fresh cache, so an earlier test's pick for the same key does not stick)."""
+    monkeypatch.setattr(rotary, "rope_configs", lambda rd, interleaved: list(cands))
+    monkeypatch.setattr(rotary._TUNER, "best", {})
+
+
+def test_gpu_candidates():
+    assert GPU_LAUNCHES[0] == RopeLaunch("halves", 32, "loop", 4)  # the measured default comes first
+    assert len(set(GPU_LAUNCHES)) == len(GPU_LAUNCHES)
+    assert {c.block_t for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "loop"} == {32, 64, 128}
+    assert {c.num_warps for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "loop"} == {4, 8}
+    assert {c.block_t for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "grid"} == {64, 128}
+    assert {(c.layout, c.heads) for c in GPU_LAUNCHES} == {(a, b) for a in rotary.LAYOUTS for b in ("loop", "grid")}
+    assert all(c.layout == "halves" for c in gpu_configs(48, False))  # NeoX, rotary_dim not a power of two
+    assert gpu_configs(48, True) == GPU_LAUNCHES
+    assert rotary.rope_configs(32, False) == [RopeLaunch("halves", 16, "loop", 4)]  # interpreter: one small config
+
+
+@pytest.mark.parametrize("launch", GPU_LAUNCHES, ids=lambda c: f"{c.layout}-{c.block_t}-{c.heads}-w{c.num_warps}")
+def test_every_launch_config_matches_reference(monkeypatch, launch):
+    _force(monkeypatch, launch)
+    checked = 0
+    for lengths, h, d, cfg, dtype in LAUNCH_CASES:
+        rd = cfg.resolve_dim(d)
+        off, max_len = _offsets(lengths), max(lengths)
+        x = torch.randn(sum(lengths), h, d, generator=torch.Generator().manual_seed(len(lengths) + d)).to(dtype)
+        if launch.layout == "full" and not full_layout_ok(rd, cfg.interleaved):
+            with pytest.raises(ValueError, match="power-of-two"):
+                rope(x, off, max_len, config=cfg, kernel="triton")
+            continue
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for inverse in (False, True):
+            got = rope(x, off, max_len, config=cfg, inverse=inverse, kernel="triton")
+            assert got.dtype == dtype and got.shape == x.shape
+            ref = rope_reference(x, off, max_len, cfg, inverse=inverse)
+            torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), _complex_rope(x, lengths, cfg, inverse=inverse), atol=1e-5,
+                                           rtol=1e-5)
+            # pass-through channels are copied bit for bit
+            assert torch.equal(got[..., rd:], x[..., rd:])
+        checked += 1
+    assert checked >= 6
+
+
+def test_launch_config_backward(monkeypatch):
+    # the backward is a launch of the same tuned config in the other direction
+    for launch in (RopeLaunch("halves", 32, "grid", 4), RopeLaunch("full", 16, "loop", 4)):
+        _force(monkeypatch, launch)
+        lengths, cfg = [17, 0, 1, 40], RopeConfig(rotary_dim=16, interleaved=True)
+        x = torch.randn(58, 3, 32, requires_grad=True)
+        gy = torch.randn(58, 3, 32)
+        rope(x, _offsets(lengths), 40, config=cfg, kernel="triton").backward(gy)
+        torch.testing.assert_close(x.grad.double(), _complex_rope(gy, lengths, cfg, inverse=True), atol=1e-5,
+                                   rtol=1e-5)
+
+
+TUNE_CANDS = [RopeLaunch("halves", 16, "loop", 4), RopeLaunch("halves", 32, "grid", 4),
+              RopeLaunch("full", 16, "grid", 4)]
+
+
+def _record_launches(monkeypatch, cost=None):
+    """(launched configs, timed configs); the tuner's bench runs the launch and reports cost[cfg] ms."""
+    launched, timed = [], []
+    real = rotary._rope_launch
+    monkeypatch.setattr(rotary, "_rope_launch", lambda cfg, *a: launched.append(cfg) or real(cfg, *a))
+
+    def bench(fn):
+        if cost is None:
+            raise AssertionError("timed with GEM_ROPE_AUTOTUNE=0")
+        fn()
+        timed.append(launched[-1])
+        return cost[launched[-1]]
+
+    monkeypatch.setattr(rotary._TUNER, "bench", bench)
+    return launched, timed
+
+
+def test_tuner_picks_fastest_and_caches_per_key(monkeypatch):
+    monkeypatch.delenv("GEM_ROPE_AUTOTUNE", raising=False)
+    _force(monkeypatch, *TUNE_CANDS)
+    launched, timed = _record_launches(monkeypatch, dict(zip(TUNE_CANDS, (3.0, 1.0, 2.0))))
+    cfg = RopeConfig(rotary_dim=16)
+    x = torch.randn(40, 3, 32)
+    y = rope(x, _offsets([40]), 40, config=cfg, kernel="triton")
+    assert timed == TUNE_CANDS and launched[-1] == TUNE_CANDS[1]  # each timed once, then the fastest writes y
+    torch.testing.assert_close(y.double(), _complex_rope(x, [40], cfg), atol=1e-5, rtol=1e-5)
+    # another T and the inverse direction: same key, no re-timing
+    launched.clear()
+    x2 = torch.randn(75, 3, 32)
+    y2 = rope(x2, _offsets([50, 25]), 50, config=cfg, kernel="triton")
+    back = rope(y2, _offsets([50, 25]), 50, config=cfg, inverse=True, kernel="triton")
+    assert len(timed) == 3 and launched == [TUNE_CANDS[1]] * 2
+    torch.testing.assert_close(back, x2, atol=1e-5, rtol=1e-5)
+    # another head count (or dtype, rotary_dim, layout): a new key, timed again
+    rope(torch.randn(40, 2, 32), _offsets([40]), 40, config=cfg, kernel="triton")
+    rope(torch.randn(40, 3, 32).bfloat16(), _offsets([40]), 40, config=cfg, kernel="triton")
+    assert len(timed) == 9
+    assert len(rotary._TUNER.best) == 3
+
+
+def test_autotune_off_keeps_first_config(monkeypatch):
+    monkeypatch.setenv("GEM_ROPE_AUTOTUNE", "0")
+    _force(monkeypatch, *TUNE_CANDS)
+    launched, timed = _record_launches(monkeypatch)
+    cfg = RopeConfig()
+    for n in (40, 9):
+        x = torch.randn(n, 3, 32)
+        y = rope(x, _offsets([n]), n, config=cfg, kernel="triton")
+        torch.testing.assert_close(y.double(), _complex_rope(x, [n], cfg), atol=1e-5, rtol=1e-5)
+    assert not timed and set(launched) == {TUNE_CANDS[0]}
+
+
+def test_tuner_prints_nothing_by_default(monkeypatch, capsys):
+    monkeypatch.delenv("GEM_ROPE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("GEM_TUNE_LOG", raising=False)
+    _force(monkeypatch, *TUNE_CANDS)
+    rope(torch.randn(20, 2, 32), _offsets([20]), 20, kernel="triton")
+    assert capsys.readouterr().out == ""
