@@ -411,3 +411,191 @@ def test_rotated_copies_reuse_cached_positions(monkeypatch):
         block_attention(q, k, v, off, 19, block_size=8, rope=RopeConfig(), kernel="triton").sum().backward()
     rope(k.detach(), off, 19, config=RopeConfig(), kernel="triton")  # the standalone op shares the cache
     assert built == [32]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One-pass backward (GEM_BLOCK_BWD=onepass): one program per (block, kv head) computes dQ, dK and dV, dQ through an
+# fp32 scratch that the tests fill with NaN, so a read before the first write shows.
+
+
+@pytest.fixture
+def onepass(monkeypatch):
+    """GEM_BLOCK_BWD=onepass, a NaN-filled dQ scratch, and the list of backward kernels launched."""
+    from gem.ops import triton_block
+
+    monkeypatch.setenv("GEM_BLOCK_BWD", "onepass")
+    monkeypatch.setattr(triton_block, "_POISON", float("nan"))
+    return _count_bwd_launches(monkeypatch)
+
+
+def _count_bwd_launches(monkeypatch):
+    from gem.ops import triton_block
+
+    launched = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(self.name)
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("dkdv", "dq", "onepass"):
+        attr = f"_bwd_{name}_kernel"
+        monkeypatch.setattr(triton_block, attr, Counted(name, getattr(triton_block, attr)))
+    return launched
+
+
+@pytest.mark.parametrize(
+    "lengths,h,hkv,block_size,causal,rope_cfg",
+    [
+        ([37, 1, 0, 26], 2, 2, 16, True, None),  # block == tile, partial last blocks, lengths 0 and 1
+        ([37, 1, 0, 26], 2, 2, 20, True, RopeConfig(rotary_dim=16)),  # block does not divide, pass-through
+        ([37, 1, 0, 26], 2, 2, 20, False, RopeConfig(interleaved=True)),
+        ([21, 1, 6], 2, 1, 5, True, RopeConfig(rotary_dim=16, interleaved=True)),  # block < tile
+        # block 48 = 3 tiles: masked diagonal, unmasked inner and ragged tiles, dQ scratch read-modify-write
+        ([50, 33], 2, 2, 48, True, RopeConfig()),
+        ([50, 33], 4, 2, 48, False, None),  # GQA
+    ],
+)
+def test_onepass_matches_reference(onepass, lengths, h, hkv, block_size, causal, rope_cfg):
+    _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg)
+    assert set(onepass) == {"onepass"}  # (launched twice on a new key: the tuner checks the config first)
+
+
+@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
+def test_onepass_rope_stream_modes(onepass, monkeypatch, mode):
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    _check([50, 1, 33], h=4, hkv=2, block_size=48, rope_cfg=RopeConfig(rotary_dim=16))
+    assert set(onepass) == {"onepass"}  # (launched twice on a new key: the tuner checks the config first)
+
+
+def test_onepass_bf16(onepass):
+    _check([45, 3], h=2, hkv=1, dtype=torch.bfloat16, block_size=40, rope_cfg=RopeConfig())
+
+
+def test_onepass_is_deterministic(onepass):
+    q, k, v, do, offsets = _inputs([50, 33], 4, 2, 32, torch.float32, seed=8)
+
+    def fn(a, b, c):
+        return block_attention(a, b, c, offsets, 50, block_size=48, rope=RopeConfig(), kernel="triton")
+
+    first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.isfinite(g).all() for g in first[1:])
+
+
+def test_bwd_strategy_lists(monkeypatch):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the lists the GPU would get
+    monkeypatch.delenv("GEM_BLOCK_AUTOTUNE", raising=False)
+    monkeypatch.delenv("GEM_BLOCK_BWD", raising=False)
+    assert tb.bwd_strategies() == ["split"]  # the default until onepass has passed on the GPU
+    monkeypatch.setenv("GEM_BLOCK_BWD", "auto")
+    assert tb.bwd_strategies() == ["split", "onepass"]  # auto: timed
+    monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "0")
+    assert tb.bwd_strategies() == ["split"]  # no timing: the measured default
+    monkeypatch.setenv("GEM_BLOCK_BWD", "onepass")
+    assert tb.bwd_strategies() == ["onepass"]
+    monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "1")
+    monkeypatch.setenv("GEM_BLOCK_BWD", "split")
+    assert tb.bwd_strategies() == ["split"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GEM_BLOCK_BWD", "auto")
+    assert tb.bwd_strategies() == ["split"]  # one candidate under the interpreter, as configs() gives
+    for block_size in (5, 32, 128, 512):
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        cfgs = tb.configs("onepass", block_size)
+        cap = max(16, 1 << (block_size - 1).bit_length())
+        assert len(cfgs) == len(set(cfgs)) and all(16 <= c[0] <= cap and 16 <= c[1] <= cap for c in cfgs)
+        if block_size >= 128:
+            assert cfgs == list(tb.ONEPASS_CONFIGS)
+
+
+def test_bwd_bad_value(monkeypatch):
+    monkeypatch.setenv("GEM_BLOCK_BWD", "fused")
+    q, k, v, do, offsets = _inputs([5], 2, 2, 32, torch.float32)
+    q.requires_grad_()
+    out = block_attention(q, k, v, offsets, 5, block_size=4, kernel="triton")
+    with pytest.raises(ValueError, match="GEM_BLOCK_BWD='fused'"):
+        out.backward(do)
+
+
+@pytest.mark.parametrize("winner", ["split", "onepass"])
+def test_auto_picks_strategy_by_timing(monkeypatch, winner):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("GEM_BLOCK_BWD", "auto")
+    monkeypatch.setattr(tb, "_POISON", float("nan"))
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    # the interpreter has a single candidate (split); give it the GPU's two, then a fake clock
+    monkeypatch.setattr(tb, "bwd_strategies", lambda: ["split", "onepass"])
+    timed = []
+
+    def fake_bench(fn):
+        strategy = ["split", "onepass"][len(timed)]  # the tuner times candidates in list order
+        timed.append(strategy)
+        fn()
+        return 1.0 if strategy == winner else 2.0
+
+    monkeypatch.setattr(tb._TUNER, "bench", fake_bench)
+    launched = _count_bwd_launches(monkeypatch)
+    _check([20, 7], h=4, hkv=2, block_size=16, rope_cfg=RopeConfig())
+    assert timed == ["split", "onepass"]
+    # timing ran both strategies; then the winner made the returned gradients
+    assert {"dkdv", "dq", "onepass"} <= set(launched)
+    assert launched[-1] == ("dq" if winner == "split" else "onepass")
+    assert [cfg for key, cfg in tb._TUNER.best.items() if key[0] == "bwd"] == [winner]
+    launched.clear()
+    _check([9, 12], h=4, hkv=2, block_size=16, rope_cfg=RopeConfig(), seed=1)  # same key: no new timing
+    assert timed == ["split", "onepass"]
+    assert launched == (["dkdv", "dq"] if winner == "split" else ["onepass"])
+
+
+def test_auto_without_tuning_is_split(monkeypatch):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("GEM_BLOCK_BWD", "auto")
+    monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "0")
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    monkeypatch.setattr(tb._TUNER, "bench", lambda fn: pytest.fail("timed with GEM_BLOCK_AUTOTUNE=0"))
+    launched = _count_bwd_launches(monkeypatch)
+    _check([9, 4], block_size=8)
+    assert "onepass" not in launched and "bwd" not in {key[0] for key in tb._TUNER.best}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [64, 100, 512])
+@pytest.mark.parametrize("rope_cfg", [None, RopeConfig(), RopeConfig(rotary_dim=64, interleaved=True)])
+def test_gpu_onepass_bf16_long(monkeypatch, block_size, rope_cfg):
+    monkeypatch.setenv("GEM_BLOCK_BWD", "onepass")
+    _check([1500, 1, 0, 777, 2048], h=4, hkv=2, d=128, dtype=torch.bfloat16, block_size=block_size,
+           rope_cfg=rope_cfg, device="cuda")
+
+
+# split's dK/dV pass leaves ragged key rows of unmasked tiles unmasked: inf/NaN there, in rows it never stores
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2", "ignore:invalid value encountered in matmul")
+@pytest.mark.parametrize("bwd", ["split", "onepass"])
+def test_scores_far_below_zero(monkeypatch, bwd):
+    # Every score near -100 (lse ~ -150 in the log2 domain): a key row past the block's end that is only
+    # zero-loaded, not masked, gets exp2(-lse) = inf, and NaN once dS @ K mixes it into dQ. Not causal, so a
+    # ragged key tile meets complete query tiles.
+    from gem.ops import triton_block
+
+    monkeypatch.setenv("GEM_BLOCK_BWD", bwd)
+    monkeypatch.setattr(triton_block, "_POISON", float("nan"))
+    lengths = [37, 26]
+    q, k, v, do, offsets = _inputs(lengths, 2, 2, 32, torch.float32, seed=9)
+    u = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(1)), dim=0)
+    q, k = 0.1 * q - 24.0 * u, 0.1 * k + 24.0 * u
+    kw = {"block_size": 48, "causal": False}
+    got = _run(lambda a, b, c: block_attention(a, b, c, offsets, 37, kernel="triton", **kw), q, k, v, do)
+    ref = _run(lambda a, b, c: block_attention_reference(a, b, c, offsets, 37, **kw), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
