@@ -167,6 +167,18 @@ def _cases():
             label = (f"block onepass cfg{i} {cfg} d=128 bfloat16 rope={rope is not None}{f' {stream}' if rope else ''} "
                      f"causal={causal}")
             cases.append(("block", label, onepass))
+    # Every rope launch candidate (the tuner would only print "unusable" for one that fails to compile).
+    from gem.ops import rotary
+
+    for d, rd, interleaved in ((128, 128, False), (64, 32, True)):
+        for i, cfg in enumerate(rotary.gpu_configs(rd, interleaved)):
+            def rope_case(d=d, rd=rd, interleaved=interleaved, cfg=cfg):
+                x = torch.randn(sum(lens), 4, d).to(torch.bfloat16)
+                off = offsets(lens)
+                pos = rotary.positions_of(off, x.shape[0]).to(torch.int32)
+                cos, sin = rotary.cos_sin_table(300, rd, 10000.0, x.device)
+                rotary._rope_launch(cfg, x, torch.empty_like(x), pos, cos, sin, rd, interleaved, False)
+            cases.append(("rope", f"rope cfg{i} {cfg} d={d} rd={rd} interleaved={interleaved} bfloat16", rope_case))
     return cases
 
 
@@ -174,7 +186,7 @@ def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default="jfa,gdpa,block", help="comma list of jfa, gdpa, block")
+    ap.add_argument("--ops", default="jfa,gdpa,block,rope", help="comma list of jfa, gdpa, block, rope")
     ap.add_argument("--quick", action="store_true",
                     help="JFA's auto variant, the one-pass block backward's first config and bf16 only (the CPU "
                          "suite's subset, a few minutes cold)")
@@ -183,20 +195,21 @@ def main() -> int:
     ap.add_argument("--match", default="", help="only the cases whose label contains this text (e.g. 'jfa ds')")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
-    if not ops <= {"jfa", "gdpa", "block"}:
-        print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block")
+    if not ops <= {"jfa", "gdpa", "block", "rope"}:
+        print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block, rope")
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the GPU config lists are used only without it)")
         return 2
-    for knob in ("GEM_JFA_AUTOTUNE", "GEM_GDPA_AUTOTUNE", "GEM_BLOCK_AUTOTUNE"):
+    for knob in ("GEM_JFA_AUTOTUNE", "GEM_GDPA_AUTOTUNE", "GEM_BLOCK_AUTOTUNE", "GEM_ROPE_AUTOTUNE"):
         os.environ[knob] = "0"  # first config: no timing (nothing runs)
     sys.path.insert(0, str(ROOT))
     _install(a.resources)
     failed = []
     for op, name, thunk in _cases():
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto"))
-                                          or ("onepass cfg" in name and "onepass cfg0" not in name))):
+                                          or ("onepass cfg" in name and "onepass cfg0" not in name)
+                                          or (op == "rope" and "cfg0" not in name))):
             continue
         if a.match and a.match not in name:
             continue

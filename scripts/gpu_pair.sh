@@ -11,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 T0=$(date +%s)
 queue() {  # queue GPU "steps"
     local gpu=$1 step limit name cmd rc
-    IFS=';' read -ra steps <<< "$2"
+    IFS=';' read -ra steps <<< "$(printf '%s' "$2" | tr '\n' ';')"  # a newline separates steps too
     for step in "${steps[@]}"; do
         read -r limit name cmd <<< "$step"
         [ -z "${limit:-}" ] && continue

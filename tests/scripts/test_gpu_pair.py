@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_queues_run_with_logs_status_and_limits(tmp_path):
     out = tmp_path / "out"
     q0 = "5 first echo one; 5 second bash -c 'echo 3 passed && exit 3'"
-    q1 = "1 slow sleep 5; 5 after echo two"
+    q1 = "1 slow sleep 5;\n  5 after echo two"  # a queue written over two lines
     res = subprocess.run(["bash", str(ROOT / "scripts/gpu_pair.sh"), q0, q1], capture_output=True, text=True,
                          env={"OUT": str(out), "PATH": "/usr/bin:/bin"}, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
