@@ -663,10 +663,8 @@ def _bwd_configs(d: int, var: str = "base"):
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
         if var == "base":
-            # 2-stage and 32-row dK/dV candidates: session 11's causal N4096 bwd sat at 1.14x varlen_attn on the
-            # first of these, the only other one being 1.6x slower
-            return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 2),
-                    (32, 128, 128, 64, 8, 2)]
+            # (session 11 timed a 2-stage and a 32-row dK/dV candidate here too: 8-27% slower at N 4K-16K, dropped)
+            return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
         # (32, 128, ...): the one v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row ones
         # spill 88-168 bytes per thread); a candidate for the tuner, untimed as of session 10
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2)]
