@@ -234,12 +234,14 @@ def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.con
 
 
 @triton.jit
-def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, offs_n, d, d_ok, cos_ptr,
+def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, n_hi, offs_n, d, d_ok, cos_ptr,
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """dK, dV of a key tile += one query tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
+    """dK, dV of a key tile += one query tile's share; also returns dS^T (the one-pass backward's dQ share needs it).
+    Query rows < hi, key rows < n_hi. MASK: diagonal, ragged-end or block-straddling tile; a key row past n_hi is
+    zero-loaded but its exp2(-lse) may overflow, so it is masked, not only left unstored."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < hi
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
@@ -253,6 +255,7 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
     s_t = s_t * qk_scale - lse[None, :]
     if MASK:
         allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
+        allowed = allowed & (offs_n < n_hi)[:, None]
         if CAUSAL:
             allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
         s_t = tl.where(allowed, s_t, float("-inf"))
@@ -266,7 +269,7 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
         dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
     if HAS_PASS:
         dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
-    return dv, dk1, dk2, dkp
+    return dv, dk1, dk2, dkp, ds_t
 
 
 @triton.jit
@@ -321,18 +324,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     for g in range(GROUP):
         h = hk * GROUP + g
         for m0 in range(lo, m_a, BLOCK_M):
-            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
-                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_a, m_b, BLOCK_M):
-            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
-                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_b, hi, BLOCK_M):
-            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
-                                           offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
@@ -432,44 +435,24 @@ def _acc_rmw(ACC, acc_row, col, ok, ds, k, ADD, WIDTH: tl.constexpr, PREC: tl.co
 
 @triton.jit
 def _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start, h, m0, r1, add, offs_n, d,
-                  d_ok, cos_ptr, sin_ptr, qk_scale, T, half, rd, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
+                  d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr,
+                  W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """_dkdv_tile for a key tile and a query tile of the same block, plus the query tile's dQ share (dS @ K, per
     part, w.r.t. the rotated q) added into the fp32 scratch DQACC. MASK: diagonal or ragged (past r1) tile."""
+    dv, dk1, dk2, dkp, ds_t = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, r1, r1,
+                                         offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H, D,
+                                         BLOCK_M, BLOCK_N, HALF_B, PASS_B, MASK, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
+                                         ROT_STREAM, PREC, DOT_F32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < r1
-    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B, ROPE,
-                             HAS_PASS, INTERLEAVED, ROT_STREAM)
-    r_off = h.to(tl.int64) * T + start + offs_m
-    lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
-    s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE, HAS_PASS, PREC,
-                     DOT_F32)
-    s_t = s_t * qk_scale - lse[None, :]
-    if MASK:
-        # one block: only the ragged end and the causal diagonal. A key row past r1 is loaded as zeros, but its
-        # exp2(-lse) may overflow, and dS @ K mixes key rows: it must be masked, not only left unstored.
-        allowed = (offs_n < r1)[:, None] & m_ok[None, :]
-        if CAUSAL:
-            allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
-        s_t = tl.where(allowed, s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t)
-    do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    dv = _mm(p_t.to(do.dtype), do, dv, PREC, DOT_F32)
-    dp_t = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_F32)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q1.dtype)
+    acc_row = (h.to(tl.int64) * T + start + offs_m) * W
     ds = tl.trans(ds_t)
-    acc_row = r_off * W
     if ROPE:
-        dk1 = _mm(ds_t, q1, dk1, PREC, DOT_F32)
-        dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
         _acc_rmw(DQACC, acc_row, 0, m_ok, ds, k1, add, HALF_B, PREC, DOT_F32)
         _acc_rmw(DQACC, acc_row, HALF_B, m_ok, ds, k2, add, HALF_B, PREC, DOT_F32)
     if HAS_PASS:
-        dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
         _acc_rmw(DQACC, acc_row, W - PASS_B, m_ok, ds, kp, add, PASS_B, PREC, DOT_F32)
     return dv, dk1, dk2, dkp
 
@@ -530,17 +513,17 @@ def _bwd_onepass_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, offsets, wor
             for m0 in range(m_lo, m_a, BLOCK_M):
                 dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
                                                   h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
+                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
                                                   ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
             for m0 in range(m_a, m_b, BLOCK_M):
                 dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
                                                   h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL,
+                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL,
                                                   ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
             for m0 in range(m_b, r1, BLOCK_M):
                 dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
                                                   h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
+                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
                                                   ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
         _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr,
@@ -652,7 +635,8 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
     # The backward holds more per thread (two accumulators, K/V or q/dO, RoPE tables): at D 128 with RoPE ptxas
-    # spills 190-1600 bytes per thread in 4-warp backward tiles, and 0-50 bytes on 8 warps (32x64, 64x64, 128x64).
+    # spills 190-1600 bytes per thread in 4-warp backward tiles, less on 8 warps (session 11: the dK/dV
+    # default 64x64 still spills 440 bytes with pre-rotated RoPE, 88 without; the tuner times the rest).
     def warps(m, n):
         return 8 if kind != "fwd" or m * n >= 128 * 64 else 4
 
