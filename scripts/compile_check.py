@@ -133,7 +133,6 @@ def _cases():
         for stream in triton_block.ROPE_STREAM_MODES if rope else ("prerotated",):  # both RoPE kernel variants
             def block(d=d, dtype=dtype, rope=rope, causal=causal, stream=stream):
                 os.environ["GEM_BLOCK_ROPE_STREAM"] = stream
-                os.environ["GEM_BLOCK_BWD"] = "auto"  # split: no timing with GEM_BLOCK_AUTOTUNE=0
                 q, k, v = qkv(lens, lens, 4, 2, d, dtype)
                 off = offsets(lens)
                 rd = rope.resolve_dim(d) if rope else 0
@@ -142,31 +141,6 @@ def _cases():
                 triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
             label = f"block d={d} {str(dtype)[6:]} rope={rope is not None}{f' {stream}' if rope else ''} causal={causal}"
             cases.append(("block", label, block))
-    # The one-pass backward (GEM_BLOCK_BWD=onepass), every GPU config: "auto" picks it by timing, so each
-    # candidate must compile. Only the backward runs (on a stand-in output and lse), so a case's registers and
-    # spills are the one-pass kernel's.
-    for rope, stream, causal in ((RopeConfig(), "prerotated", True), (RopeConfig(), "inkernel", True),
-                                 (None, "prerotated", False)):
-        for i, cfg in enumerate(triton_block.configs("onepass", 128)):
-            def onepass(rope=rope, stream=stream, causal=causal, cfg=cfg):
-                os.environ["GEM_BLOCK_ROPE_STREAM"] = stream
-                os.environ["GEM_BLOCK_BWD"] = "onepass"
-                q, k, v = qkv(lens, lens, 4, 2, 128, torch.bfloat16)
-                off = offsets(lens)
-                rd = rope.resolve_dim(128) if rope else 0
-                args = (off, 300, 128, causal, 0.1, 10000.0, rd, False)
-                real = triton_block.configs
-                triton_block.configs = lambda kind, bs: [cfg] if kind == "onepass" else real(kind, bs)
-                triton_block._TUNER.best.clear()
-                try:
-                    lse = torch.randn(4, sum(lens), dtype=torch.float32)
-                    triton_block._bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, *args)
-                finally:
-                    triton_block.configs = real
-                    triton_block._TUNER.best.clear()
-            label = (f"block onepass cfg{i} {cfg} d=128 bfloat16 rope={rope is not None}{f' {stream}' if rope else ''} "
-                     f"causal={causal}")
-            cases.append(("block", label, onepass))
     # Every rope launch candidate (the tuner would only print "unusable" for one that fails to compile).
     from gem.ops import rotary
 
@@ -188,7 +162,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="jfa,gdpa,block,rope", help="comma list of jfa, gdpa, block, rope")
     ap.add_argument("--quick", action="store_true",
-                    help="JFA's auto variant, the one-pass block backward's first config and bf16 only (the CPU "
+                    help="JFA's auto variant and bf16 only (the CPU "
                          "suite's subset, a few minutes cold)")
     ap.add_argument("--resources", action="store_true",
                     help="also report each case's most registers and spill bytes per thread (cuobjdump)")
@@ -208,7 +182,6 @@ def main() -> int:
     failed = []
     for op, name, thunk in _cases():
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto"))
-                                          or ("onepass cfg" in name and "onepass cfg0" not in name)
                                           or (op == "rope" and "cfg0" not in name))):
             continue
         if a.match and a.match not in name:
@@ -231,9 +204,6 @@ def main() -> int:
             spills = sorted({f"{k} {st} B" for k, _, st in res if st > 0})
             note += (f"; max {max((r for _, r, _ in res), default=0)} registers"
                      f"; spills: {', '.join(spills) if spills else 'none'}")
-            onepass = sorted({(r, st) for k, r, st in res if k == "_bwd_onepass_kernel"})
-            if onepass:
-                note += "; _bwd_onepass_kernel " + ", ".join(f"{r} registers {st} B spilled" for r, st in onepass)
         print(f"ok   {name}: {len(kernels)} compiles, max shared {smem // 1024} KB, "
               f"{time.perf_counter() - t0:.1f} s{note}")
     print(f"compile_check: {len(COMPILED)} kernel compiles for sm_90, {len(failed)} failed case(s)")

@@ -4,31 +4,17 @@ Work is a device-built int32 table of (sequence, tile) items, so the grid depend
 Forward: one program per (q tile, head); a q tile visits only K tiles of its own block(s), up to the diagonal when
 causal. Tiles wholly inside the allowed region skip the mask; the others mask by block id / causal / length, which
 also covers block_size < tile. Online softmax in fp32 with exp2; the log2-domain lse is kept for the backward.
-Backward, deterministic and without atomics, after a delta = rowsum(dO * O) pass, in one of two strategies
-(GEM_BLOCK_BWD = auto | split | onepass):
-- split (FlashAttention-2 style): one program per (K tile, kv head) accumulating dK/dV over the q heads of its group
-  and the q tiles of its block, and one program per (q tile, head) for dQ. P and dP are recomputed in each: 7 tile
-  matmuls per (q tile, key tile) pair.
-- onepass: one program per (block, kv head) computes dQ, dK and dV of the block together, 5 matmuls per pair: every
-  (q, k) pair lies inside one block, so nobody else touches its rows. The block's rows are streamed, not held in
-  SRAM (q, k, v, dO of 512 x 128 bf16 rows is 512 KB): key tiles are stationary with dK/dV in registers, q tiles are
-  streamed per key tile, and dQ is accumulated across key tiles in an fp32 scratch (H x T rows of D, padded per
-  part) that the program reads back and adds to in a fixed order (its first key tile only stores; a CTA barrier
-  after each key tile makes the stores visible to every thread), then stores as dQ at the end. It trades the dQ
-  pass's recomputation for that scratch traffic (each q row is rewritten once per key tile it sees) and fewer,
-  longer programs, and holds the scratch (2x a bf16 q or more) for the backward's duration.
-"auto" times both whole strategies (rope passes and scratch included) once per tune key and keeps the faster; it
-means split with GEM_BLOCK_AUTOTUNE=0 and under the interpreter. The default is split: the one-pass kernel is
-compiled for sm_90 and CPU-tested but has not run on a GPU yet (its barrier ordering included), so it runs only
-when asked for (onepass or auto).
+Backward, deterministic and without atomics (FlashAttention-2 style), after a delta = rowsum(dO * O) pass: one
+program per (K tile, kv head) accumulating dK/dV over the q heads of its group and the q tiles of its block, and one
+program per (q tile, head) for dQ; P and dP are recomputed in each (7 tile matmuls per (q tile, key tile) pair).
+A one-pass backward (one program per block and kv head, dQ through an fp32 scratch, 5 matmuls per pair) was built
+and timed in session 12: 0.81 ms against 0.77 for the two passes with their extra rope pass, so it was removed.
 
 RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels), so QK^T is the sum of two or
 three tl.dot calls over the parts; dQ/dK are accumulated per part (w.r.t. the rotated q/k) and inversely rotated
-before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV and one-pass
-kernels) is rotated in registers on load, once per program. The streamed operand (k tiles in the forward and dQ
-pass, q tiles in dK/dV and one-pass) is read from a rotated copy that one rope-kernel pass writes right before the
-launch (K_rot in the forward, Q_rot and K_rot recomputed in the split backward, Q_rot alone in the one-pass one,
-never saved): rotating every streamed tile in the inner loop costs a load of cos/sin twice the tile's bytes plus
+before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV pass) is rotated in registers on load, once per program. The streamed operand (k tiles in the forward and dQ
+pass, q tiles in dK/dV) is read from a rotated copy that one rope-kernel pass writes right before the
+launch (K_rot in the forward, Q_rot and K_rot recomputed in the backward, never saved): rotating every streamed tile in the inner loop costs a load of cos/sin twice the tile's bytes plus
 math between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms
 with every tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms
 without RoPE.
@@ -234,14 +220,13 @@ def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.con
 
 
 @triton.jit
-def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, n_hi, offs_n, d, d_ok, cos_ptr,
+def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, offs_n, d, d_ok, cos_ptr,
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """dK, dV of a key tile += one query tile's share; also returns dS^T (the one-pass backward's dQ share needs it).
-    Query rows < hi, key rows < n_hi. MASK: diagonal, ragged-end or block-straddling tile; a key row past n_hi is
-    zero-loaded but its exp2(-lse) may overflow, so it is masked, not only left unstored."""
+    """dK, dV of a key tile += one query tile's share (query rows < hi). MASK: diagonal, ragged-end or
+    block-straddling tile. Key rows past the sequence end make garbage rows of dK/dV that are never stored."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < hi
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
@@ -255,7 +240,6 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
     s_t = s_t * qk_scale - lse[None, :]
     if MASK:
         allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
-        allowed = allowed & (offs_n < n_hi)[:, None]
         if CAUSAL:
             allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
         s_t = tl.where(allowed, s_t, float("-inf"))
@@ -269,7 +253,7 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
         dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
     if HAS_PASS:
         dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
-    return dv, dk1, dk2, dkp, ds_t
+    return dv, dk1, dk2, dkp
 
 
 @triton.jit
@@ -324,18 +308,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     for g in range(GROUP):
         h = hk * GROUP + g
         for m0 in range(lo, m_a, BLOCK_M):
-            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
-                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_a, m_b, BLOCK_M):
-            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
-                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
         for m0 in range(m_b, hi, BLOCK_M):
-            dv, dk1, dk2, dkp, _ds = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
-                                                m0, hi, length, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
+            dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h,
+                                                m0, hi, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
@@ -422,139 +406,6 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
                  rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
-@triton.jit
-def _acc_rmw(ACC, acc_row, col, ok, ds, k, ADD, WIDTH: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """ACC[rows, col:col+WIDTH] = (ADD ? ACC[...] : 0) + ds @ k, for an fp32 scratch row-major with acc_row offsets.
-
-    The load is predicated off unless ADD, so the first key tile of a block never reads the scratch."""
-    j = tl.arange(0, WIDTH)
-    ptr = ACC + acc_row[:, None] + col + j[None, :]
-    old = tl.load(ptr, mask=ok[:, None] & ADD, other=0.0)
-    tl.store(ptr, _mm(ds, k, old, PREC, DOT_F32), mask=ok[:, None])
-
-
-@triton.jit
-def _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start, h, m0, r1, add, offs_n, d,
-                  d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr,
-                  W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """_dkdv_tile for a key tile and a query tile of the same block, plus the query tile's dQ share (dS @ K, per
-    part, w.r.t. the rotated q) added into the fp32 scratch DQACC. MASK: diagonal or ragged (past r1) tile."""
-    dv, dk1, dk2, dkp, ds_t = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, r1, r1,
-                                         offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H, D,
-                                         BLOCK_M, BLOCK_N, HALF_B, PASS_B, MASK, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
-                                         ROT_STREAM, PREC, DOT_F32)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < r1
-    acc_row = (h.to(tl.int64) * T + start + offs_m) * W
-    ds = tl.trans(ds_t)
-    if ROPE:
-        _acc_rmw(DQACC, acc_row, 0, m_ok, ds, k1, add, HALF_B, PREC, DOT_F32)
-        _acc_rmw(DQACC, acc_row, HALF_B, m_ok, ds, k2, add, HALF_B, PREC, DOT_F32)
-    if HAS_PASS:
-        _acc_rmw(DQACC, acc_row, W - PASS_B, m_ok, ds, kp, add, PASS_B, PREC, DOT_F32)
-    return dv, dk1, dk2, dkp
-
-
-@triton.jit
-def _bwd_onepass_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, offsets, work, cos_ptr, sin_ptr, qk_scale,
-                        sm_scale, T, block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                        GROUP: tl.constexpr, D_B: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr,
-                        ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """dQ, dK, dV of one attention block (work item = (sequence, block)) for one kv head and its GROUP q heads.
-
-    Every (query, key) pair of BlockAttention lies inside one block, so no other program touches these rows. Key
-    tiles are stationary (rotated on load, dK/dV in registers, stored at the end of their iteration); the block's
-    query tiles are streamed from Q (the rotated copy of q unless ROT_STREAM). dQ is accumulated over the key tiles
-    in DQACC, fp32 [H, T, W] with the parts (half 1, half 2, pass) side by side: the first key tile stores, later
-    ones load, add and store, in a fixed order and by this program only (deterministic, no atomics); a last pass
-    reads it back and stores dQ through the inverse rotation."""
-    w = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.load(work + 2 * w)
-    if b < 0:
-        return
-    blk = tl.load(work + 2 * w + 1)
-    start = tl.load(offsets + b)
-    length = tl.load(offsets + b + 1) - start
-    r0 = blk * block_size
-    r1 = tl.minimum(r0 + block_size, length)
-    d = tl.arange(0, D_B)
-    d_ok = d < D
-    m_full = r0 + (r1 - r0) // BLOCK_M * BLOCK_M  # query tiles starting before m_full end inside the block
-    for n0 in range(r0, r1, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < r1
-        k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED, True)
-        v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        dv = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
-        dk1 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
-        dk2 = tl.zeros([BLOCK_N, HALF_B], dtype=tl.float32)
-        dkp = tl.zeros([BLOCK_N, PASS_B], dtype=tl.float32)
-        add = n0 > r0  # the first key tile visits every query tile of the block (below) and stores its dQ share
-        # Query tiles (aligned at r0) that see this key tile: from the one holding row n0 when causal, else all.
-        # [m_lo, m_a): on the diagonal (masked); [m_a, m_b): wholly past the tile's last key and inside the block,
-        # with a complete key tile (no mask); [m_b, r1): ragged (masked).
-        n_last = tl.minimum(n0 + BLOCK_N, r1) - 1
-        if CAUSAL:
-            m_lo = r0 + (n0 - r0) // BLOCK_M * BLOCK_M
-            m_a = r0 + tl.cdiv(n_last - r0, BLOCK_M) * BLOCK_M
-        else:
-            m_lo = r0
-            m_a = r0
-        m_b = tl.where(n0 + BLOCK_N <= r1, tl.maximum(m_full, m_a), m_a)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            for m0 in range(m_lo, m_a, BLOCK_M):
-                dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
-                                                  h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
-                                                  ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
-            for m0 in range(m_a, m_b, BLOCK_M):
-                dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
-                                                  h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL,
-                                                  ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
-            for m0 in range(m_b, r1, BLOCK_M):
-                dv, dk1, dk2, dkp = _onepass_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, DQACC, start,
-                                                  h, m0, r1, add, offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T,
-                                                  block_size, half, rd, H, D, W, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL,
-                                                  ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
-        tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
-        _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr,
-                     half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
-        # The next key tile reads back DQACC rows this one stored; a thread may load an element another thread
-        # stored (the load and store layouts differ). bar.sync orders the CTA's global memory accesses.
-        tl.debug_barrier()
-    tl.debug_barrier()
-    jh = tl.arange(0, HALF_B)
-    jp = tl.arange(0, PASS_B)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        for m0 in range(r0, r1, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < r1
-            q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-            acc_row = (h.to(tl.int64) * T + start + offs_m) * W
-            if ROPE:
-                dq1 = tl.load(DQACC + acc_row[:, None] + jh[None, :], mask=m_ok[:, None], other=0.0)
-                dq2 = tl.load(DQACC + acc_row[:, None] + HALF_B + jh[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
-                dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
-            if HAS_PASS:
-                dqp = tl.load(DQACC + acc_row[:, None] + (W - PASS_B) + jp[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                dqp = tl.zeros([BLOCK_M, PASS_B], dtype=tl.float32)
-            _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr,
-                         half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 
@@ -605,19 +456,10 @@ def _default_tiles(block_size: int, backward: bool) -> tuple[int, int]:
 FWD_TILES = ((128, 64), (64, 64), (64, 128), (128, 128))
 DKDV_TILES = ((64, 64), (32, 64), (32, 128), (64, 128), (128, 128))
 DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
-# One-pass backward (BLOCK_M, BLOCK_N, num_warps, num_stages): the key tile stays resident with its dK/dV, and
-# each streamed query tile also makes a transient fp32 dQ share. Ordered by ptxas spills (bytes per thread) at
-# bf16 D 128, rope prerotated / inkernel / none (scripts/compile_check.py --resources): 64x32 0/144/0 and 32x32
-# 0/8/0 (210-234 registers), 64x64 8/136/40, 32x64 24/16/56, 32x128 128/176/64, 64x128 120/312/128, all others at
-# 255 registers. Taller key tiles mean fewer read-modify-writes of the dQ scratch (each query row is rewritten
-# once per key tile it sees), so the spilling ones stay candidates. 128x64 (536-728 B) and 16 warps (240-590 B at
-# 128 registers) are out; 128x64 also needs more than 227 KB of shared memory with inkernel rope.
-ONEPASS_CONFIGS = ((64, 32, 8, 2), (32, 32, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2))
 
 
 def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for kind in fwd/dkdv/dq/onepass; the first is the
-    default.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for kind in fwd/dkdv/dq; the first is the default.
 
     Tiles are clamped to max(16, next_pow2(block_size)) (larger ones only add masked-out work in block-local
     attention) and deduplicated. Under the interpreter: one small config, so CPU tests stay fast.
@@ -625,13 +467,6 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     if triton_interpreting():
         return [(16, 16, 4, 1)]
     cap = max(16, triton.next_power_of_2(block_size))
-    if kind == "onepass":
-        out = []
-        for tm, tn, warps, stages in ONEPASS_CONFIGS:
-            cfg = (min(tm, cap), min(tn, cap), warps, stages)
-            if cfg not in out:
-                out.append(cfg)
-        return out
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
     # The backward holds more per thread (two accumulators, K/V or q/dO, RoPE tables): at D 128 with RoPE ptxas
@@ -651,8 +486,6 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
 
 
 _TUNER = ConfigTuner("gem.ops.block", "GEM_BLOCK_AUTOTUNE")
-# Tests set this to NaN: the one-pass backward's dQ scratch starts as NaN, so a read before the write shows.
-_POISON: float | None = None
 
 
 ROPE_STREAM_MODES = ("prerotated", "inkernel")
@@ -664,28 +497,6 @@ def rope_stream_mode() -> str:
     if mode not in ROPE_STREAM_MODES:
         raise ValueError(f"GEM_BLOCK_ROPE_STREAM={mode!r}: expected one of {ROPE_STREAM_MODES}")
     return mode
-
-
-BWD_MODES = ("auto", "split", "onepass")
-
-
-def bwd_strategies() -> list[str]:
-    """The backward strategies to choose from, the first the default; GEM_BLOCK_BWD, read per call.
-
-    "split" (default): the dK/dV pass, then the dQ pass. "onepass": one program per (block, kv head) for all three.
-    "auto": both, timed once per tune key by the tuner, except with GEM_BLOCK_AUTOTUNE=0 and under the interpreter
-    (one candidate, as configs() gives there), where it is split. Split stays the default until onepass has passed
-    the GPU tests: its correctness rests on a CTA barrier that the CPU interpreter cannot exercise, and "auto" would
-    pick it silently when faster.
-    """
-    mode = os.environ.get("GEM_BLOCK_BWD", "split")
-    if mode not in BWD_MODES:
-        raise ValueError(f"GEM_BLOCK_BWD={mode!r}: expected one of {BWD_MODES}")
-    if mode != "auto":
-        return [mode]
-    if triton_interpreting() or os.environ.get(_TUNER.env, "1") == "0":
-        return ["split"]
-    return ["split", "onepass"]
 
 
 def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tuple:
@@ -747,7 +558,6 @@ def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
     stream = rope_stream_mode()
-    bwd_strategies()  # a bad GEM_BLOCK_BWD fails here, not after the forward (or never, in inference)
     t, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
@@ -773,7 +583,6 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
 
 def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
     stream = rope_stream_mode()
-    cands = bwd_strategies()
     t, h, d = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or offsets.numel() < 2:
@@ -803,42 +612,16 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
             q, k_s, v, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **meta)
 
-    # One program per (block, kv head): dQ, dK, dV together; dQ goes through an fp32 scratch that it fully writes
-    # (first key tile) before reading it, so timing re-runs are idempotent.
-    w_acc = (2 * meta["HALF_B"] if meta["ROPE"] else 0) + (meta["PASS_B"] if meta["HAS_PASS"] else 0)
-
-    def onepass(cfg, q_s, acc):
-        bm, bn, warps, stages = cfg
-        work = tables(block_size)  # one program per attention block
-        _bwd_onepass_kernel[(work.shape[0], k.shape[1])](
-            q_s, k, v, do, lse, delta, dq, dk, dv, acc, offsets, work, *args, W=w_acc, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages, **meta)
-
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
 
-    def split():
-        # Q_rot and K_rot are recomputed, not saved by the forward (activation memory weighs more than ~10 us a
-        # pass), and made one at a time: the backward's peak grows by max(q, k), not q + k.
-        run = functools.partial(dkdv, q_s=_rotated(q, *rot))
-        run(_TUNER.pick("dkdv", key, configs("dkdv", block_size), run, q.device))
-        del run  # frees Q_rot before K_rot is made
-        run = functools.partial(dq_pass, k_s=_rotated(k, *rot))
-        run(_TUNER.pick("dq", key, configs("dq", block_size), run, q.device))
-
-    def one_pass():
-        # K is stationary here (rotated on load): only Q_rot is made. The scratch is fp32 [H, T, w_acc].
-        acc = torch.empty((h, t, w_acc), dtype=torch.float32, device=q.device)
-        if _POISON is not None:
-            acc.fill_(_POISON)
-        run = functools.partial(onepass, q_s=_rotated(q, *rot), acc=acc)
-        run(_TUNER.pick("onepass", key, configs("onepass", block_size), run, q.device))
-
-    strategies = {"split": split, "onepass": one_pass}
-    # "auto": each strategy's kernels are tuned on its first (untimed) run, then the whole strategies are timed,
-    # rope passes and scratch included; the winner is kept per key (kind "bwd" of the tuner).
-    best = cands[0] if len(cands) == 1 else _TUNER.pick("bwd", key, cands, lambda s: strategies[s](), q.device)
-    strategies[best]()
+    # Q_rot and K_rot are recomputed, not saved by the forward (activation memory weighs more than ~10 us a pass),
+    # and made one at a time: the backward's peak grows by max(q, k), not q + k.
+    run = functools.partial(dkdv, q_s=_rotated(q, *rot))
+    run(_TUNER.pick("dkdv", key, configs("dkdv", block_size), run, q.device))
+    del run  # frees Q_rot before K_rot is made
+    run = functools.partial(dq_pass, k_s=_rotated(k, *rot))
+    run(_TUNER.pick("dq", key, configs("dq", block_size), run, q.device))
     return dq, dk, dv
 
 
