@@ -1,17 +1,25 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,jfa,block] [--iters 20]
+    python scripts/kernel_probe.py [--cases gdpa,jfa,block] [--iters 20] [--host]
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
 calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
 kernel, the host (launch gaps) or small helper kernels (work tables, offsets checks) dominate. Bench shapes as in
 scripts/bench (bf16, H 4, D 128, ~64K tokens). Needs CUDA.
+--host adds the host time per call (the calls are queued behind a GPU sleep, so the host never waits for the
+device) and the top Python functions by own time under cProfile: a call whose host time exceeds its device time
+is launch-bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -78,6 +86,14 @@ def _block_cases():
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
+    # the same with tiles held as rotary halves (GEM_BLOCK_ROPE_TILE=halves): what the whole-tile form saves
+    lq = jagged_lengths(1024, 65536, low=512, seed=1024)
+    q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+
+    out.append(("block L=1024 b512 rope halves", (q, k, v), lambda: block_attention(
+        q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton"), {"GEM_BLOCK_ROPE_TILE": "halves"}))
+    out.append(("block L=1024 b512 no rope", (q, k, v), lambda: block_attention(q, k, v, oq, mq, block_size=512,
+                                                                              kernel="triton")))
     return out
 
 
@@ -104,16 +120,47 @@ def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:
     return rows
 
 
+def _host_us(fn, n: int = 20) -> float:
+    """Host microseconds per call with the device busy: the calls queue behind a GPU sleep, so none waits."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles, longer than n calls' host time
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def _host_profile(fn, n: int = 20, top: int = 12) -> str:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    return "\n".join("   " + ln for ln in lines[start:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="gdpa,jfa,block")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--host", action="store_true", help="also host time per call and a cProfile of the host path")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernel_probe: needs CUDA")
         return 2
     for group in a.cases.split(","):
-        for name, inputs, fwd in CASES[group]():
+        for name, inputs, fwd, *env in CASES[group]():  # env: variables set for the whole case
+            saved = {key: os.environ.get(key) for key in (env[0] if env else {})}
+            os.environ.update(env[0] if env else {})
             def both(fwd=fwd, inputs=inputs):
                 o = fwd()
                 torch.autograd.grad(o, inputs, torch.ones_like(o))
@@ -129,8 +176,17 @@ def main() -> int:
                     print(f"{label}: device {dev:.3f} ms per call in {sum(r[2] for r in rows)} kernels")
                     for kname, us, c in rows[:8]:
                         print(f"   {us:9.1f} us  x{c:<3d} {kname}")
+                    if a.host:
+                        print(f"{label}: host {_host_us(fn):.1f} us per call")
+                if a.host:
+                    print(f"fwd+bwd host profile (20 calls, by own time):\n{_host_profile(both)}")
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
                 print(f"\n## {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            for key, val in saved.items():
+                if val is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = val
             torch.cuda.empty_cache()
     return 0
 
