@@ -86,12 +86,8 @@ def _block_cases():
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
-    # the same with tiles held as rotary halves (GEM_BLOCK_ROPE_TILE=halves): what the whole-tile form saves
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)
     q, k, v, oq, mq, _, _ = _qkv(lq, lq)
-
-    out.append(("block L=1024 b512 rope halves", (q, k, v), lambda: block_attention(
-        q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton"), {"GEM_BLOCK_ROPE_TILE": "halves"}))
     out.append(("block L=1024 b512 no rope", (q, k, v), lambda: block_attention(q, k, v, oq, mq, block_size=512,
                                                                               kernel="triton")))
     return out

@@ -19,6 +19,8 @@ math between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) th
 with every tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms
 without RoPE.
 GEM_BLOCK_ROPE_STREAM=inkernel rotates streamed tiles in-kernel instead (no copies; the default is prerotated).
+Holding rotated tiles whole instead (the stationary one rotated by reshape/split/join in registers, so every dot
+spans the head dim) was timed in session 12 and lost: fwd 0.210 vs 0.188 ms, dQ 0.305 vs 0.263, dK/dV 0.475 vs 0.468.
 
 Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (gem.ops._tune),
 since the work table, hence the grid, depends on the tile height.
@@ -40,9 +42,6 @@ from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
     cos_sin_table,
-    full_layout_ok,
-    rope_full_angles,
-    rope_full_rotate,
     rope_load_halves,
     rope_load_rotated,
     rope_rotate_regs,
@@ -77,28 +76,6 @@ def _load_parts(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, rd, D: tl.constex
     else:
         ap = tl.zeros([R, PASS_B], dtype=ty)
     return a1, a2, ap
-
-
-@triton.jit
-def _load_full_rotated(ptr, row_off, ok, pos, cos_ptr, sin_ptr, D: tl.constexpr, R: tl.constexpr,
-                       HALF_B: tl.constexpr, D_B: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """FULL: the stationary [R, D] tile rotated as one row-major tile, in _load_parts' (half 1, half 2, pass) form
-    with the whole rotated row in the pass slot (the halves are unused placeholders)."""
-    cols = tl.arange(0, D_B)
-    x = tl.load(ptr + row_off[:, None] + cols[None, :], mask=ok[:, None] & (cols < D)[None, :], other=0.0)
-    c, s = rope_full_angles(pos, ok, cos_ptr, sin_ptr, HALF, D_B, INTERLEAVED, 1.0)
-    z = tl.zeros([R, HALF_B], dtype=x.dtype)
-    return z, z, rope_full_rotate(x, c, s, R, HALF, D_B, INTERLEAVED).to(x.dtype)
-
-
-@triton.jit
-def _store_full_rotated(ptr, row_off, ok, g, pos, cos_ptr, sin_ptr, D: tl.constexpr, R: tl.constexpr,
-                        D_B: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """FULL: store a whole-row gradient w.r.t. the rotated tensor through the inverse rotation."""
-    cols = tl.arange(0, D_B)
-    c, s = rope_full_angles(pos, ok, cos_ptr, sin_ptr, HALF, D_B, INTERLEAVED, -1.0)
-    g = rope_full_rotate(g, c, s, R, HALF, D_B, INTERLEAVED)
-    tl.store(ptr + row_off[:, None] + cols[None, :], g.to(ptr.dtype.element_ty), mask=ok[:, None] & (cols < D)[None, :])
 
 
 @triton.jit
@@ -191,8 +168,7 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
                 CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                FULL: tl.constexpr, HALF: tl.constexpr):
+                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -207,12 +183,8 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    if FULL:
-        q1, q2, qp = _load_full_rotated(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, D, BLOCK_M, HALF_B, D_B, HALF,
-                                        INTERLEAVED)
-    else:
-        q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED, True)
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
     # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
@@ -292,8 +264,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                      GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
                      HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr,
-                     DOT_F32: tl.constexpr,
-                FULL: tl.constexpr, HALF: tl.constexpr):
+                     DOT_F32: tl.constexpr):
     """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile); K is rotated here on load."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
@@ -307,13 +278,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < length
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     d = tl.arange(0, D_B)
-    if FULL:
-        k1, k2, kp = _load_full_rotated(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, D, BLOCK_N, HALF_B, D_B, HALF,
-                                        INTERLEAVED)
-    else:
-        k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED, True)
     d_ok = d < D
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     # Query rows that see these keys: same block, and at or after the key when causal.
@@ -358,12 +325,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
-    if FULL:
-        _store_full_rotated(DK, k_row, n_ok, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, D, BLOCK_N, D_B, HALF,
-                            INTERLEAVED)
-    else:
-        _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr,
-                     half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+    _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, half,
+                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
 @triton.jit
@@ -403,8 +366,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                FULL: tl.constexpr, HALF: tl.constexpr):
+                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile); Q is rotated here on load."""
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -419,12 +381,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    if FULL:
-        q1, q2, qp = _load_full_rotated(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, D, BLOCK_M, HALF_B, D_B, HALF,
-                                        INTERLEAVED)
-    else:
-        q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                                 ROPE, HAS_PASS, INTERLEAVED, True)
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
+                             ROPE, HAS_PASS, INTERLEAVED, True)
     d = tl.arange(0, D_B)
     d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -446,12 +404,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
                                  BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
                                  ROT_STREAM, PREC, DOT_F32)
-    if FULL:
-        _store_full_rotated(DQ, q_row, m_ok, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, D, BLOCK_M, D_B, HALF,
-                            INTERLEAVED)
-    else:
-        _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr,
-                     half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+    _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, half,
+                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -547,29 +501,12 @@ def rope_stream_mode() -> str:
     return mode
 
 
-ROPE_TILE_FORMS = ("full", "halves")
-
-
-def rope_tile_form(stream: str, rotary_dim: int, interleaved: bool) -> str | None:
-    """How the kernels hold rotated tiles (None without rope). "full" (default, GEM_BLOCK_ROPE_TILE): whole
-    row-major tiles, the stationary one rotated once in registers (rope_full_rotate), so every tl.dot spans the
-    head dim as without rope. "halves": each tile as its two rotary halves (+ pass-through), QK^T and dQ/dK split
-    into two or three dots; what in-kernel streaming and rotary dims full_layout_ok rejects use."""
-    if rotary_dim == 0:
-        return None
-    form = os.environ.get("GEM_BLOCK_ROPE_TILE", "full")
-    if form not in ROPE_TILE_FORMS:
-        raise ValueError(f"GEM_BLOCK_ROPE_TILE={form!r}: expected one of {ROPE_TILE_FORMS}")
-    ok = stream == "prerotated" and full_layout_ok(rotary_dim, interleaved)
-    return "full" if form == "full" and ok else "halves"
-
-
 def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tuple:
     _, h, d = q.shape
     # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune. The stream
-    # mode and tile form change the kernels' inner loops, so each is tuned on its own.
+    # mode changes the kernels' inner loops, so each mode is tuned on its own (no mode without rope).
     return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1],
-            stream if rotary_dim > 0 else None, rope_tile_form(stream, rotary_dim, interleaved))
+            stream if rotary_dim > 0 else None)
 
 
 class _Tables:
@@ -599,25 +536,17 @@ def _rope_tables(rotary_dim: int, base: float, max_len: int, device):
 
 
 def _meta(q, k, rotary_dim, interleaved, causal, stream):
-    """Kernel meta-parameters, and the rd to pass (the pass-through channels' first column in a tile's parts)."""
     d = q.shape[2]
     half = rotary_dim // 2
-    d_b = triton.next_power_of_2(d)
-    full = rope_tile_form(stream, rotary_dim, interleaved) == "full"
-    meta = dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
-        H=q.shape[1], HKV=k.shape[1], D=d, GROUP=q.shape[1] // k.shape[1], D_B=d_b,
+    return dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
+        H=q.shape[1], HKV=k.shape[1], D=d, GROUP=q.shape[1] // k.shape[1], D_B=triton.next_power_of_2(d),
         HALF_B=max(16, triton.next_power_of_2(max(half, 1))),
         PASS_B=max(16, triton.next_power_of_2(max(d - rotary_dim, 1))),
         CAUSAL=causal, ROPE=rotary_dim > 0, HAS_PASS=d > rotary_dim, INTERLEAVED=interleaved,
         ROT_STREAM=rotary_dim > 0 and stream == "inkernel",
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=triton_interpreting() and q.dtype == torch.bfloat16,
-        FULL=full, HALF=max(half, 1),
     )
-    if full:  # the loops see plain whole-row tiles: no rotary parts, the row in the pass slot from column 0
-        meta.update(ROPE=False, HAS_PASS=True, PASS_B=d_b)
-        return meta, 0
-    return meta, rotary_dim
 
 
 def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
@@ -639,14 +568,14 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
     tables = _Tables(offsets, t)
     offsets = tables.offsets
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    meta, rd = _meta(q, k, rotary_dim, interleaved, causal, stream)
+    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     k_s = _rotated(k, tables, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
         work = tables(bm)
         _fwd_kernel[(work.shape[0], h)](
-            q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rd,
+            q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
@@ -667,8 +596,8 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     bt = 16 if triton_interpreting() else 64
     _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
-    meta, rd = _meta(q, k, rotary_dim, interleaved, causal, stream)
-    args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rd)
+    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
+    args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
 
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     def dkdv(cfg, q_s):

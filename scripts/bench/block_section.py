@@ -5,7 +5,6 @@ blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, po
   block fused RoPE     gem.ops.block_attention(rope=RopeConfig())
   block + rope op      gem.ops.rope on q and k, then block_attention without rope
   block RoPE in-kernel the fused op with every tile rotated in registers (GEM_BLOCK_ROPE_STREAM=inkernel)
-  block RoPE halves    the fused op with tiles held as rotary halves (GEM_BLOCK_ROPE_TILE=halves)
   block no RoPE        block_attention without any RoPE (the floor)
   JFA full causal      gem.ops.jagged_attention(causal=True) + rope op (the O(L^2) baseline)
   JFA window           gem.ops.jagged_attention(window=(block-1, 0)) + rope op (sliding window, same cost order)
@@ -170,8 +169,6 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
              ("block + rope op", lambda: _ours_unfused(q, k, v, off, max_len, block)),
              # every tile rotated in registers, streamed ones too (GEM_BLOCK_ROPE_STREAM=inkernel)
              ("block RoPE in-kernel", lambda: _ours_fused(q, k, v, off, max_len, block)),
-             # tiles as two rotary halves, QK^T and dQ/dK split per half (GEM_BLOCK_ROPE_TILE=halves)
-             ("block RoPE halves", lambda: _ours_fused(q, k, v, off, max_len, block)),
              ("block no RoPE", lambda: _ours_unfused(q, k, v, off, max_len, block, rope_op=False))]
     if competitors:
         impls += [("JFA full causal", lambda: _jfa(q, k, v, off, max_len, block, window=False)),
@@ -179,8 +176,7 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
                   ("flex block-causal", lambda: _flex(q, k, v, off, max_len, block))]
     rows = []
     for name, make in impls:
-        with _knob("GEM_BLOCK_ROPE_STREAM", "inkernel" if name == "block RoPE in-kernel" else None), \
-                _knob("GEM_BLOCK_ROPE_TILE", "halves" if name == "block RoPE halves" else None):
+        with _knob("GEM_BLOCK_ROPE_STREAM", "inkernel" if name == "block RoPE in-kernel" else None):
             rows.append(_measure(case, name, make, (q, k, v), flops, info))
     fused, unfused = rows[0], rows[1]
     for key, a, b in (("unfused/fused fwd", unfused.fwd_ms, fused.fwd_ms),

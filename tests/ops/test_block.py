@@ -333,11 +333,10 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# RoPE of the streamed operand: pre-rotated copies (default) or rotated per tile in-kernel (GEM_BLOCK_ROPE_STREAM);
-# tiles held whole (default with pre-rotated copies) or as rotary halves (GEM_BLOCK_ROPE_TILE=halves).
+# RoPE of the streamed operand: pre-rotated copies (default) or rotated per tile in-kernel (GEM_BLOCK_ROPE_STREAM).
 
 
-@pytest.mark.parametrize("mode", ["prerotated", "prerotated/halves", "inkernel"])
+@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
 @pytest.mark.parametrize(
     "lengths,h,hkv,block_size,causal,rope_cfg,dtype",
     [
@@ -350,18 +349,13 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
 def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, block_size, causal, rope_cfg, dtype):
     from gem.ops import triton_block
 
-    stream, _, form = mode.partition("/")
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", stream)
-    monkeypatch.setenv("GEM_BLOCK_ROPE_TILE", form or "full")
-    # whole tiles whenever the streamed ones are pre-rotated (every rotary dim here is a power of two)
-    want = "full" if mode == "prerotated" else "halves"
-    assert triton_block.rope_tile_form(stream, rope_cfg.resolve_dim(32), rope_cfg.interleaved) == want
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
     passes = []
     real = triton_block._rope_triton
     monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
     # prerotated: K_rot for the forward, then Q_rot and K_rot for the backward; inkernel: no copies
-    assert passes == ([hkv, h, hkv] if stream == "prerotated" else [])
+    assert passes == ([hkv, h, hkv] if mode == "prerotated" else [])
 
 
 def test_rope_stream_bad_value(monkeypatch):
@@ -369,23 +363,6 @@ def test_rope_stream_bad_value(monkeypatch):
     q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
     with pytest.raises(ValueError, match="GEM_BLOCK_ROPE_STREAM='fused'"):
         block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
-
-
-def test_rope_tile_bad_value(monkeypatch):
-    monkeypatch.setenv("GEM_BLOCK_ROPE_TILE", "quarters")
-    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="GEM_BLOCK_ROPE_TILE='quarters'"):
-        block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
-
-
-def test_rope_tile_forms():
-    from gem.ops.triton_block import rope_tile_form
-
-    assert rope_tile_form("prerotated", 0, False) is None
-    assert rope_tile_form("prerotated", 128, False) == "full"
-    assert rope_tile_form("prerotated", 48, False) == "halves"  # NeoX halves of 24: not a power of two
-    assert rope_tile_form("prerotated", 48, True) == "full"  # interleaved pairs: any rotary dim
-    assert rope_tile_form("inkernel", 128, False) == "halves"
 
 
 def test_rope_stream_modes_tuned_apart(monkeypatch):
