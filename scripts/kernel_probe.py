@@ -128,6 +128,19 @@ def _host_us(fn, n: int = 20) -> float:
     return dt / n * 1e6
 
 
+def _host_us_no_launch(fn, n: int = 20) -> float:
+    """_host_us with every Triton launch a no-op (JITFunction.run patched): the host time of everything but the
+    launches themselves (Python glue, autograd, allocations, torch kernels' launches)."""
+    from triton.runtime.jit import JITFunction
+
+    real = JITFunction.run
+    JITFunction.run = lambda self, *a, **k: None
+    try:
+        return _host_us(fn, n)
+    finally:
+        JITFunction.run = real
+
+
 def _host_profile(fn, n: int = 20, top: int = 12) -> str:
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)
@@ -173,7 +186,8 @@ def main() -> int:
                     for kname, us, c in rows[:8]:
                         print(f"   {us:9.1f} us  x{c:<3d} {kname}")
                     if a.host:
-                        print(f"{label}: host {_host_us(fn):.1f} us per call")
+                        print(f"{label}: host {_host_us(fn):.1f} us per call, "
+                              f"{_host_us_no_launch(fn):.1f} with Triton launches as no-ops")
                 if a.host:
                     print(f"fwd+bwd host profile (20 calls, by own time):\n{_host_profile(both)}")
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others

@@ -13,6 +13,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 KERNELS = ("auto", "triton", "reference")
 
 
+
+# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr functions that cost ~10 us a call
+# on the host, and a launch path calls them several times.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

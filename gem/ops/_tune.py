@@ -33,10 +33,14 @@ class ConfigTuner:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    def pick(self, kind: str, key: tuple, cands: list, launch: Callable, device: torch.device):
+    def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device):
+        """The config to launch; `cands` (or a function making them, called only when the key is new) in order."""
         full_key = (kind,) + key
-        if full_key in self.best:
-            return self.best[full_key]
+        best = self.best.get(full_key)
+        if best is not None:
+            return best
+        if callable(cands):
+            cands = cands()
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
         if len(cands) == 1 or os.environ.get(self.env, "1") == "0":

@@ -16,7 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import check_offsets, eager_tables, offsets_cached, resolve_kernel, triton_interpreting
+from gem.ops._common import (
+    cdiv,
+    check_offsets,
+    eager_tables,
+    next_pow2,
+    offsets_cached,
+    resolve_kernel,
+    triton_interpreting,
+)
 from gem.ops._tune import ConfigTuner
 
 
@@ -64,7 +72,7 @@ def cos_sin_table(length: int, rotary_dim: int, base: float, device) -> tuple[to
     hit = _TABLES.get(key)
     if hit is not None and hit[0].shape[0] >= length:
         return hit
-    n = max(16, triton.next_power_of_2(max(1, length)))
+    n = max(16, next_pow2(max(1, length)))
     inv_freq = float(base) ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
     ang = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     table = (ang.cos().float().contiguous(), ang.sin().float().contiguous())
@@ -305,21 +313,21 @@ def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.T
     """Write y = rope(x) ([T, H, D], contiguous, T > 0) with launch config cfg; pos [T] int32, cos/sin tables."""
     t, h, d = x.shape
     heads = {"loop": h, "grid": 1}[cfg.heads]
-    grid = (triton.cdiv(t, cfg.block_t), h // heads)
+    grid = (cdiv(t, cfg.block_t), h // heads)
     sign = -1.0 if inverse else 1.0
     half = rd // 2
     if cfg.layout == "halves":
         _rope_kernel[grid](
             x, y, pos, cos, sin, t, h, d, half, rd,
-            BLOCK_T=cfg.block_t, HALF_B=max(1, triton.next_power_of_2(half)),
-            PASS_B=max(1, triton.next_power_of_2(max(d - rd, 1))), HAS_PASS=d > rd,
+            BLOCK_T=cfg.block_t, HALF_B=max(1, next_pow2(half)),
+            PASS_B=max(1, next_pow2(max(d - rd, 1))), HAS_PASS=d > rd,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
         )
     elif cfg.layout == "full":
         if not full_layout_ok(rd, interleaved):
             raise ValueError(f"rope layout 'full' needs a power-of-two rotary_dim for NeoX halves, got {rd}")
         _rope_full_kernel[grid](
-            x, y, pos, cos, sin, t, h, d, HALF=half, D_B=triton.next_power_of_2(d), BLOCK_T=cfg.block_t,
+            x, y, pos, cos, sin, t, h, d, HALF=half, D_B=next_pow2(d), BLOCK_T=cfg.block_t,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
         )
     else:
@@ -327,13 +335,15 @@ def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.T
 
 
 def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: float, rd: int, interleaved: bool,
-                 inverse: bool) -> torch.Tensor:
+                 inverse: bool, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """pos: the int32 token positions when the caller already holds them (positions_cached otherwise)."""
     x = x.contiguous()
     t, h, d = x.shape
     y = torch.empty_like(x)
     if t == 0 or h == 0:
         return y
-    pos = positions_cached(offsets, t)
+    if pos is None:
+        pos = positions_cached(offsets, t)
     cos, sin = cos_sin_table(max(max_len, 1), rd, base, x.device)
 
     def launch(cfg):  # writes y from x only: idempotent, as the tuner's timing needs
@@ -341,7 +351,7 @@ def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: flo
 
     # Not T (a new batch size must not re-tune), nor the direction (the sign is a constant: same speed).
     key = (h, d, rd, x.dtype, interleaved)
-    launch(_TUNER.pick("rope", key, rope_configs(rd, interleaved), launch, x.device))
+    launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, x.device))
     return y
 
 

@@ -4,9 +4,10 @@ Work is a device-built int32 table of (sequence, tile) items, so the grid depend
 Forward: one program per (q tile, head); a q tile visits only K tiles of its own block(s), up to the diagonal when
 causal. Tiles wholly inside the allowed region skip the mask; the others mask by block id / causal / length, which
 also covers block_size < tile. Online softmax in fp32 with exp2; the log2-domain lse is kept for the backward.
-Backward, deterministic and without atomics (FlashAttention-2 style), after a delta = rowsum(dO * O) pass: one
-program per (K tile, kv head) accumulating dK/dV over the q heads of its group and the q tiles of its block, and one
-program per (q tile, head) for dQ; P and dP are recomputed in each (7 tile matmuls per (q tile, key tile) pair).
+Backward, deterministic and without atomics (FlashAttention-2 style): one program per (q tile, head) for dQ, which
+also writes delta = rowsum(dO * O) of its rows, then one program per (K tile, kv head) accumulating dK/dV over the
+q heads of its group and the q tiles of its block; P and dP are recomputed in each (7 tile matmuls per (q tile, key
+tile) pair).
 A one-pass backward (one program per block and kv head, dQ through an fp32 scratch, 5 matmuls per pair) was built
 and timed in session 12: 0.81 ms against 0.77 for the two passes with their extra rope pass, so it was removed.
 
@@ -36,12 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
+from gem.ops._common import cdiv, eager_tables, next_pow2, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
     cos_sin_table,
+    positions_cached,
     rope_load_halves,
     rope_load_rotated,
     rope_rotate_regs,
@@ -210,18 +212,6 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, T, H: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
-    d = tl.arange(0, D_B)
-    mask = (t < T)[:, None] & (d < D)[None, :]
-    off = t.to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
-    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
-
-
-@triton.jit
 def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, offs_n, d, d_ok, cos_ptr,
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
@@ -362,12 +352,13 @@ def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr, qk_scale, sm_scale, T,
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
                    INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile); Q is rotated here on load."""
+    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile); Q is rotated here on load. Also
+    computes and stores delta = rowsum(dO * O) of its rows, which it needs and the dK/dV pass (run after) reads."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(work + 2 * w)
@@ -388,7 +379,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_ptr,
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
+    o = tl.load(O + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + r_off, delta, mask=m_ok)
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
     dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
@@ -432,7 +425,7 @@ def work_table(offsets: torch.Tensor, tile: int, total: int) -> torch.Tensor:
     Built on device (a prefix sum and one small kernel), so no host sync and a grid size known from shapes alone.
     """
     nb = offsets.numel() - 1
-    bound = max(1, triton.cdiv(total, tile) + nb)
+    bound = max(1, cdiv(total, tile) + nb)
     work = torch.full((bound, 2), -1, dtype=torch.int32, device=offsets.device)
     if nb == 0:
         return work
@@ -468,7 +461,7 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     """
     if triton_interpreting():
         return [(16, 16, 4, 1)]
-    cap = max(16, triton.next_power_of_2(block_size))
+    cap = max(16, next_pow2(block_size))
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
     # The backward holds more per thread (two accumulators, K/V or q/dO, RoPE tables): at D 128 with RoPE ptxas
@@ -510,17 +503,29 @@ def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tupl
 
 
 class _Tables:
-    """Work tables per tile height, built once per offsets tensor (gem.ops._common.offsets_cached): the layers of
-    a model, the backward and the tuner's timed configs reuse them (GEM_BLOCK_WORK_CACHE=0: rebuild per call)."""
+    """Per-batch tables of one offsets tensor: work tables per tile height and the rope token positions, each built
+    on first use. One instance per offsets tensor (gem.ops._common.offsets_cached, GEM_BLOCK_WORK_CACHE=0: one per
+    call), so the layers of a model, the backward and the tuner's timed configs share them for one cache lookup."""
 
     def __init__(self, offsets, total):
         self.user, self.offsets, self.total, self.cache = offsets, offsets.to(torch.int32), total, {}
+        self.pos = None
 
     def __call__(self, tile):
-        if tile not in self.cache:
-            self.cache[tile] = offsets_cached("_gem_block_work", "GEM_BLOCK_WORK_CACHE", self.user, self.user,
-                                              (tile, self.total), lambda: work_table(self.offsets, tile, self.total))
-        return self.cache[tile]
+        work = self.cache.get(tile)
+        if work is None:
+            work = self.cache[tile] = work_table(self.offsets, tile, self.total)
+        return work
+
+    def positions(self):
+        if self.pos is None:  # the rope op's own cache: the standalone op on the same offsets shares it
+            self.pos = positions_cached(self.user, self.total)
+        return self.pos
+
+    @staticmethod
+    def of(offsets, total):
+        return offsets_cached("_gem_block_tables", "GEM_BLOCK_WORK_CACHE", offsets, offsets, (int(total),),
+                              lambda: _Tables(offsets, total))
 
 
 _DUMMY: dict = {}
@@ -535,13 +540,25 @@ def _rope_tables(rotary_dim: int, base: float, max_len: int, device):
     return cos_sin_table(max(max_len, 1), rotary_dim, base, device)
 
 
+_METAS: dict = {}
+
+
 def _meta(q, k, rotary_dim, interleaved, causal, stream):
+    key = (q.shape[1], k.shape[1], q.shape[2], q.dtype, rotary_dim, interleaved, causal, stream,
+           triton_interpreting())
+    meta = _METAS.get(key)
+    if meta is None:
+        meta = _METAS[key] = _make_meta(q, k, rotary_dim, interleaved, causal, stream)
+    return meta
+
+
+def _make_meta(q, k, rotary_dim, interleaved, causal, stream):
     d = q.shape[2]
     half = rotary_dim // 2
     return dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
-        H=q.shape[1], HKV=k.shape[1], D=d, GROUP=q.shape[1] // k.shape[1], D_B=triton.next_power_of_2(d),
-        HALF_B=max(16, triton.next_power_of_2(max(half, 1))),
-        PASS_B=max(16, triton.next_power_of_2(max(d - rotary_dim, 1))),
+        H=q.shape[1], HKV=k.shape[1], D=d, GROUP=q.shape[1] // k.shape[1], D_B=next_pow2(d),
+        HALF_B=max(16, next_pow2(max(half, 1))),
+        PASS_B=max(16, next_pow2(max(d - rotary_dim, 1))),
         CAUSAL=causal, ROPE=rotary_dim > 0, HAS_PASS=d > rotary_dim, INTERLEAVED=interleaved,
         ROT_STREAM=rotary_dim > 0 and stream == "inkernel",
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -555,7 +572,7 @@ def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
     cache in eager calls."""
     if rotary_dim == 0 or stream == "inkernel":
         return x
-    return _rope_triton(x, tables.user, max_len, rope_base, rotary_dim, interleaved, False)
+    return _rope_triton(x, tables.user, max_len, rope_base, rotary_dim, interleaved, False, tables.positions())
 
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
@@ -565,7 +582,7 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0 or offsets.numel() < 2:
         return o.zero_(), lse.zero_()
-    tables = _Tables(offsets, t)
+    tables = _Tables.of(offsets, t)
     offsets = tables.offsets
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
@@ -579,22 +596,20 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
-    launch(_TUNER.pick("fwd", key, configs("fwd", block_size), launch, q.device))
+    launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
     return o, lse
 
 
 def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
     stream = rope_stream_mode()
-    t, h, d = q.shape
+    t, h, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or offsets.numel() < 2:
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
-    tables = _Tables(offsets, t)
+    tables = _Tables.of(offsets, t)
     offsets = tables.offsets
-    delta = torch.empty_like(lse)
-    bt = 16 if triton_interpreting() else 64
-    _delta_kernel[(triton.cdiv(t, bt), h)](o, do, delta, t, H=h, D=d, D_B=triton.next_power_of_2(d), BLOCK_T=bt)
+    delta = torch.empty_like(lse)  # written by the dQ pass
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
@@ -611,19 +626,19 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
         bm, bn, warps, stages = cfg
         work = tables(bm)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0], h)](
-            q, k_s, v, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            q, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
 
     # Q_rot and K_rot are recomputed, not saved by the forward (activation memory weighs more than ~10 us a pass),
-    # and made one at a time: the backward's peak grows by max(q, k), not q + k.
-    run = functools.partial(dkdv, q_s=_rotated(q, *rot))
-    run(_TUNER.pick("dkdv", key, configs("dkdv", block_size), run, q.device))
-    del run  # frees Q_rot before K_rot is made
+    # and made one at a time: the backward's peak grows by max(q, k), not q + k. dQ first: it writes delta.
     run = functools.partial(dq_pass, k_s=_rotated(k, *rot))
-    run(_TUNER.pick("dq", key, configs("dq", block_size), run, q.device))
+    run(_TUNER.pick("dq", key, lambda: configs("dq", block_size), run, q.device))
+    del run  # frees K_rot before Q_rot is made
+    run = functools.partial(dkdv, q_s=_rotated(q, *rot))
+    run(_TUNER.pick("dkdv", key, lambda: configs("dkdv", block_size), run, q.device))
     return dq, dk, dv
 
 

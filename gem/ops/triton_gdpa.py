@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
+from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
@@ -802,7 +802,7 @@ def _num_sms(device) -> int:
 
 
 def _bucket(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(n, 1)))
+    return max(16, next_pow2(max(n, 1)))
 
 
 def _prec(dtype) -> str:

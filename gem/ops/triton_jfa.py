@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import OFFSETS_CACHE_MAX, eager_tables, offsets_cached, triton_interpreting
+from gem.ops._common import OFFSETS_CACHE_MAX, cdiv, eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 
 LOG2E = 1.4426950408889634
@@ -578,11 +578,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
     """Work table over the tiles of `block` rows of offsets_a's sequences, heaviest first, from one Triton launch
     and one sort: sorted int64 keys (cost << 32 | ~item) that the kernels decode (_work_item); -1 = no tile."""
-    nt = max(1, triton.cdiv(max_len_a, block))
+    nt = max(1, cdiv(max_len_a, block))
     n = (offsets_a.numel() - 1) * nt
     keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
     kb = 16 if triton_interpreting() else 1024
-    _work_keys_kernel[(triton.cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0),
+    _work_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0),
                                              Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BLOCK=kb)
     return torch.sort(keys, descending=True).values, nt
 
@@ -722,7 +722,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
             num_stages=stages, **common)
 
     key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
-    launch(_TUNER.pick("fwd", key, _fwd_configs(d), launch, q.device))
+    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device))
     return out, lse
 
 
@@ -749,7 +749,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     lse2 = lse * LOG2E
     if not v2:
         pre_block = 16 if triton_interpreting() else 128
-        _jfa_bwd_pre_kernel[(triton.cdiv(tq, pre_block), h)](
+        _jfa_bwd_pre_kernel[(cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d,
@@ -791,7 +791,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
            _len_bucket(max_len_k), left, right, group)
-    launch(_TUNER.pick("bwd", key, _bwd_configs(d, "v2" if v2 else "base"), launch, q.device))
+    launch(_TUNER.pick("bwd", key, lambda: _bwd_configs(d, "v2" if v2 else "base"), launch, q.device))
     return dq, dk, dv
 
 

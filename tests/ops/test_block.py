@@ -354,8 +354,8 @@ def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, b
     real = triton_block._rope_triton
     monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
-    # prerotated: K_rot for the forward, then Q_rot and K_rot for the backward; inkernel: no copies
-    assert passes == ([hkv, h, hkv] if mode == "prerotated" else [])
+    # prerotated: K_rot for the forward, then K_rot (dQ pass) and Q_rot (dK/dV pass) for the backward; inkernel: none
+    assert passes == ([hkv, hkv, h] if mode == "prerotated" else [])
 
 
 def test_rope_stream_bad_value(monkeypatch):
