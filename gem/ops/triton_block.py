@@ -576,12 +576,17 @@ def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
 
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    return _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved)[:2]
+
+
+def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+    """(o, lse, K_rot): K_rot is the rotated copy of k the forward streamed, None when it streamed k itself."""
     stream = rope_stream_mode()
     t, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0 or offsets.numel() < 2:
-        return o.zero_(), lse.zero_()
+        return o.zero_(), lse.zero_(), None
     tables = _Tables.of(offsets, t)
     offsets = tables.offsets
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
@@ -597,10 +602,12 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
-    return o, lse
+    return o, lse, (k_s if k_s is not k else None)
 
 
-def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved,
+         k_rot=None):
+    """k_rot: the forward's rotated copy of k (pre-rotated streaming only), reused instead of a rope pass."""
     stream = rope_stream_mode()
     t, h, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -632,11 +639,12 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
 
-    # Q_rot and K_rot are recomputed, not saved by the forward (activation memory weighs more than ~10 us a pass),
-    # and made one at a time: the backward's peak grows by max(q, k), not q + k. dQ first: it writes delta.
-    run = functools.partial(dq_pass, k_s=_rotated(k, *rot))
+    # Q_rot is recomputed, not saved by the forward (activation memory weighs more than a ~35 us pass), after the
+    # dQ pass (which writes delta) is done with K_rot: the eager forward's (k-sized, small under GQA), else made here.
+    use_saved = k_rot is not None and stream == "prerotated"
+    run = functools.partial(dq_pass, k_s=k_rot if use_saved else _rotated(k, *rot))
     run(_TUNER.pick("dq", key, lambda: configs("dq", block_size), run, q.device))
-    del run  # frees K_rot before Q_rot is made
+    del run  # frees a recomputed K_rot before Q_rot is made
     run = functools.partial(dkdv, q_s=_rotated(q, *rot))
     run(_TUNER.pick("dkdv", key, lambda: configs("dkdv", block_size), run, q.device))
     return dq, dk, dv
@@ -686,21 +694,22 @@ _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 class _BlockAttentionFn(torch.autograd.Function):
     """Eager path: same kernels as the custom op, without its per-call dispatch overhead (tens of microseconds,
-    comparable to a whole forward at 64K tokens)."""
+    comparable to a whole forward at 64K tokens). With pre-rotated RoPE it also keeps the forward's K_rot for the
+    dQ pass (one k-sized activation more, one rope pass less; RoPE as a separate op keeps both rotated q and k)."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, *rest):
         with eager_tables():
-            o, lse = _fwd(q, k, v, offsets, *rest)
-        ctx.save_for_backward(q, k, v, o, lse, offsets)
+            o, lse, k_rot = _fwd_keep(q, k, v, offsets, *rest)
+        ctx.save_for_backward(q, k, v, o, lse, offsets, k_rot)
         ctx.rest = rest
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, offsets = ctx.saved_tensors
+        q, k, v, o, lse, offsets, k_rot = ctx.saved_tensors
         with eager_tables():
-            dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest)
+            dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest, k_rot=k_rot)
         return (dq, dk, dv) + (None,) * (1 + len(ctx.rest))
 
 

@@ -354,8 +354,24 @@ def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, b
     real = triton_block._rope_triton
     monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
-    # prerotated: K_rot for the forward, then K_rot (dQ pass) and Q_rot (dK/dV pass) for the backward; inkernel: none
-    assert passes == ([hkv, hkv, h] if mode == "prerotated" else [])
+    # prerotated: K_rot for the forward (kept for the dQ pass), then Q_rot for the dK/dV pass; inkernel: none
+    assert passes == ([hkv, h] if mode == "prerotated" else [])
+
+
+def test_saved_k_rot_only_reused_by_a_prerotated_backward(monkeypatch):
+    # the eager forward keeps K_rot; a backward run in another stream mode must not stream it as if it were k
+    q, k, v, do, offsets = _inputs([23, 1, 9], 4, 2, 32, torch.float32, seed=4)
+    kw = {"block_size": 8, "rope": RopeConfig(rotary_dim=16)}
+    ref = _run(lambda a, b, c: block_attention_reference(a, b, c, offsets, 23, **kw), q, k, v, do)
+    for fwd_mode, bwd_mode in (("prerotated", "inkernel"), ("inkernel", "prerotated"), ("prerotated", "prerotated")):
+        a, b, c = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", fwd_mode)
+        out = block_attention(a, b, c, offsets, 23, kernel="triton", **kw)
+        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", bwd_mode)
+        out.backward(do)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), (out, a.grad, b.grad, c.grad), ref):
+            what = f"{fwd_mode}/{bwd_mode} {name}"
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5, msg=lambda m, w=what: f"{w}: {m}")
 
 
 def test_rope_stream_bad_value(monkeypatch):
