@@ -13,12 +13,13 @@ and timed in session 12: 0.81 ms against 0.77 for the two passes with their extr
 
 RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels), so QK^T is the sum of two or
 three tl.dot calls over the parts; dQ/dK are accumulated per part (w.r.t. the rotated q/k) and inversely rotated
-before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV pass) is rotated in registers on load, once per program. The streamed operand (k tiles in the forward and dQ
-pass, q tiles in dK/dV) is read from a rotated copy that one rope-kernel pass writes right before the
-launch (K_rot in the forward, Q_rot and K_rot recomputed in the backward, never saved): rotating every streamed tile in the inner loop costs a load of cos/sin twice the tile's bytes plus
-math between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms
-with every tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms
-without RoPE.
+before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV pass) is rotated
+in registers on load, once per program. The streamed operand (k tiles in the forward and dQ pass, q tiles in
+dK/dV) is read from a rotated copy that one rope-kernel pass writes right before the launch: K_rot in the forward
+(kept for the dQ pass by the eager path, recomputed under torch.compile) and Q_rot in the backward (never saved).
+Rotating every streamed tile in the inner loop instead costs a load of cos/sin twice the tile's bytes plus math
+between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms with every
+tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms without RoPE.
 GEM_BLOCK_ROPE_STREAM=inkernel rotates streamed tiles in-kernel instead (no copies; the default is prerotated).
 Holding rotated tiles whole instead (the stationary one rotated by reshape/split/join in registers, so every dot
 spans the head dim) was timed in session 12 and lost: fwd 0.210 vs 0.188 ms, dQ 0.305 vs 0.263, dK/dV 0.475 vs 0.468.
