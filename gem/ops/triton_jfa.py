@@ -658,17 +658,31 @@ def _fwd_configs(d: int):
 
 
 def _bwd_configs(d: int, var: str = "base"):
-    """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages)."""
+    """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages): each pass takes its half of
+    every entry as a candidate (_pass_configs); the first entry is the default."""
     if triton_interpreting():
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
         if var == "base":
             # (session 11 timed a 2-stage and a 32-row dK/dV candidate here too: 8-27% slower at N 4K-16K, dropped)
             return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
-        # (32, 128, ...): the one v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row ones
-        # spill 88-168 bytes per thread); a candidate for the tuner, untimed as of session 10
-        return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2)]
+        # (32, 128, ...): the one 8-warp v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
+        # ones spill 88-168 bytes per thread). (32, 64, ..., 4, 2): a 4-warp dK/dV tile (24 bytes spilled, 240 for
+        # 64 x 64): two programs per SM, so one's K/V load and dK/dV store overlap the other's loop (untimed)
+        return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
+                (32, 64, 64, 64, 4, 2)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
+
+
+def _pass_configs(d: int, var: str, which: str):
+    """One backward pass's candidates, (BLOCK_M, BLOCK_N, num_warps, num_stages), projected from _bwd_configs: the
+    dK/dV and dQ passes are tuned apart, so a pass may pair its best tile with the other's."""
+    out = []
+    for bm1, bn1, bm2, bn2, warps, stages in _bwd_configs(d, var):
+        cfg = (bm1, bn1, warps, stages) if which == "dkdv" else (bm2, bn2, warps, stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 _TUNER = ConfigTuner("gem.ops.jfa", "GEM_JFA_AUTOTUNE")
@@ -755,43 +769,39 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d,
               "ROWMAJOR": v2, "TMA": tma}
 
-    def launch(cfg):
-        bm1, bn1, bm2, bn2, warps, stages = cfg
+    # The two passes are separate kernels, each tuned on its own (tiles, warps and stages).
+    def dkdv(cfg):
+        bm1, bn1, warps, stages = cfg
+        work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
+        grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
+        _jfa_bwd_dkdv_kernel[grid_k](
+            q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
+            H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
-        def dkdv():
-            if not tk:
-                return
-            work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
-            grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
-            _jfa_bwd_dkdv_kernel[grid_k](
-                q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-                do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-                scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
-                H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
-
-        def dq_pass():
-            work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
-            grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
-            _jfa_bwd_dq_kernel[grid_q](
-                q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-                do.stride(1), dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                scale * LOG2E, scale, max(left, 0), max(right, 0), nt_q,
-                H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
-                BLOCK_M=bm2, BLOCK_N=bn2,
-                num_warps=warps, num_stages=stages, **common)
-
-        if v2:  # the dQ pass writes delta, which dK/dV reads
-            dq_pass()
-            dkdv()
-        else:
-            dkdv()
-            dq_pass()
+    def dq_pass(cfg):
+        bm2, bn2, warps, stages = cfg
+        work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
+        grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
+        _jfa_bwd_dq_kernel[grid_q](
+            q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            scale * LOG2E, scale, max(left, 0), max(right, 0), nt_q,
+            H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
+            BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
            _len_bucket(max_len_k), left, right, group)
-    launch(_TUNER.pick("bwd", key, lambda: _bwd_configs(d, "v2" if v2 else "base"), launch, q.device))
+    form = "v2" if v2 else "base"
+    # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
+    for kind, run in ((("bwd_dq", dq_pass), ("bwd_dkdv", dkdv)) if v2 else (("bwd_dkdv", dkdv), ("bwd_dq", dq_pass))):
+        if kind == "bwd_dkdv" and not tk:
+            continue
+        which = kind[4:]
+        run(_TUNER.pick(kind, key, lambda which=which: _pass_configs(d, form, which), run, q.device))
     return dq, dk, dv
 
 

@@ -371,6 +371,32 @@ def _count_builders(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("variant", ["base", "tma"])
+def test_backward_passes_tuned_apart(variant, monkeypatch):
+    """The dK/dV and dQ passes pick their configs independently: here a pairing no single entry of the list has."""
+    from gem.ops import triton_jfa
+
+    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "1")
+    monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
+    monkeypatch.setattr(triton_jfa._TUNER, "best", {})
+    want = {"bwd_dkdv": (32, 16, 4, 1), "bwd_dq": (16, 16, 4, 1)}  # dK/dV from the 2nd entry, dQ from the 1st
+    # candidates are timed in list order, pass by pass: v2 (tma) runs dQ first (it writes delta), base dK/dV first
+    clock = iter([1.0, 2.0, 2.0, 1.0] if variant == "tma" else [2.0, 1.0, 1.0, 2.0])
+
+    def fake_bench(fn):
+        fn()
+        return next(clock)
+
+    monkeypatch.setattr(triton_jfa._TUNER, "bench", fake_bench)
+    lens = [5, 0, 37, 1, 20]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    got, ref = _run(q, k, v, lens, causal=True)
+    _check(got, ref, torch.float32)
+    picks = {key[0]: cfg for key, cfg in triton_jfa._TUNER.best.items() if key[0].startswith("bwd")}
+    assert picks == want
+
+
 @pytest.mark.parametrize("base_min_len", [0, 1 << 30])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 6)])
 def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypatch):
@@ -386,8 +412,9 @@ def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypa
     got, want = _run(q, k, v, lens, causal=causal, window=window)
     _check(got, want, torch.float32)
     base_bwd = base_min_len == 0 and window is None
-    assert calls.get("base", 0) == (1 if base_bwd else 0)
-    assert calls.get("v2", 0) == (0 if base_bwd else 1)
+    # each pass lists its candidates once (tuned apart): two lookups of the form's list
+    assert calls.get("base", 0) == (2 if base_bwd else 0)
+    assert calls.get("v2", 0) == (0 if base_bwd else 2)
 
 
 def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right, q_side):
