@@ -88,6 +88,9 @@ def _block_cases():
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)
     q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+    # the backward's stationary tiles rotated on load instead of read from the rotated copies
+    out.append(("block L=1024 b512 rope, bwd stationary rotate", (q, k, v), lambda: block_attention(
+        q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton"), {"GEM_BLOCK_BWD_STATIONARY": "rotate"}))
     out.append(("block L=1024 b512 no rope", (q, k, v), lambda: block_attention(q, k, v, oq, mq, block_size=512,
                                                                               kernel="triton")))
     return out

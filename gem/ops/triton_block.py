@@ -13,9 +13,10 @@ and timed in session 12: 0.81 ms against 0.77 for the two passes with their extr
 
 RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels), so QK^T is the sum of two or
 three tl.dot calls over the parts; dQ/dK are accumulated per part (w.r.t. the rotated q/k) and inversely rotated
-before the store. Each kernel's stationary operand (q in the forward and dQ pass, k in the dK/dV pass) is rotated
-in registers on load, once per program. The streamed operand (k tiles in the forward and dQ pass, q tiles in
-dK/dV) is read from a rotated copy that one rope-kernel pass writes right before the launch: K_rot in the forward
+before the store. The forward's stationary operand (q) is rotated in registers on load, once per program; the
+backward passes read theirs (q in dQ, k in dK/dV) from the rotated copies the other pass streams
+(GEM_BLOCK_BWD_STATIONARY=rotate rotates them on load instead). The streamed operand (k tiles in the forward
+and dQ pass, q tiles in dK/dV) is read from a rotated copy that a rope-kernel pass writes: K_rot in the forward
 (kept for the dQ pass by the eager path, recomputed under torch.compile) and Q_rot in the backward (never saved).
 Rotating every streamed tile in the inner loop instead costs a load of cos/sin twice the tile's bytes plus math
 between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms with every
@@ -255,8 +256,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                      GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
                      HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr,
-                     DOT_F32: tl.constexpr):
-    """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile); K is rotated here on load."""
+                     DOT_F32: tl.constexpr,
+                   ROT_STAT: tl.constexpr):
+    """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile). K: k, rotated here on load when
+    ROT_STAT, else its rotated copy."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.load(work + 2 * w)
@@ -270,7 +273,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     n_ok = offs_n < length
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, True)
+                             ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
     d = tl.arange(0, D_B)
     d_ok = d < D
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -357,8 +360,10 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile); Q is rotated here on load. Also
+                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                   ROT_STAT: tl.constexpr):
+    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile). Q: q, rotated here on load when
+    ROT_STAT, else its rotated copy. Also
     computes and stores delta = rowsum(dO * O) of its rows, which it needs and the dK/dV pass (run after) reads."""
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -374,7 +379,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, True)
+                             ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
     d = tl.arange(0, D_B)
     d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -495,6 +500,18 @@ def rope_stream_mode() -> str:
     return mode
 
 
+BWD_STATIONARY_MODES = ("copy", "rotate")
+
+
+def bwd_stationary_mode() -> str:
+    """GEM_BLOCK_BWD_STATIONARY, read per call: how the backward passes get their stationary tile rotated when the
+    streamed ones come from rotated copies: read from those copies (copy, default) or rotated on load (rotate)."""
+    mode = os.environ.get("GEM_BLOCK_BWD_STATIONARY", "copy")
+    if mode not in BWD_STATIONARY_MODES:
+        raise ValueError(f"GEM_BLOCK_BWD_STATIONARY={mode!r}: expected one of {BWD_STATIONARY_MODES}")
+    return mode
+
+
 def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tuple:
     _, h, d = q.shape
     # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune. The stream
@@ -583,6 +600,7 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
 def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
     """(o, lse, K_rot): K_rot is the rotated copy of k the forward streamed, None when it streamed k itself."""
     stream = rope_stream_mode()
+    bwd_stationary_mode()  # a bad GEM_BLOCK_BWD_STATIONARY fails here, before any work
     t, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
@@ -622,31 +640,39 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
 
+    # Stationary tiles: rotated on load (GEM_BLOCK_BWD_STATIONARY=rotate), or read from the same rotated copies the
+    # other pass streams (copy, the default with pre-rotated streaming): only dQ/dK's inverse rotation stays.
+    stat = bwd_stationary_mode() if rotary_dim > 0 and stream == "prerotated" else "rotate"
+
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
-    def dkdv(cfg, q_s):
+    def dkdv(cfg, q_s, k_t):
         bm, bn, warps, stages = cfg
         work = tables(bn)  # one program per key tile
         _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
-            q_s, k, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **meta)
+            q_s, k_t, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, ROT_STAT=stat == "rotate", **meta)
 
-    def dq_pass(cfg, k_s):
+    def dq_pass(cfg, q_t, k_s):
         bm, bn, warps, stages = cfg
         work = tables(bm)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0], h)](
-            q, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **meta)
+            q_t, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, ROT_STAT=stat == "rotate", **meta)
 
-    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
     rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
-
-    # Q_rot is recomputed, not saved by the forward (activation memory weighs more than a ~35 us pass), after the
-    # dQ pass (which writes delta) is done with K_rot: the eager forward's (k-sized, small under GQA), else made here.
-    use_saved = k_rot is not None and stream == "prerotated"
-    run = functools.partial(dq_pass, k_s=k_rot if use_saved else _rotated(k, *rot))
+    # K_rot: the eager forward's (k-sized, small under GQA), else made here. Q_rot is recomputed, not saved by the
+    # forward (activation memory weighs more than a ~35 us pass): with stat "rotate" only after the dQ pass (which
+    # writes delta) is done, so a recomputed K_rot is freed first; with "copy" before it, as the dQ pass reads it.
+    k_s = k_rot if k_rot is not None and stream == "prerotated" else _rotated(k, *rot)
+    q_s = _rotated(q, *rot) if stat == "copy" else None
+    run = functools.partial(dq_pass, q_t=q if q_s is None else q_s, k_s=k_s)
     run(_TUNER.pick("dq", key, lambda: configs("dq", block_size), run, q.device))
-    del run  # frees a recomputed K_rot before Q_rot is made
-    run = functools.partial(dkdv, q_s=_rotated(q, *rot))
+    if q_s is None:
+        del run, k_s  # frees a recomputed K_rot before Q_rot is made
+        k_s = None
+        q_s = _rotated(q, *rot)
+    run = functools.partial(dkdv, q_s=q_s, k_t=k if k_s is None else k_s)
     run(_TUNER.pick("dkdv", key, lambda: configs("dkdv", block_size), run, q.device))
     return dq, dk, dv
 

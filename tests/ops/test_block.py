@@ -336,7 +336,7 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
 # RoPE of the streamed operand: pre-rotated copies (default) or rotated per tile in-kernel (GEM_BLOCK_ROPE_STREAM).
 
 
-@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
+@pytest.mark.parametrize("mode", ["prerotated", "prerotated/rotate", "inkernel"])
 @pytest.mark.parametrize(
     "lengths,h,hkv,block_size,causal,rope_cfg,dtype",
     [
@@ -349,13 +349,27 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
 def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, block_size, causal, rope_cfg, dtype):
     from gem.ops import triton_block
 
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    stream, _, stationary = mode.partition("/")
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", stream)
+    monkeypatch.setenv("GEM_BLOCK_BWD_STATIONARY", stationary or "copy")
     passes = []
     real = triton_block._rope_triton
     monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
+    rot_stat = []
+
+    class Spy:  # records whether each backward pass rotated its stationary tile on load
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: rot_stat.append(kw["ROT_STAT"]) or self.kernel[grid](*a, **kw)
+
+    for name in ("_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        monkeypatch.setattr(triton_block, name, Spy(getattr(triton_block, name)))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
+    assert set(rot_stat) == {mode != "prerotated"}  # copy: both passes read the rotated copies
     # prerotated: K_rot for the forward (kept for the dQ pass), then Q_rot for the dK/dV pass; inkernel: none
-    assert passes == ([hkv, h] if mode == "prerotated" else [])
+    assert passes == ([hkv, h] if stream == "prerotated" else [])
 
 
 def test_saved_k_rot_only_reused_by_a_prerotated_backward(monkeypatch):
@@ -372,6 +386,13 @@ def test_saved_k_rot_only_reused_by_a_prerotated_backward(monkeypatch):
         for name, x, y in zip(("out", "dq", "dk", "dv"), (out, a.grad, b.grad, c.grad), ref):
             what = f"{fwd_mode}/{bwd_mode} {name}"
             torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5, msg=lambda m, w=what: f"{w}: {m}")
+
+
+def test_bwd_stationary_bad_value(monkeypatch):
+    monkeypatch.setenv("GEM_BLOCK_BWD_STATIONARY", "cached")
+    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="GEM_BLOCK_BWD_STATIONARY='cached'"):  # at the forward
+        block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
 
 
 def test_rope_stream_bad_value(monkeypatch):
