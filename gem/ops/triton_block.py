@@ -523,27 +523,28 @@ def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tupl
 class _Tables:
     """Per-batch tables of one offsets tensor: work tables per tile height and the rope token positions, each built
     on first use. One instance per offsets tensor (gem.ops._common.offsets_cached, GEM_BLOCK_WORK_CACHE=0: one per
-    call), so the layers of a model, the backward and the tuner's timed configs share them for one cache lookup."""
+    call), so the layers of a model, the backward and the tuner's timed configs share them for one cache lookup.
+    It keeps no reference to the offsets (the cache holds it under a weak key; a value that referenced the key would
+    keep it alive): callers pass them to each method."""
 
-    def __init__(self, offsets, total):
-        self.user, self.offsets, self.total, self.cache = offsets, offsets.to(torch.int32), total, {}
-        self.pos = None
+    def __init__(self, total):
+        self.total, self.cache, self.pos = total, {}, None
 
-    def __call__(self, tile):
-        work = self.cache.get(tile)
-        if work is None:
-            work = self.cache[tile] = work_table(self.offsets, tile, self.total)
-        return work
+    def work(self, offsets32, tile):
+        table = self.cache.get(tile)
+        if table is None:
+            table = self.cache[tile] = work_table(offsets32, tile, self.total)
+        return table
 
-    def positions(self):
+    def positions(self, offsets):
         if self.pos is None:  # the rope op's own cache: the standalone op on the same offsets shares it
-            self.pos = positions_cached(self.user, self.total)
+            self.pos = positions_cached(offsets, self.total)
         return self.pos
 
     @staticmethod
     def of(offsets, total):
         return offsets_cached("_gem_block_tables", "GEM_BLOCK_WORK_CACHE", offsets, offsets, (int(total),),
-                              lambda: _Tables(offsets, total))
+                              lambda: _Tables(total))
 
 
 _DUMMY: dict = {}
@@ -584,13 +585,13 @@ def _make_meta(q, k, rotary_dim, interleaved, causal, stream):
     )
 
 
-def _rotated(x, tables, max_len, rope_base, rotary_dim, interleaved, stream):
+def _rotated(x, tables, offsets, max_len, rope_base, rotary_dim, interleaved, stream):
     """The copy of x that a kernel streams: x rotated by one rope-kernel pass (a temporary), or x itself when the
     kernel rotates streamed tiles (inkernel) or there is no rope. Positions come from the rope op's per-offsets
     cache in eager calls."""
     if rotary_dim == 0 or stream == "inkernel":
         return x
-    return _rope_triton(x, tables.user, max_len, rope_base, rotary_dim, interleaved, False, tables.positions())
+    return _rope_triton(x, offsets, max_len, rope_base, rotary_dim, interleaved, False, tables.positions(offsets))
 
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
@@ -607,14 +608,14 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
     if t == 0 or offsets.numel() < 2:
         return o.zero_(), lse.zero_(), None
     tables = _Tables.of(offsets, t)
-    offsets = tables.offsets
+    user, offsets = offsets, offsets.to(torch.int32)
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
-    k_s = _rotated(k, tables, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
+    k_s = _rotated(k, tables, user, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
 
     def launch(cfg):
         bm, bn, warps, stages = cfg
-        work = tables(bm)
+        work = tables.work(offsets, bm)
         _fwd_kernel[(work.shape[0], h)](
             q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
@@ -634,7 +635,7 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
     tables = _Tables.of(offsets, t)
-    offsets = tables.offsets
+    user, offsets = offsets, offsets.to(torch.int32)
     delta = torch.empty_like(lse)  # written by the dQ pass
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
@@ -647,20 +648,20 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     def dkdv(cfg, q_s, k_t):
         bm, bn, warps, stages = cfg
-        work = tables(bn)  # one program per key tile
+        work = tables.work(offsets, bn)  # one program per key tile
         _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
             q_s, k_t, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, ROT_STAT=stat == "rotate", **meta)
 
     def dq_pass(cfg, q_t, k_s):
         bm, bn, warps, stages = cfg
-        work = tables(bm)  # one program per query tile
+        work = tables.work(offsets, bm)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0], h)](
             q_t, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, ROT_STAT=stat == "rotate", **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
-    rot = (tables, max_len, rope_base, rotary_dim, interleaved, stream)
+    rot = (tables, user, max_len, rope_base, rotary_dim, interleaved, stream)
     # K_rot: the eager forward's (k-sized, small under GQA), else made here. Q_rot is recomputed, not saved by the
     # forward (activation memory weighs more than a ~35 us pass): with stat "rotate" only after the dQ pass (which
     # writes delta) is done, so a recomputed K_rot is freed first; with "copy" before it, as the dQ pass reads it.

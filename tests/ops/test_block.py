@@ -417,6 +417,20 @@ def test_rope_stream_modes_tuned_apart(monkeypatch):
     assert len(tb._TUNER.best) == 9
 
 
+def test_cached_tables_do_not_keep_offsets_alive():
+    # the per-offsets caches are keyed weakly: a cached value that referenced its offsets would leak every batch's
+    import gc
+    import weakref
+
+    q, k, v, do, off = _inputs([19, 1, 0, 12], 4, 2, 32, torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    block_attention(q, k, v, off, 19, block_size=8, rope=RopeConfig(), kernel="triton").backward(do)
+    alive = weakref.ref(off)
+    del off
+    gc.collect()
+    assert alive() is None
+
+
 def test_rotated_copies_reuse_cached_positions(monkeypatch):
     # the K_rot / Q_rot passes take positions from the rope op's per-offsets cache: built once for all layers
     from gem.ops import rotary
