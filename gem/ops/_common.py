@@ -21,8 +21,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    """Smallest power of two >= n, as triton.next_power_of_2 (0 for n <= 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def triton_interpreting() -> bool:

@@ -769,16 +769,18 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d,
               "ROWMAJOR": v2, "TMA": tma}
 
+    in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                  do.stride(1))
+    scalars = (scale * LOG2E, scale, max(left, 0), max(right, 0))
+
     # The two passes are separate kernels, each tuned on its own (tiles, warps and stages).
     def dkdv(cfg):
         bm1, bn1, warps, stages = cfg
         work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
         grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
         _jfa_bwd_dkdv_kernel[grid_k](
-            q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-            scale * LOG2E, scale, max(left, 0), max(right, 0), nt_k,
+            q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k, *in_strides,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *scalars, nt_k,
             H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
 
     def dq_pass(cfg):
@@ -786,10 +788,8 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
         grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
         _jfa_bwd_dq_kernel[grid_q](
-            q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            scale * LOG2E, scale, max(left, 0), max(right, 0), nt_q,
+            q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q, *in_strides,
+            dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0), *scalars, nt_q,
             H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
             BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
 

@@ -77,3 +77,31 @@ def test_a_device_fault_is_raised_not_skipped(monkeypatch, tuning, msg):
     with pytest.raises(RuntimeError, match="CUDA"):
         t.pick("fwd", (1,), ["a", "b"], launch, CPU)
     assert tried == ["a"]
+
+
+def test_candidates_made_only_for_a_new_key(monkeypatch):
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", lambda fn: (fn(), 1.0)[1])
+    made = []
+    launch, _ = _launcher()
+
+    def cands():
+        made.append(1)
+        return ["a", "b"]
+
+    assert t.pick("fwd", (1,), cands, launch, CPU) == "a"
+    assert t.pick("fwd", (1,), cands, launch, CPU) == "a"
+    assert len(made) == 1  # a hit does not build the list
+    t.pick("fwd", (2,), cands, launch, CPU)
+    assert len(made) == 2
+
+
+def test_host_integer_helpers_match_triton():
+    import triton
+
+    from gem.ops._common import cdiv, next_pow2
+
+    for n in range(1100):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 16, 64, 127):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
