@@ -212,55 +212,40 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D:
 def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr,
                       HALF: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr,
                       SIGN: tl.constexpr, HEADS: tl.constexpr):
-    """Layout "full": each head's rows are one contiguous [BLOCK_T, D_B] load and store, rotated in registers
-    (rope_full_rotate)."""
+    """Layout "full": each head's rows are one contiguous [BLOCK_T, D_B] load and store; the pairs are split in
+    registers (reshape + split, rejoined by join + reshape). Interleaved: the row is D_B // 2 adjacent pairs, the first
+    HALF rotate. NeoX (HALF a power of two): the row is D_B // (2 * HALF) chunks of [2, HALF] (halves of rotary_dim),
+    chunk 0 rotates. Channels past rotary_dim take x's value unchanged (a select, not a rotation by angle 0)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < T
     pos = tl.load(pos_ptr + rows, mask=ok, other=0)
     cols = tl.arange(0, D_B)
     m = ok[:, None] & (cols < D)[None, :]
-    c, s = rope_full_angles(pos, ok, cos_ptr, sin_ptr, HALF, D_B, INTERLEAVED, SIGN)
+    rot = (cols < 2 * HALF)[None, :]
+    if INTERLEAVED:
+        p = tl.arange(0, D_B // 2)
+        mc = ok[:, None] & (p < HALF)[None, :]
+        t = pos[:, None] * HALF + p[None, :]
+        c = tl.load(cos_ptr + t, mask=mc, other=1.0)  # [BLOCK_T, D_B // 2]
+        s = tl.load(sin_ptr + t, mask=mc, other=0.0) * SIGN
+    else:
+        i = tl.arange(0, HALF)
+        t = pos[:, None] * HALF + i[None, :]
+        c = tl.expand_dims(tl.load(cos_ptr + t, mask=ok[:, None], other=1.0), 1)  # [BLOCK_T, 1, HALF]
+        s = tl.expand_dims(tl.load(sin_ptr + t, mask=ok[:, None], other=0.0) * SIGN, 1)
     h0 = tl.program_id(1) * HEADS
     for hh in range(HEADS):
         off = rows.to(tl.int64) * (H * D) + (h0 + hh) * D
         ptrs = off[:, None] + cols[None, :]
         x = tl.load(x_ptr + ptrs, mask=m, other=0.0)
-        y = rope_full_rotate(x, c, s, BLOCK_T, HALF, D_B, INTERLEAVED)
-        tl.store(y_ptr + ptrs, y.to(x.dtype), mask=m)
-
-
-@triton.jit
-def rope_full_angles(pos, ok, cos_ptr, sin_ptr, HALF: tl.constexpr, D_B: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     SIGN: tl.constexpr):
-    """cos and SIGN * sin of `pos` shaped for rope_full_rotate: [R, D_B // 2] interleaved, else [R, 1, HALF]."""
-    if INTERLEAVED:
-        p = tl.arange(0, D_B // 2)
-        mc = ok[:, None] & (p < HALF)[None, :]
-        t = pos[:, None] * HALF + p[None, :]
-        c = tl.load(cos_ptr + t, mask=mc, other=1.0)
-        s = tl.load(sin_ptr + t, mask=mc, other=0.0) * SIGN
-    else:
-        i = tl.arange(0, HALF)
-        t = pos[:, None] * HALF + i[None, :]
-        c = tl.expand_dims(tl.load(cos_ptr + t, mask=ok[:, None], other=1.0), 1)
-        s = tl.expand_dims(tl.load(sin_ptr + t, mask=ok[:, None], other=0.0) * SIGN, 1)
-    return c, s
-
-
-@triton.jit
-def rope_full_rotate(x, c, s, R: tl.constexpr, HALF: tl.constexpr, D_B: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Rotate a whole [R, D_B] register tile (fp32 out); the pairs are split in registers (reshape + split) and
-    rejoined (join + reshape). Interleaved: the row is D_B // 2 adjacent pairs, the first HALF rotate. NeoX (HALF a
-    power of two): the row is D_B // (2 * HALF) chunks of [2, HALF] (halves of rotary_dim), chunk 0 rotates.
-    Channels past rotary_dim keep x's value (a select, not a rotation by angle 0)."""
-    xf = x.to(tl.float32)
-    if INTERLEAVED:
-        a, b = tl.split(tl.reshape(xf, (R, D_B // 2, 2)))
-        y = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (R, D_B))
-    else:
-        a, b = tl.split(tl.permute(tl.reshape(xf, (R, D_B // (2 * HALF), 2, HALF)), (0, 1, 3, 2)))
-        y = tl.reshape(tl.permute(tl.join(a * c - b * s, b * c + a * s), (0, 1, 3, 2)), (R, D_B))
-    return tl.where((tl.arange(0, D_B) < 2 * HALF)[None, :], y, xf)
+        xf = x.to(tl.float32)
+        if INTERLEAVED:
+            a, b = tl.split(tl.reshape(xf, (BLOCK_T, D_B // 2, 2)))
+            y = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_T, D_B))
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(xf, (BLOCK_T, D_B // (2 * HALF), 2, HALF)), (0, 1, 3, 2)))
+            y = tl.reshape(tl.permute(tl.join(a * c - b * s, b * c + a * s), (0, 1, 3, 2)), (BLOCK_T, D_B))
+        tl.store(y_ptr + ptrs, tl.where(rot, y.to(x.dtype), x), mask=m)
 
 
 class RopeLaunch(NamedTuple):
