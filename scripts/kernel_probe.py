@@ -1,6 +1,6 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,jfa,block] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,jfa,block] [--iters 20] [--host]
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
 calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
@@ -59,6 +59,29 @@ def _gdpa_cases():
     return out
 
 
+def _gdpa_flat_cases():
+    """The unmasked long-K/V forward, one q tile per program against the fused loop (GEM_GDPA_FWD_FLAT)."""
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
+    g = torch.Generator().manual_seed(256)
+    lk = torch.randint(1, 257, (lq.numel(),), generator=g).to("cuda")
+    q, k, v, oq, mq, ok, mk = _qkv(lq, lk)
+    for approx in (None, "poly6"):
+        for flat in ("0", "2", "4", "8"):
+            out.append((f"gdpa cross gelu_tanh N=1024 M=256{' poly6' if approx else ''} flat={flat}", (q, k, v),
+                        lambda approx=approx: gdpa(q, k, v, oq, mq, ok, mk, activation="gelu_tanh", approx=approx,
+                                                   kernel="triton"), {"GEM_GDPA_FWD_FLAT": flat}))
+    ls = jagged_lengths(2048, 65536, seed=2048)
+    qs, ks, vs, os_, ms, _, _ = _qkv(ls, ls)
+    for flat in ("0", "4"):
+        out.append((f"gdpa self silu N=2048 full flat={flat}", (qs, ks, vs),
+                    lambda: gdpa(qs, ks, vs, os_, ms, os_, ms, activation="silu", kernel="triton"),
+                    {"GEM_GDPA_FWD_FLAT": flat}))
+    return out
+
+
 def _jfa_cases():
     from gem.ops.jfa import jagged_attention
 
@@ -96,7 +119,7 @@ def _block_cases():
     return out
 
 
-CASES = {"gdpa": _gdpa_cases, "jfa": _jfa_cases, "block": _block_cases}
+CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "jfa": _jfa_cases, "block": _block_cases}
 
 
 def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:

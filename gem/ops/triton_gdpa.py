@@ -232,6 +232,15 @@ def _runs(p0, p_last, lo, nt, off, BELOW, ABOVE, BLOCK_R: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------- forward
 @triton.jit
+def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr):
+    """Scaled q rows [m0, m0 + BLOCK_M) (zeros past lq or D), their row indices and their mask."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+    q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+    return q, offs_m, qmask
+
+
+@triton.jit
 def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
                  MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
                  C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
@@ -275,6 +284,7 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,
     SHORT_KV: tl.constexpr,
+    FLAT: tl.constexpr,
     MASKED: tl.constexpr,
     ACT: tl.constexpr,
     POLY: tl.constexpr,
@@ -307,38 +317,49 @@ def _fwd_kernel(
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
-    for t in range(n_tiles):
-        m0 = (first + t) * BLOCK_M
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-        q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if SHORT_KV:
-            s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
-            a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-            if MASKED:
-                a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
-            acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
-        else:
-            lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-            nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-            t_a = 0
-            t_b = nt
-            if MASKED:
-                t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
-            for j in range(t_a):  # j: t is the q-tile loop's
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                   stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                   C6, CLAMP, DOT_PREC, UPCAST)
-            for j in range(t_a, t_b):
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                   stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
-                                   C5, C6, CLAMP, DOT_PREC, UPCAST)
-            for j in range(t_b, nt):
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                   stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                   C6, CLAMP, DOT_PREC, UPCAST)
-        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
+    if FLAT:
+        # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
+        # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
+        nt = tl.cdiv(lk, BLOCK_N)
+        for t in tl.range(n_tiles, flatten=True):
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in range(nt):
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
+            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
+    else:
+        for t in range(n_tiles):
+            m0 = (first + t) * BLOCK_M
+            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            if SHORT_KV:
+                s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
+                a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+                if MASKED:
+                    a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
+                acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
+            else:
+                lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+                nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+                t_a = 0
+                t_b = nt
+                if MASKED:
+                    t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+                for j in range(t_a):  # j: t is the q-tile loop's
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
+                for j in range(t_a, t_b):
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
+                                       C5, C6, CLAMP, DOT_PREC, UPCAST)
+                for j in range(t_b, nt):
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
+            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -675,7 +696,7 @@ else:  # a small space: each config costs a compile per key
             c[:1] for c in (_FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG, _SHORT_BWD_CFG))
 
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
-_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M"])(_fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY)(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
@@ -706,6 +727,15 @@ def _fwd_block_m(d: int, kv_tile: int = 0) -> int:
         return min(rows, 64) if 0 < kv_tile <= 64 else rows
     if env not in ("16", "32", "64", "128"):
         raise ValueError(f"GEM_GDPA_FWD_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
+    return int(env)
+
+
+def _fwd_flat_tiles() -> int:
+    """q tiles per program of the unmasked long-K/V forward, walked as one fused (q tile, K/V tile) loop;
+    0: one q tile per program (GEM_GDPA_FWD_FLAT, 0..16)."""
+    env = os.environ.get("GEM_GDPA_FWD_FLAT", "0")
+    if env not in ("0", "1", "2", "4", "8", "16"):
+        raise ValueError(f"GEM_GDPA_FWD_FLAT={env!r}: expected 0, 1, 2, 4, 8 or 16")
     return int(env)
 
 
@@ -856,7 +886,10 @@ def _gdpa_fwd(
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
     tiles = 1
-    if use_short:
+    flat = not use_short and left < 0 and right < 0 and _fwd_flat_tiles() > 0
+    if flat:
+        tiles = _fwd_flat_tiles()
+    elif use_short:
         # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
         est_tiles = (t // block_m + offsets_q.numel()) * h
         # (no more tiles than the longest sequence has: the extra ones would only be skipped)
@@ -867,9 +900,9 @@ def _gdpa_fwd(
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
-        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, **common)
+        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, **common)
     else:
-        _fwd_long[grid](*args, SHORT_KV=False, **common)
+        _fwd_long[grid](*args, SHORT_KV=False, FLAT=flat, **common)
     return out
 
 

@@ -316,8 +316,9 @@ def test_gpu_self_bf16(activation, approx, causal):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("short_kv", [None, False])
-def test_gpu_cross_short_kv(d, short_kv):
+@pytest.mark.parametrize("short_kv,flat", [(None, "0"), (False, "0"), (False, "4")])
+def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
+    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", flat)
     g = torch.Generator().manual_seed(2)
     lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
     lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
@@ -366,11 +367,25 @@ def test_forward_q_tile_height_knob(monkeypatch, block_m):
     _check([70, 5], [9, 300], activation="silu", short_kv=False)
 
 
+@pytest.mark.parametrize("tiles", ["1", "2", "4"])
+def test_forward_fused_loop_knob(monkeypatch, tiles):
+    """GEM_GDPA_FWD_FLAT: the unmasked long-K/V forward walks several q tiles per program in one fused loop.
+    Sequences with more, fewer and no q tiles than a program holds, keys empty, one tile and several."""
+    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", tiles)
+    _check([70, 0, 33, 1, 5, 49], [9, 40, 0, 17, 1, 33], h=4, hk=2, activation="gelu_tanh", short_kv=False)
+    # masked calls keep the per-tile loop
+    _check([40, 7], [40, 9], activation="silu", causal=True, short_kv=False)
+
+
 def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", "48")
     q, k, v, oq, mq, ok, mk = _inputs([5], [3])
     with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+    monkeypatch.delenv("GEM_GDPA_FWD_BLOCK_M")
+    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", "3")
+    with pytest.raises(ValueError, match="GEM_GDPA_FWD_FLAT"):
+        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
 
 
 def test_work_tables_built_once_per_offsets(monkeypatch):
