@@ -127,16 +127,17 @@ def _cases():
                 label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
                 cases.append(("gdpa", label, gdpa))
 
-    def gdpa_flat():  # the fused (q tile, K/V tile) loop of the unmasked long-K/V forward
-        os.environ["GEM_GDPA_FWD_FLAT"] = "4"
+    def gdpa_flat():  # the fused (q tile, K/V tile) loops of the unmasked long-K/V forward and dQ pass
+        os.environ["GEM_GDPA_FLAT"] = "4"
         try:
             lk = [300, 70, 5, 1, 0]
             q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
-            triton_gdpa._gdpa_fwd(q, k, v, offsets(lens), offsets(lk), 300, 300, "gelu_tanh", "", -1, -1, 0.1, 1.0,
-                                  True, 0)
+            args = (offsets(lens), offsets(lk), 300, 300, "gelu_tanh", "", -1, -1, 0.1, 1.0, True, 0)
+            out = triton_gdpa._gdpa_fwd(q, k, v, *args)
+            triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
         finally:
-            os.environ.pop("GEM_GDPA_FWD_FLAT")
-    cases.append(("gdpa", "gdpa fwd fused loop (GEM_GDPA_FWD_FLAT=4) gelu_tanh", gdpa_flat))
+            os.environ.pop("GEM_GDPA_FLAT")
+    cases.append(("gdpa", "gdpa fused loops (GEM_GDPA_FLAT=4) gelu_tanh", gdpa_flat))
     for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),
                                    (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
                                    (128, torch.float32, RopeConfig(rotary_dim=64), False),

@@ -524,6 +524,8 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
+    FLAT: tl.constexpr,
     MASKED: tl.constexpr,
     ACT: tl.constexpr,
     POLY: tl.constexpr,
@@ -537,23 +539,38 @@ def _bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    b, tile, head = _work_item(WORK, NUM_HEADS)
+    b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    m0 = tile * BLOCK_M
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     kvh = head // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+    offs_n0 = tl.arange(0, BLOCK_N)
     Qb = Q + q_start * stride_qt + head * stride_qh
     DOb = DO + q_start * stride_dot + head * stride_doh
-    q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
-    do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
+    DQb = DQ + q_start * stride_dqt + head * stride_dqh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
+    if FLAT:  # as the forward's fused loop: unmasked, the same K/V trip count for every q tile
+        first = group_id * TILES
+        n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
+        nt = tl.cdiv(lk, BLOCK_N)
+        for t in tl.range(n_tiles, flatten=True):
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in range(nt):
+                dq = _dq_kv_tile(dq, q, do, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                 stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                 DOT_PREC, UPCAST)
+            tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
+                     mask=qmask)
+        return
+    m0 = group_id * BLOCK_M
+    q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+    do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
     nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
@@ -561,7 +578,6 @@ def _bwd_dq_kernel(
     t_b = nt
     if MASKED:
         t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
-    offs_n0 = tl.arange(0, BLOCK_N)
     for t in range(t_a):
         dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
                          stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
@@ -574,7 +590,6 @@ def _bwd_dq_kernel(
         dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
                          stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
                          UPCAST)
-    DQb = DQ + q_start * stride_dqt + head * stride_dqh
     tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -698,7 +713,7 @@ else:  # a small space: each config costs a compile per key
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
-_bwd_dq = triton.autotune(_DQ_CFG, key=_KEY)(_bwd_dq_kernel)
+_bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
 _bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N"])(_bwd_short_kernel)
 
@@ -730,12 +745,30 @@ def _fwd_block_m(d: int, kv_tile: int = 0) -> int:
     return int(env)
 
 
-def _fwd_flat_tiles() -> int:
-    """q tiles per program of the unmasked long-K/V forward, walked as one fused (q tile, K/V tile) loop;
-    0: one q tile per program (GEM_GDPA_FWD_FLAT, 0..16)."""
-    env = os.environ.get("GEM_GDPA_FWD_FLAT", "0")
+def _tiles_per_program(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, device) -> int:
+    """q tiles per program (1..8, a power of two): enough to amortise each program's setup while keeping >= ~4
+    waves of programs, and no more than the longest sequence has (the extra ones would only be skipped)."""
+    est_tiles = (t // block_m + n_seq) * h
+    tiles = 1
+    while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * _num_sms(device):
+        tiles *= 2
+    return tiles
+
+
+def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, device) -> int:
+    """q tiles per program of an unmasked long-K/V q-tiled pass (the forward, the dQ pass) run as one fused
+    (q tile, K/V tile) loop; 0: one q tile per program, no fused loop. GEM_GDPA_FLAT sets it (0, 1, 2, 4, 8, 16).
+
+    On the H200 (cross N1024 M256, docs/PERF.md session 13) the forward went 1.224 -> 1.187 / 1.138 / 1.123 ms
+    with 2 / 4 / 8 tiles: the next tile's first K/V loads overlap this tile's last, where one tile per program
+    exposed them (a key loop of 1-4 tiles never reaches a steady state).
+    """
+    env = os.environ.get("GEM_GDPA_FLAT")
+    if env is None:
+        tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
+        return tiles if tiles > 1 else 0
     if env not in ("0", "1", "2", "4", "8", "16"):
-        raise ValueError(f"GEM_GDPA_FWD_FLAT={env!r}: expected 0, 1, 2, 4, 8 or 16")
+        raise ValueError(f"GEM_GDPA_FLAT={env!r}: expected 0, 1, 2, 4, 8 or 16")
     return int(env)
 
 
@@ -886,15 +919,12 @@ def _gdpa_fwd(
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
     tiles = 1
-    flat = not use_short and left < 0 and right < 0 and _fwd_flat_tiles() > 0
-    if flat:
-        tiles = _fwd_flat_tiles()
-    elif use_short:
-        # enough q tiles per program to amortise the K/V load, while keeping >= ~4 waves of programs
-        est_tiles = (t // block_m + offsets_q.numel()) * h
-        # (no more tiles than the longest sequence has: the extra ones would only be skipped)
-        while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * _num_sms(q.device):
-            tiles *= 2
+    flat = False
+    if use_short:  # the K/V load is amortised over the program's q tiles
+        tiles = _tiles_per_program(t, block_m, h, offsets_q.numel(), max_len_q, q.device)
+    elif left < 0 and right < 0:
+        fused = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, q.device)
+        tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
@@ -957,9 +987,10 @@ def _gdpa_bwd(
         )
         _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
     if t and max_len_q > 0:
-        qtab = _table(offsets_q, offsets_k, max_len_q, block_m, left, right, ordered, False, t)
+        tiles = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, q.device) if not common["MASKED"] else 0
+        qtab = _table(offsets_q, offsets_k, max_len_q, block_m * max(tiles, 1), left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
-        _bwd_dq[(qtab.shape[0] * h,)](*args, BLOCK_M=block_m, **common)
+        _bwd_dq[(qtab.shape[0] * h,)](*args, BLOCK_M=block_m, TILES=max(tiles, 1), FLAT=tiles > 0, **common)
     return dq, dk, dv
 
 

@@ -318,7 +318,7 @@ def test_gpu_self_bf16(activation, approx, causal):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("short_kv,flat", [(None, "0"), (False, "0"), (False, "4")])
 def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
-    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", flat)
+    monkeypatch.setenv("GEM_GDPA_FLAT", flat)
     g = torch.Generator().manual_seed(2)
     lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
     lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
@@ -367,14 +367,25 @@ def test_forward_q_tile_height_knob(monkeypatch, block_m):
     _check([70, 5], [9, 300], activation="silu", short_kv=False)
 
 
-@pytest.mark.parametrize("tiles", ["1", "2", "4"])
-def test_forward_fused_loop_knob(monkeypatch, tiles):
-    """GEM_GDPA_FWD_FLAT: the unmasked long-K/V forward walks several q tiles per program in one fused loop.
+@pytest.mark.parametrize("tiles", ["0", "1", "2", "4"])
+def test_fused_loop_knob(monkeypatch, tiles):
+    """GEM_GDPA_FLAT: the unmasked long-K/V forward and dQ pass walk several q tiles per program in one fused loop.
     Sequences with more, fewer and no q tiles than a program holds, keys empty, one tile and several."""
-    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", tiles)
+    monkeypatch.setenv("GEM_GDPA_FLAT", tiles)
     _check([70, 0, 33, 1, 5, 49], [9, 40, 0, 17, 1, 33], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     # masked calls keep the per-tile loop
     _check([40, 7], [40, 9], activation="silu", causal=True, short_kv=False)
+
+
+def test_fused_loop_default_keeps_waves(monkeypatch):
+    """By default a program takes several q tiles only while the grid keeps >= ~4 waves (4 "SMs" on CPU)."""
+    from gem.ops import triton_gdpa as tg
+
+    monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
+    cpu = torch.device("cpu")
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, cpu) == 8
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, cpu) == 4  # no more tiles than a sequence has
+    assert tg._fused_tiles(2000, 128, 1, 8, 1024, cpu) == 0  # too few programs: one tile each
 
 
 def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
@@ -383,8 +394,8 @@ def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
     with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
     monkeypatch.delenv("GEM_GDPA_FWD_BLOCK_M")
-    monkeypatch.setenv("GEM_GDPA_FWD_FLAT", "3")
-    with pytest.raises(ValueError, match="GEM_GDPA_FWD_FLAT"):
+    monkeypatch.setenv("GEM_GDPA_FLAT", "3")
+    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
 
 
