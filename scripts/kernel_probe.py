@@ -68,17 +68,19 @@ def _gdpa_flat_cases():
     g = torch.Generator().manual_seed(256)
     lk = torch.randint(1, 257, (lq.numel(),), generator=g).to("cuda")
     q, k, v, oq, mq, ok, mk = _qkv(lq, lk)
-    for approx, flats in ((None, ("0", "4", "8")), ("poly6", ("0", "8"))):
-        for flat in flats:
-            out.append((f"gdpa cross gelu_tanh N=1024 M=256{' poly6' if approx else ''} flat={flat}", (q, k, v),
-                        lambda approx=approx: gdpa(q, k, v, oq, mq, ok, mk, activation="gelu_tanh", approx=approx,
-                                                   kernel="triton"), {"GEM_GDPA_FLAT": flat}))
+    for approx, variants in ((None, (("0", "128"), ("8", "128"), ("0", "64"), ("8", "64"))),
+                             ("poly6", (("8", "128"), ("8", "64")))):
+        for flat, rows in variants:
+            out.append((f"gdpa cross gelu_tanh N=1024 M=256{' poly6' if approx else ''} flat={flat} rows={rows}",
+                        (q, k, v), lambda approx=approx: gdpa(q, k, v, oq, mq, ok, mk, activation="gelu_tanh",
+                                                              approx=approx, kernel="triton"),
+                        {"GEM_GDPA_FLAT": flat, "GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
     ls = jagged_lengths(2048, 65536, seed=2048)
     qs, ks, vs, os_, ms, _, _ = _qkv(ls, ls)
-    for flat in ("0", "4"):
-        out.append((f"gdpa self silu N=2048 full flat={flat}", (qs, ks, vs),
+    for rows in ("128", "64"):
+        out.append((f"gdpa self silu N=2048 full rows={rows}", (qs, ks, vs),
                     lambda: gdpa(qs, ks, vs, os_, ms, os_, ms, activation="silu", kernel="triton"),
-                    {"GEM_GDPA_FLAT": flat}))
+                    {"GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
     return out
 
 

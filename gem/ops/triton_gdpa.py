@@ -695,25 +695,31 @@ def _configs(names: tuple[str, ...], values: list[tuple]) -> list[triton.Config]
 _KEY = ["HEAD_DIM", "max_len_bucket", "ACT", "POLY", "MASKED"]
 if triton_interpreting():
     _FWD_CFG = [triton.Config({}, num_warps=1, num_stages=1)]
-    _LONG_CFG = _configs(("BLOCK_N",), [(16, 1, 1)])
+    _LONG_CFG = _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(16, 1, 1)])
     _DKDV_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
-    _DQ_CFG = _configs(("BLOCK_N",), [(16, 1, 1)])
+    _DQ_CFG = _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(16, 1, 1)])
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
 else:  # a small space: each config costs a compile per key
     _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
+    # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
+    # three programs share an SM and hide each other's load and activation latency
+    _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(64, 4, 2), (64, 4, 3), (128, 4, 2)])
     # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread)
     _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
+    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1)])
     if os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0":  # first config only: fast compiles (GPU tests)
-        _FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG, _SHORT_BWD_CFG = (
-            c[:1] for c in (_FWD_CFG, _LONG_CFG, _DKDV_CFG, _DQ_CFG, _SHORT_BWD_CFG))
+        _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
+            c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
+_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
-_bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT"])(_bwd_dq_kernel)
+_bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
+_bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
 _bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N"])(_bwd_short_kernel)
 
@@ -727,6 +733,16 @@ def _blocks(d: int) -> tuple[int, int]:
     if triton_interpreting():
         return 16, 16
     return 128, (64 if d > 64 else 128)
+
+
+def _dq_block_m(d: int) -> int:
+    """The dQ pass's q tile height, or GEM_GDPA_DQ_BLOCK_M (16..128, a power of two) to time others."""
+    env = os.environ.get("GEM_GDPA_DQ_BLOCK_M")
+    if not env:
+        return _blocks(d)[0]
+    if env not in ("16", "32", "64", "128"):
+        raise ValueError(f"GEM_GDPA_DQ_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
+    return int(env)
 
 
 def _fwd_block_m(d: int, kv_tile: int = 0) -> int:
@@ -755,16 +771,22 @@ def _tiles_per_program(t: int, block_m: int, h: int, n_seq: int, max_len_q: int,
     return tiles
 
 
-def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, device) -> int:
+# the fused loops only pay where each q tile's key loop is short (H200, session 13: cross M256 forward 1.235 ->
+# 1.128 ms and dQ 1.542 -> 1.452 with 8 tiles; self N2048, keys up to 2048: forward even, dQ 0.915 -> 1.043)
+FUSED_MAX_LEN_K = 256
+
+
+def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_len_k: int, device) -> int:
     """q tiles per program of an unmasked long-K/V q-tiled pass (the forward, the dQ pass) run as one fused
     (q tile, K/V tile) loop; 0: one q tile per program, no fused loop. GEM_GDPA_FLAT sets it (0, 1, 2, 4, 8, 16).
 
-    On the H200 (cross N1024 M256, docs/PERF.md session 13) the forward went 1.224 -> 1.187 / 1.138 / 1.123 ms
-    with 2 / 4 / 8 tiles: the next tile's first K/V loads overlap this tile's last, where one tile per program
-    exposed them (a key loop of 1-4 tiles never reaches a steady state).
+    The next tile's first K/V loads overlap this tile's last, where one tile per program exposes them: a key loop
+    of 1-4 tiles never reaches a steady state. By default only up to FUSED_MAX_LEN_K keys.
     """
     env = os.environ.get("GEM_GDPA_FLAT")
     if env is None:
+        if max_len_k > FUSED_MAX_LEN_K:
+            return 0
         tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
         return tiles if tiles > 1 else 0
     if env not in ("0", "1", "2", "4", "8", "16"):
@@ -923,7 +945,7 @@ def _gdpa_fwd(
     if use_short:  # the K/V load is amortised over the program's q tiles
         tiles = _tiles_per_program(t, block_m, h, offsets_q.numel(), max_len_q, q.device)
     elif left < 0 and right < 0:
-        fused = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, q.device)
+        fused = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, max_len_k, q.device)
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
@@ -932,7 +954,7 @@ def _gdpa_fwd(
     if use_short:
         _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, **common)
     else:
-        _fwd_long[grid](*args, SHORT_KV=False, FLAT=flat, **common)
+        (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, **common)
     return out
 
 
@@ -987,10 +1009,13 @@ def _gdpa_bwd(
         )
         _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
     if t and max_len_q > 0:
-        tiles = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, q.device) if not common["MASKED"] else 0
+        block_m = _dq_block_m(d)
+        tiles = 0 if common["MASKED"] else _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, max_len_k,
+                                                         q.device)
         qtab = _table(offsets_q, offsets_k, max_len_q, block_m * max(tiles, 1), left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
-        _bwd_dq[(qtab.shape[0] * h,)](*args, BLOCK_M=block_m, TILES=max(tiles, 1), FLAT=tiles > 0, **common)
+        (_bwd_dq_small if block_m <= 64 else _bwd_dq)[(qtab.shape[0] * h,)](
+            *args, BLOCK_M=block_m, TILES=max(tiles, 1), FLAT=tiles > 0, **common)
     return dq, dk, dv
 
 

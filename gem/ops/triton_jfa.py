@@ -315,12 +315,6 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
                                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo,
                                                  n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
                                                  BLOCK_M, BLOCK_N, HEAD_D)
-    _fwd_store(O, LSE, acc, l_i, m_i, q_start, offs_m, offs_d, in_q, h, stride_ot, stride_oh, stride_lh)
-
-
-@triton.jit
-def _fwd_store(O, LSE, acc, l_i, m_i, q_start, offs_m, offs_d, in_q, h, stride_ot, stride_oh, stride_lh):
-    """O = acc / l and LSE of one q tile; rows that saw no key get 0 and LSE +inf."""
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -330,82 +324,18 @@ def _fwd_store(O, LSE, acc, l_i, m_i, q_start, offs_m, offs_d, in_q, h, stride_o
 
 
 @triton.jit
-def _fwd_fused(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               stride_lh, qk_scale, NT, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, TILES: tl.constexpr):
-    """TILES consecutive q tiles of one sequence, full attention, subtraction masking. Every tile walks the same
-    key tiles, so the compiler fuses the (q tile, key tile) nest into one pipelined loop: the next tile's first
-    K/V loads overlap this tile's last. A tile whose subtraction cancels is redone with -inf masks afterwards,
-    outside the fused nest."""
-    b = item // NT
-    m_first = (item % NT) * (BLOCK_M * TILES)
-    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
-    kvh = h // GROUP
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    desc_k = None
-    desc_v = None
-    if TMA:
-        desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-        desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-    n_q = tl.minimum(tl.cdiv(tl.maximum(Lq - m_first, 0), BLOCK_M), TILES)
-    n_t = tl.cdiv(Lk, BLOCK_N)
-    n_masked = n_t * BLOCK_N - Lk  # zero-loaded key rows of the last tile, each adding exp2(0 - m) to l
-    bad_tiles = 0
-    for t in tl.range(n_q, flatten=True):
-        offs_m = m_first + t * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_q = offs_m < Lq
-        q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=in_q[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for j in range(n_t):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                       j * BLOCK_N, offs_m, offs_n, offs_d, 0, Lq, Lk, 0, 0, qk_scale, False, False,
-                                       False, DOT_PREC, TMA, False)
-        l_raw = l_i
-        l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
-        bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
-        bad_tiles = bad_tiles | (tl.max(bad.to(tl.int32), 0) << t)
-        _fwd_store(O, LSE, acc, l_i, m_i, q_start, offs_m, offs_d, in_q, h, stride_ot, stride_oh, stride_lh)
-    if bad_tiles != 0:  # cancellation: redo those tiles with -inf masking (rare: scores far below zero)
-        for t in range(n_q):
-            if ((bad_tiles >> t) & 1) != 0:
-                offs_m = m_first + t * BLOCK_M + tl.arange(0, BLOCK_M)
-                in_q = offs_m < Lq
-                q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh
-                            + offs_d[None, :], mask=in_q[:, None], other=0.0)
-                acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
-                                                     offs_n, offs_d, 0, Lq, Lk, 0, 0, qk_scale, 0, n_t, 0, n_t, False,
-                                                     False, False, False, DOT_PREC, TMA, BLOCK_M, BLOCK_N, HEAD_D)
-                _fwd_store(O, LSE, acc, l_i, m_i, q_start, offs_m, offs_d, in_q, h, stride_ot, stride_oh, stride_lh)
-
-
-@triton.jit
 def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_lh, qk_scale, win_left, win_right, NT,
                     H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
-                    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                    TILES: tl.constexpr):
+                    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     item, h = _program_item(WORK, H, True)
     if item >= 0:
-        if TILES > 1:  # full attention only (the host's choice)
-            _fwd_fused(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt, stride_kh,
-                       stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, NT, GROUP, DOT_PREC, TMA,
-                       BLOCK_M, BLOCK_N, HEAD_D, TILES)
-        else:
-            _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt,
-                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
-                      win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                      HEAD_D)
+        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt,
+                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
+                  win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                  HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -714,26 +644,22 @@ def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
 _TMA_BWD_HEAD_DIMS = (128,)
 
 
-# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the backward; the forward's add TILES, q tiles per program
-# (> 1: the fused loop of _fwd_fused, full attention with subtraction masking only). The first entry is the default.
-def _fwd_configs(d: int, fused: bool = False):
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
+def _fwd_configs(d: int, masked: bool = False):
     if triton_interpreting():
-        return [(16, 16, 4, 1, 1)]
+        return [(16, 16, 4, 1)]
     # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
     # two programs can share an SM and hide each other's pipeline fill (short jagged rows, causal diagonals).
     if d <= 64:
-        cfgs = [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
-    elif d <= 128:
+        return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
+    if d <= 128:
         cfgs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2)]
-    else:
-        cfgs = [(64, 64, 4, 2), (128, 32, 8, 2)]
-    out = [c + (1,) for c in cfgs]
-    if fused:  # 2 and 4 q tiles per program, timed against one by the tuner
-        # the fused loop prefetches the next q tile too (+32 KB at D 128): (128, 128, 8, 3) would need 262 KB of
-        # shared memory, so the 128-wide key tile runs 2 stages here (196 KB; ptxas: 207 registers, no spill)
-        lead = [(128, 128, 8, 2), (128, 64, 8, 3)] if 64 < d <= 128 else cfgs[:2]
-        out += [c + (tiles,) for c in lead for tiles in (2, 4)]
-    return out
+        if masked:
+            # causal diagonals and window edges: a 64-row tile on one warpgroup masks half the rows' worth of key
+            # tiles per edge, and two or three programs share an SM (BlockAttention's forward wins with it)
+            cfgs += [(64, 64, 4, 2), (64, 64, 4, 3)]
+        return cfgs
+    return [(64, 64, 4, 2), (128, 32, 8, 2)]
 
 
 def _bwd_configs(d: int, var: str = "base"):
@@ -805,21 +731,17 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
               "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
 
-    fused = left < 0 and right < 0 and not mask_inf
-
     def launch(cfg):
-        bm, bn, warps, stages, tiles = cfg
-        if not fused:
-            tiles = 1
-        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm * tiles, left, right, True)
+        bm, bn, warps, stages = cfg
+        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True)
         _jfa_fwd_kernel[(work.numel() * h,)](
             q, k, v, out, lse, offsets_q, offsets_k, work, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0),
-            max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, TILES=tiles,
-            num_warps=warps, num_stages=stages, **common)
+            max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **common)
 
     key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
-    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, fused), launch, q.device))
+    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))
     return out, lse
 
 

@@ -360,9 +360,10 @@ def test_reference_cpu_default_matches():
 
 
 @pytest.mark.parametrize("block_m", ["32", "64"])
-def test_forward_q_tile_height_knob(monkeypatch, block_m):
-    """GEM_GDPA_FWD_BLOCK_M changes only the forward's tiling (for the benchmark): results still match."""
+def test_q_tile_height_knobs(monkeypatch, block_m):
+    """GEM_GDPA_FWD_BLOCK_M / GEM_GDPA_DQ_BLOCK_M change only the tiling (for the benchmark): results still match."""
     monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", block_m)
+    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", block_m)
     _check([70, 0, 33, 1], [9, 4, 0, 17], activation="gelu")
     _check([70, 5], [9, 300], activation="silu", short_kv=False)
 
@@ -378,14 +379,16 @@ def test_fused_loop_knob(monkeypatch, tiles):
 
 
 def test_fused_loop_default_keeps_waves(monkeypatch):
-    """By default a program takes several q tiles only while the grid keeps >= ~4 waves (4 "SMs" on CPU)."""
+    """By default a program takes several q tiles only for short key loops and while the grid keeps >= ~4 waves
+    (4 "SMs" on CPU)."""
     from gem.ops import triton_gdpa as tg
 
     monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
     cpu = torch.device("cpu")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, cpu) == 8
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, cpu) == 4  # no more tiles than a sequence has
-    assert tg._fused_tiles(2000, 128, 1, 8, 1024, cpu) == 0  # too few programs: one tile each
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu) == 8
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu) == 4  # no more tiles than a sequence has
+    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu) == 0  # too few programs: one tile each
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu) == 0  # long key loops: no fused loop
 
 
 def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
@@ -397,6 +400,11 @@ def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("GEM_GDPA_FLAT", "3")
     with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
+    monkeypatch.delenv("GEM_GDPA_FLAT")
+    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", "100")
+    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
+    with pytest.raises(ValueError, match="GEM_GDPA_DQ_BLOCK_M"):
+        out.sum().backward()
 
 
 def test_work_tables_built_once_per_offsets(monkeypatch):

@@ -315,34 +315,6 @@ def test_variants_large_negative_scores(variant, monkeypatch):
     _check(got, want, torch.float32, tol=1e-3)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("tiles", [2, 3])
-@pytest.mark.parametrize("variant", ["base", "tma"])
-def test_forward_fused_q_tiles(tiles, variant, monkeypatch):
-    """Several q tiles per program in one fused loop (full attention): lengths with more, fewer and no tiles than a
-    program holds, cross attention with GQA, causal calls (which keep one tile per program), and the cancellation
-    redo of the tiles whose subtraction fails, next to tiles that keep theirs."""
-    from gem.ops import triton_jfa
-
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
-    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, fused=False: [(16, 16, 4, 1, tiles)])
-    monkeypatch.setattr(triton_jfa._TUNER, "best", {})
-    lens = [5, 0, 17, 1, 70, 33]
-    q, k, v = _inputs(lens, h=4, h_kv=2)
-    _check(*_run(q, k, v, lens), torch.float32)
-    _check(*_run(q, k, v, lens, causal=True), torch.float32)
-    lk = [9, 40, 0, 17, 1, 33]
-    q, k, v = _inputs(lens, lk, h=4, h_kv=2, seed=3)
-    _check(*_run(q, k, v, lens, lk), torch.float32)
-    lens = [70, 3, 37]
-    q, k, v = _inputs(lens, h=1, h_kv=1)
-    with torch.no_grad():  # rows 16..47 of the first sequence cancel, the others do not
-        q.copy_(q.abs() + 1.0)
-        q[16:48].copy_(-q[16:48])
-        k.copy_(-(k.abs() + 1.0))
-    _check(*_run(q, k, v, lens, scale=25.0), torch.float32, tol=1e-3)
-
-
 def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
     lens = [17, 33, 5]
     q, k, v = _inputs(lens, h=2, h_kv=1)
@@ -754,7 +726,7 @@ def test_gpu_variants_every_config(variant, monkeypatch):
     fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128, True), triton_jfa._bwd_configs(128, form)
     for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
-        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, fused=False, f=f: [f])
+        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False, f=f: [f])
         monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var, b=b: [b])
         triton_jfa._TUNER.best.clear()
         for causal in (False, True):
