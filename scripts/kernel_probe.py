@@ -77,9 +77,17 @@ def _gdpa_flat_cases():
                         {"GEM_GDPA_FLAT": flat, "GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
     ls = jagged_lengths(2048, 65536, seed=2048)
     qs, ks, vs, os_, ms, _, _ = _qkv(ls, ls)
+    for causal in (False, True):
+        for rows in ("128", "64"):
+            out.append((f"gdpa self silu N=2048 {'causal' if causal else 'full'} rows={rows}", (qs, ks, vs),
+                        lambda causal=causal: gdpa(qs, ks, vs, os_, ms, os_, ms, activation="silu", causal=causal,
+                                                   kernel="triton"),
+                        {"GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
+    ls = jagged_lengths(512, 65536, seed=512)
+    q5, k5, v5, o5, m5, _, _ = _qkv(ls, ls)
     for rows in ("128", "64"):
-        out.append((f"gdpa self silu N=2048 full rows={rows}", (qs, ks, vs),
-                    lambda: gdpa(qs, ks, vs, os_, ms, os_, ms, activation="silu", kernel="triton"),
+        out.append((f"gdpa self silu N=512 causal rows={rows}", (q5, k5, v5),
+                    lambda: gdpa(q5, k5, v5, o5, m5, o5, m5, activation="silu", causal=True, kernel="triton"),
                     {"GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
     return out
 

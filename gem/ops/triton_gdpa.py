@@ -736,10 +736,14 @@ def _blocks(d: int) -> tuple[int, int]:
 
 
 def _dq_block_m(d: int) -> int:
-    """The dQ pass's q tile height, or GEM_GDPA_DQ_BLOCK_M (16..128, a power of two) to time others."""
+    """The dQ pass's q tile height, or GEM_GDPA_DQ_BLOCK_M (16..128, a power of two) to time others.
+
+    At D > 64, 64 rows on one warpgroup (_DQ_CFG_SMALL): cross M256 1.526 -> 1.278 ms, self N2048 0.918 -> 0.857
+    (H200, session 13)."""
     env = os.environ.get("GEM_GDPA_DQ_BLOCK_M")
     if not env:
-        return _blocks(d)[0]
+        rows = _blocks(d)[0]
+        return min(rows, 64) if d > 64 else rows
     if env not in ("16", "32", "64", "128"):
         raise ValueError(f"GEM_GDPA_DQ_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
     return int(env)
@@ -750,12 +754,14 @@ def _fwd_block_m(d: int, kv_tile: int = 0) -> int:
 
     A 128-row tile at D 128 holds a 64 KB fp32 accumulator: one program per SM. On the short-K/V path with up to
     64 keys (kv_tile), 64-row tiles were faster on the H200 (cross N256 M64: 0.49 vs 0.58 ms, and 0.61 vs 0.68 in
-    the session before; docs/PERF.md); longer K/V keeps 128 (the tiled path at M 256: 1.77 vs 1.23 ms).
+    the session before; docs/PERF.md). The tiled path (kv_tile 0) at D > 64 takes 64-row tiles on one warpgroup
+    (_LONG_CFG_SMALL), two or three programs per SM: cross M256 1.128 -> 1.009 ms, self N2048 0.695 -> 0.625
+    (session 13; on 8 warps, session 10, the same tile had been slower: 1.77 vs 1.23).
     """
     env = os.environ.get("GEM_GDPA_FWD_BLOCK_M")
     if not env:
         rows = _blocks(d)[0]
-        return min(rows, 64) if 0 < kv_tile <= 64 else rows
+        return min(rows, 64) if 0 < kv_tile <= 64 or (kv_tile == 0 and d > 64) else rows
     if env not in ("16", "32", "64", "128"):
         raise ValueError(f"GEM_GDPA_FWD_BLOCK_M={env!r}: expected 16, 32, 64 or 128")
     return int(env)
@@ -771,8 +777,9 @@ def _tiles_per_program(t: int, block_m: int, h: int, n_seq: int, max_len_q: int,
     return tiles
 
 
-# the fused loops only pay where each q tile's key loop is short (H200, session 13: cross M256 forward 1.235 ->
-# 1.128 ms and dQ 1.542 -> 1.452 with 8 tiles; self N2048, keys up to 2048: forward even, dQ 0.915 -> 1.043)
+# the fused loops only pay where each q tile's key loop is short (H200, session 13, 128-row tiles: cross M256
+# forward 1.235 -> 1.128 ms and dQ 1.542 -> 1.452 with 8 tiles; self N2048, keys up to 2048: forward even, dQ
+# 0.915 -> 1.043; 64-row tiles: forward 1.035 -> 1.009, dQ 1.278 -> 1.307, so the dQ pass fuses only on request)
 FUSED_MAX_LEN_K = 256
 
 
@@ -1010,8 +1017,9 @@ def _gdpa_bwd(
         _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)
-        tiles = 0 if common["MASKED"] else _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, max_len_k,
-                                                         q.device)
+        # fused loop only when asked for: with 64-row tiles it was slower here (cross M256: 1.307 vs 1.278 ms)
+        tiles = 0 if common["MASKED"] or "GEM_GDPA_FLAT" not in os.environ else _fused_tiles(
+            t, block_m, h, offsets_q.numel(), max_len_q, max_len_k, q.device)
         qtab = _table(offsets_q, offsets_k, max_len_q, block_m * max(tiles, 1), left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
         (_bwd_dq_small if block_m <= 64 else _bwd_dq)[(qtab.shape[0] * h,)](

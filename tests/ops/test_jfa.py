@@ -173,6 +173,18 @@ def test_inf_and_sub_variants_agree():
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal,window,mask_inf", [(False, None, False), (True, None, False), (False, 6, True),
+                                                    (False, (3, 2), True), (False, (None, 4), False)])
+def test_auto_mask_mode_takes_inf_for_sliding_windows(causal, window, mask_inf, monkeypatch):
+    from gem.ops import triton_jfa
+
+    seen = []
+    monkeypatch.setattr(triton_jfa, "jfa_triton", lambda *a: seen.append(a[-1]) or a[0])
+    q, k, v = _inputs([3, 4])
+    jagged_attention(q, k, v, _offsets([3, 4]), 4, causal=causal, window=window, kernel="triton")
+    assert seen == [mask_inf]
+
+
 def test_lse_matches_reference_and_is_inf_for_rows_without_keys():
     from gem.ops.triton_jfa import jfa_triton_with_lse
 
