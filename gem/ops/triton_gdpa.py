@@ -710,9 +710,13 @@ else:  # a small space: each config costs a compile per key
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
     _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1)])
-    if os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0":  # first config only: fast compiles (GPU tests)
-        _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
-            c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
+# every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
+ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
+               "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
+if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0":
+    # first config only: fast compiles (GPU tests)
+    _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
+        c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)

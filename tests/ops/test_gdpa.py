@@ -338,6 +338,29 @@ def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_every_config(monkeypatch):
+    """Every config of every autotuned kernel compiles and matches: autotuning may pick any of them, and GPU tests
+    otherwise run only the first (GEM_GDPA_AUTOTUNE=0). Config i of each list runs together (lists cycle)."""
+    from gem.ops import triton_gdpa as tg
+
+    g = torch.Generator().manual_seed(4)
+    lq = torch.randint(1, 600, (10,), generator=g).tolist() + [0, 1]
+    lk_short = torch.randint(1, 64, (10,), generator=g).tolist() + [5, 0]
+    lk_long = torch.randint(1, 300, (10,), generator=g).tolist() + [5, 0]
+    kw = {"h": 4, "hk": 2, "dtype": torch.bfloat16, "device": "cuda", "activation": "gelu_tanh"}
+    for i in range(max(len(c) for c in tg.ALL_CONFIGS.values())):
+        for name, cfgs in tg.ALL_CONFIGS.items():
+            kernel = getattr(tg, name)
+            monkeypatch.setattr(kernel, "configs", [cfgs[i % len(cfgs)]])
+            kernel.cache.clear()
+        _check(lq, lk_short, d=128, short_kv=True, **kw)  # short forward, one-pass backward
+        _check(lq, lk_long, d=128, short_kv=False, **kw)  # 64-row tiled forward and dQ, dK/dV pass
+        _check(lq, lq, d=128, causal=True, **kw)
+        _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_window_fp32():
     lens = [300, 129, 1, 513]
     _check(lens, lens, h=2, hk=1, d=64, dtype=torch.float32, device="cuda", activation="gelu", window=(100, 20))
