@@ -127,8 +127,8 @@ def _cases():
                 label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
                 cases.append(("gdpa", label, gdpa))
 
-    def gdpa_flat():  # the fused (q tile, K/V tile) loops of the unmasked long-K/V forward and dQ pass
-        os.environ["GEM_GDPA_FLAT"] = "4"
+    def gdpa_env(env):  # one unmasked long-K/V forward and backward under kernel knobs
+        os.environ.update(env)
         try:
             lk = [300, 70, 5, 1, 0]
             q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
@@ -136,21 +136,12 @@ def _cases():
             out = triton_gdpa._gdpa_fwd(q, k, v, *args)
             triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
         finally:
-            os.environ.pop("GEM_GDPA_FLAT")
-    cases.append(("gdpa", "gdpa fused loops (GEM_GDPA_FLAT=4) gelu_tanh", gdpa_flat))
-
-    def gdpa_rows64():  # the 4-warp configs of 64-row q tiles, forward and dQ pass
-        os.environ["GEM_GDPA_FWD_BLOCK_M"] = os.environ["GEM_GDPA_DQ_BLOCK_M"] = "64"
-        try:
-            lk = [300, 70, 5, 1, 0]
-            q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
-            args = (offsets(lens), offsets(lk), 300, 300, "gelu_tanh", "", -1, -1, 0.1, 1.0, True, 0)
-            out = triton_gdpa._gdpa_fwd(q, k, v, *args)
-            triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
-        finally:
-            os.environ.pop("GEM_GDPA_FWD_BLOCK_M")
-            os.environ.pop("GEM_GDPA_DQ_BLOCK_M")
-    cases.append(("gdpa", "gdpa 64-row q tiles, 4 warps (GEM_GDPA_FWD_BLOCK_M=GEM_GDPA_DQ_BLOCK_M=64)", gdpa_rows64))
+            for key in env:
+                os.environ.pop(key)
+    # the fused (q tile, K/V tile) loops of the forward and dQ pass; the 8-warp 128-row q tiles (default: 64 rows)
+    for env in ({"GEM_GDPA_FLAT": "4"}, {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}):
+        label = "gdpa gelu_tanh " + " ".join(f"{key}={val}" for key, val in env.items())
+        cases.append(("gdpa", label, lambda env=env: gdpa_env(env)))
     for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),
                                    (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
                                    (128, torch.float32, RopeConfig(rotary_dim=64), False),

@@ -230,6 +230,18 @@ def _runs(p0, p_last, lo, nt, off, BELOW, ABOVE, BLOCK_R: tl.constexpr):
     return t_a, t_b
 
 
+@triton.jit
+def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of q rows [m0, m0 + BLOCK_M): first key, tile count, and the unmasked run [t_a, t_b)."""
+    lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+    nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    t_a = 0
+    t_b = nt
+    if MASKED:
+        t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+    return lo, nt, t_a, t_b
+
+
 # ------------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr):
@@ -341,12 +353,7 @@ def _fwd_kernel(
                     a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
                 acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
             else:
-                lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-                nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-                t_a = 0
-                t_b = nt
-                if MASKED:
-                    t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+                lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
                 for j in range(t_a):  # j: t is the q-tile loop's
                     acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
                                        stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
@@ -572,12 +579,7 @@ def _bwd_dq_kernel(
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-    nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    t_a = 0
-    t_b = nt
-    if MASKED:
-        t_a, t_b = _runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, BLOCK_N)
+    lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
     for t in range(t_a):
         dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
                          stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC,
