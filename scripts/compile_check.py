@@ -128,6 +128,7 @@ def _cases():
                 cases.append(("gdpa", label, gdpa))
 
     def gdpa_env(env):  # one unmasked long-K/V forward and backward under kernel knobs
+        saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
             lk = [300, 70, 5, 1, 0]
@@ -136,8 +137,11 @@ def _cases():
             out = triton_gdpa._gdpa_fwd(q, k, v, *args)
             triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
         finally:
-            for key in env:
-                os.environ.pop(key)
+            for key, val in saved.items():
+                if val is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = val
     # the fused (q tile, K/V tile) loops of the forward and dQ pass; the 8-warp 128-row q tiles (default: 64 rows)
     for env in ({"GEM_GDPA_FLAT": "4"}, {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}):
         label = "gdpa gelu_tanh " + " ".join(f"{key}={val}" for key, val in env.items())

@@ -329,6 +329,7 @@ def _fwd_kernel(
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
+    tl.static_assert(not (FLAT and (MASKED or SHORT_KV)))
     if FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
@@ -560,6 +561,8 @@ def _bwd_dq_kernel(
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
+    tl.static_assert(FLAT or TILES == 1)  # the per-tile path below handles one q tile
+    tl.static_assert(not (FLAT and MASKED))
     if FLAT:  # as the forward's fused loop: unmasked, the same K/V trip count for every q tile
         first = group_id * TILES
         n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
@@ -732,7 +735,8 @@ _bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N"])(_b
 
 # ------------------------------------------------------------------------------------------------- host side
 def _blocks(d: int) -> tuple[int, int]:
-    """(BLOCK_M of the q-tiled passes, BLOCK_N of the k-tiled dK/dV pass); fixed since the work tables use them.
+    """(base q tile height, BLOCK_N of the k-tiled dK/dV pass); fixed since the work tables use them. The
+    q-tiled passes take their heights from _fwd_block_m / _dq_block_m (64 rows at D > 64).
 
     The dK/dV program holds two fp32 [BLOCK_N, D] accumulators plus K and V in registers: 64 keys at D > 64.
     """
@@ -789,22 +793,32 @@ def _tiles_per_program(t: int, block_m: int, h: int, n_seq: int, max_len_q: int,
 FUSED_MAX_LEN_K = 256
 
 
-def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_len_k: int, device) -> int:
-    """q tiles per program of an unmasked long-K/V q-tiled pass (the forward, the dQ pass) run as one fused
-    (q tile, K/V tile) loop; 0: one q tile per program, no fused loop. GEM_GDPA_FLAT sets it (0, 1, 2, 4, 8, 16).
-
-    The next tile's first K/V loads overlap this tile's last, where one tile per program exposes them: a key loop
-    of 1-4 tiles never reaches a steady state. By default only up to FUSED_MAX_LEN_K keys.
-    """
-    env = os.environ.get("GEM_GDPA_FLAT")
-    if env is None:
-        if max_len_k > FUSED_MAX_LEN_K:
-            return 0
-        tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
-        return tiles if tiles > 1 else 0
+def _flat_knob() -> int | None:
+    """GEM_GDPA_FLAT: None when unset or empty, else the q tiles per program of the fused loops (0 = off)."""
+    env = os.environ.get("GEM_GDPA_FLAT", "")
+    if not env:
+        return None
     if env not in ("0", "1", "2", "4", "8", "16"):
         raise ValueError(f"GEM_GDPA_FLAT={env!r}: expected 0, 1, 2, 4, 8 or 16")
     return int(env)
+
+
+def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_len_k: int, device,
+                 default_on: bool) -> int:
+    """q tiles per program of an unmasked long-K/V q-tiled pass run as one fused (q tile, K/V tile) loop; 0: one q
+    tile per program, no fused loop. GEM_GDPA_FLAT (0, 1, 2, 4, 8, 16) sets it for the forward and the dQ pass;
+    unset, the forward (default_on) fuses up to FUSED_MAX_LEN_K keys and the dQ pass does not fuse.
+
+    The next tile's first K/V loads overlap this tile's last, where one tile per program exposes them: a key loop
+    of 1-4 tiles never reaches a steady state.
+    """
+    knob = _flat_knob()
+    if knob is not None:
+        return knob
+    if not default_on or max_len_k > FUSED_MAX_LEN_K:
+        return 0
+    tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
+    return tiles if tiles > 1 else 0
 
 
 def _consts(activation: str, approx: str) -> dict:
@@ -945,6 +959,7 @@ def _gdpa_fwd(
     ordered: bool,
     short_kv: int,
 ) -> torch.Tensor:
+    _flat_knob()  # a bad value fails every call, not only those that would fuse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -956,9 +971,9 @@ def _gdpa_fwd(
     tiles = 1
     flat = False
     if use_short:  # the K/V load is amortised over the program's q tiles
-        tiles = _tiles_per_program(t, block_m, h, offsets_q.numel(), max_len_q, q.device)
+        tiles = _tiles_per_program(t, block_m, h, offsets_q.numel() - 1, max_len_q, q.device)
     elif left < 0 and right < 0:
-        fused = _fused_tiles(t, block_m, h, offsets_q.numel(), max_len_q, max_len_k, q.device)
+        fused = _fused_tiles(t, block_m, h, offsets_q.numel() - 1, max_len_q, max_len_k, q.device, True)
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
@@ -998,6 +1013,7 @@ def _gdpa_bwd(
     ordered: bool,
     short_kv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _flat_knob()
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
@@ -1013,7 +1029,7 @@ def _gdpa_bwd(
     dq = _empty_like(q) if t and max_len_q > 0 else torch.zeros_like(q)
     dk = _empty_like(k) if k.shape[0] and max_len_k > 0 else torch.zeros_like(k)
     dv = _empty_like(v) if k.shape[0] and max_len_k > 0 else torch.zeros_like(v)
-    block_m, block_n = _blocks(d)
+    block_n = _blocks(d)[1]
     common = _common(q, k, left, right, activation, approx)
     if k.shape[0] and max_len_k > 0:
         ktab = _table(offsets_k, offsets_q, max_len_k, block_n, left, right, ordered, True, k.shape[0])
@@ -1023,9 +1039,9 @@ def _gdpa_bwd(
         _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)
-        # fused loop only when asked for: with 64-row tiles it was slower here (cross M256: 1.307 vs 1.278 ms)
-        tiles = 0 if common["MASKED"] or "GEM_GDPA_FLAT" not in os.environ else _fused_tiles(
-            t, block_m, h, offsets_q.numel(), max_len_q, max_len_k, q.device)
+        # no fused loop unless GEM_GDPA_FLAT asks: with 64-row tiles it was slower (cross M256: 1.307 vs 1.278 ms)
+        tiles = 0 if common["MASKED"] else _fused_tiles(t, block_m, h, offsets_q.numel() - 1, max_len_q,
+                                                         max_len_k, q.device, False)
         qtab = _table(offsets_q, offsets_k, max_len_q, block_m * max(tiles, 1), left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
         (_bwd_dq_small if block_m <= 64 else _bwd_dq)[(qtab.shape[0] * h,)](

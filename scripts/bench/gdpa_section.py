@@ -5,8 +5,9 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
 Each of ours also runs with approx="poly6"; the cross case also with the short-K/V paths forced off (the tiled
-forward and the two-pass backward), and with 64- and 128-row q tiles in the forward (GEM_GDPA_FWD_BLOCK_M; the
-default takes 64 on the short-K/V path up to 64 keys, else 128; the backward is unchanged). Work tables are cached per offsets tensor, as in a model whose layers share one batch's offsets:
+forward and the two-pass backward), and with 64- and 128-row q tiles in the forward and the dQ pass
+(GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path up to 64 keys and, at
+D > 64, on the tiled forward and the dQ pass; 128 otherwise). Work tables are cached per offsets tensor, as in a model whose layers share one batch's offsets:
 after the first call a timed call launches only its kernels.
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them); the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
@@ -184,8 +185,9 @@ def run(args) -> list[Row]:
             activation="gelu_tanh",
             causal=False,
             extra_impls=[("gdpa long-K/V path", {"short_kv": False}),
-                         ("gdpa 64-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "64"}}),
-                         ("gdpa 128-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "128"}})],
+                         ("gdpa 64-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "64", "GEM_GDPA_DQ_BLOCK_M": "64"}}),
+                         ("gdpa 128-row q tiles",
+                          {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})],
         )
     lq = _lognormal_lengths(tokens, 256, 1.2, 8192)
     rows += _case_rows(

@@ -9,7 +9,7 @@ unpadding excluded); FlexAttention's block mask is built once outside the timed 
 TFLOP/s count real tokens only: fwd = 4*H*D*sum(L^2) (halved when causal; SWA counts visible pairs), bwd = 2.5 x fwd.
 
 --jfa-variants all (or a comma list of gem.ops.triton_jfa.VARIANTS) adds one row per kernel variant
-("ours [variant]", sub mask), each timed with GEM_JFA_VARIANT set for its forward and backward.
+("ours [variant]", default mask mode), each timed with GEM_JFA_VARIANT set for its forward and backward.
 --jfa-anchors varlen_attn (comma list, or "none") keeps only those competitors (default: all of them).
 """
 
@@ -239,10 +239,10 @@ def _keep(impl, args) -> bool:
 
 
 def _measure_ours(section, case, b, flops, args, rows):
-    """The default rows of our kernel, then one row per requested variant (sub mask)."""
+    """The default rows of our kernel, then one row per requested variant (default mask mode)."""
     for variant in _variants(args):
         with _variant_env(variant):
-            r = _measure(section, case, f"ours [{variant}]", _ours("sub"), b, flops, args)
+            r = _measure(section, case, f"ours [{variant}]", _ours("auto"), b, flops, args)
         r.extra["N"] = b["max_len_n"]
         rows.append(r)
 
@@ -285,7 +285,6 @@ def run_jfa(args) -> list[Row]:
             case_rows.append(r)
         _measure_ours("jfa", case, dict(b, max_len_n=n), flops, args, case_rows)
         _add_ratios(case_rows)
-        _add_ratios(case_rows, ours="ours (-inf mask)")  # the default mask of windowed calls
         _add_variant_ratios(case_rows)
         rows += case_rows
         del b

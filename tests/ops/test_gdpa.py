@@ -316,9 +316,12 @@ def test_gpu_self_bf16(activation, approx, causal):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("short_kv,flat", [(None, "0"), (False, "0"), (False, "4")])
+@pytest.mark.parametrize("short_kv,flat", [(None, None), (False, None), (False, "4")])
 def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
-    monkeypatch.setenv("GEM_GDPA_FLAT", flat)
+    if flat is None:  # the defaults
+        monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
+    else:
+        monkeypatch.setenv("GEM_GDPA_FLAT", flat)
     g = torch.Generator().manual_seed(2)
     lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
     lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
@@ -357,6 +360,10 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lk_long, d=128, short_kv=False, **kw)  # 64-row tiled forward and dQ, dK/dV pass
         _check(lq, lq, d=128, causal=True, **kw)
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
+        with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
+            m.setenv("GEM_GDPA_FLAT", "4")
+            _check(lq, lk_long, d=128, short_kv=False, **kw)
+            _check(lq, lk_long, d=64, short_kv=False, **kw)
 
 
 @pytest.mark.gpu
@@ -408,10 +415,13 @@ def test_fused_loop_default_keeps_waves(monkeypatch):
 
     monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
     cpu = torch.device("cpu")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu) == 8
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu) == 4  # no more tiles than a sequence has
-    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu) == 0  # too few programs: one tile each
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu) == 0  # long key loops: no fused loop
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, True) == 8
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu, True) == 4  # no more tiles than a sequence has
+    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu, True) == 0  # too few programs: one tile each
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, True) == 0  # long key loops: no fused loop
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, False) == 0  # the dQ pass: only on request
+    monkeypatch.setenv("GEM_GDPA_FLAT", "2")
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, False) == 2
 
 
 def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
@@ -423,6 +433,8 @@ def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("GEM_GDPA_FLAT", "3")
     with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
+    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):  # also where no loop would fuse
+        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", causal=True)
     monkeypatch.delenv("GEM_GDPA_FLAT")
     monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", "100")
     out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)

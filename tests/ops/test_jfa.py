@@ -29,7 +29,7 @@ def _inputs(lens_q, lens_k=None, *, h=2, h_kv=1, d=16, dtype=torch.float32, seed
 
 
 def _run(q, k, v, lens_q, lens_k=None, *, max_q=None, max_k=None, causal=False, window=None, scale=None,
-         kernel="triton", mask_mode="sub", seed=1):
+         kernel="triton", mask_mode="auto", seed=1):
     """-> (out, dq, dk, dv) of the op and of the fp64 reference, for a random upstream gradient."""
     off_q = _offsets(lens_q, q.device)
     off_k = None if lens_k is None else _offsets(lens_k, q.device)
@@ -741,8 +741,9 @@ def test_gpu_variants_every_config(variant, monkeypatch):
         monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False, f=f: [f])
         monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var, b=b: [b])
         triton_jfa._TUNER.best.clear()
-        for causal in (False, True):
-            got, want = _run(q, k, v, lens, causal=causal, max_q=2048)
+        # full, causal, and a sliding window (its default -inf mask)
+        for causal, window in ((False, None), (True, None), (False, 300)):
+            got, want = _run(q, k, v, lens, causal=causal, window=window, max_q=2048)
             _check(got, want, torch.bfloat16, tol=3e-2)
     triton_jfa._TUNER.best.clear()
 
