@@ -1,6 +1,7 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,jfa,block] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
+    bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
 calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
@@ -92,6 +93,63 @@ def _gdpa_flat_cases():
     return out
 
 
+def _gdpa_scale_cases():
+    """The dK/dV passes scaling S (default) against scaling each loaded q tile (GEM_GDPA_BWD_SCALE_Q=1)."""
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    lq = jagged_lengths(256, 8 * 65536, seed=256)
+    lk = torch.randint(1, 65, (lq.numel(),), generator=torch.Generator().manual_seed(64)).to("cuda")
+    c64 = _qkv(lq, lk)
+    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
+    lk = torch.randint(1, 257, (lq.numel(),), generator=torch.Generator().manual_seed(256)).to("cuda")
+    c256 = _qkv(lq, lk)
+    ls = jagged_lengths(2048, 65536, seed=2048)
+    s2k = _qkv(ls, ls)
+    ls = jagged_lengths(512, 65536, seed=512)
+    s512 = _qkv(ls, ls)
+    for flag in ("1", "0"):
+        for name, (q, k, v, oq, mq, ok, mk), kw in (
+                ("cross gelu_tanh N=256 M=64", c64, {"activation": "gelu_tanh"}),
+                ("cross gelu_tanh N=1024 M=256", c256, {"activation": "gelu_tanh"}),
+                ("self silu N=2048 causal", s2k, {"activation": "silu", "causal": True}),
+                ("self silu N=512 causal", s512, {"activation": "silu", "causal": True})):
+            out.append((f"gdpa {name} bwd scale_q={flag}", (q, k, v),
+                        lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
+                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_BWD_SCALE_Q": flag}))
+    return out
+
+
+def _order_cases():
+    """Work order: each sequence's tiles adjacent, heaviest sequences first ("seq", default) against the heaviest
+    tiles of all sequences first ("tile"), JFA and GDPA (GEM_JFA_ORDER / GEM_GDPA_ORDER)."""
+    from gem.ops.gdpa import gdpa
+    from gem.ops.jfa import jagged_attention
+
+    lq = jagged_lengths(1024, 131072, seed=1024)
+    j1k = _qkv(lq, lq)
+    lq = jagged_lengths(4096, 131072, seed=4096)
+    j4k = _qkv(lq, lq)
+    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
+    lk = torch.randint(1, 257, (lq.numel(),), generator=torch.Generator().manual_seed(256)).to("cuda")
+    c256 = _qkv(lq, lk)
+    ls = jagged_lengths(2048, 65536, seed=2048)
+    s2k = _qkv(ls, ls)
+    out = []
+    for order in ("tile", "seq"):
+        env = {"GEM_JFA_ORDER": order, "GEM_GDPA_ORDER": order}
+        for name, (q, k, v, oq, mq, _, _), kw in (("N=1024 causal", j1k, {"causal": True}), ("N=1024 full", j1k, {}),
+                                                  ("N=4096 causal", j4k, {"causal": True})):
+            out.append((f"jfa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, kw=kw:
+                        jagged_attention(q, k, v, oq, mq, kernel="triton", **kw), env))
+        for name, (q, k, v, oq, mq, ok, mk), kw in (
+                ("cross gelu_tanh N=1024 M=256", c256, {"activation": "gelu_tanh"}),
+                ("self silu N=2048 causal", s2k, {"activation": "silu", "causal": True})):
+            out.append((f"gdpa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk,
+                        kw=kw: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), env))
+    return out
+
+
 def _jfa_cases():
     from gem.ops.jfa import jagged_attention
 
@@ -129,7 +187,27 @@ def _block_cases():
     return out
 
 
-CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "jfa": _jfa_cases, "block": _block_cases}
+def _block_small_cases():
+    """Block sizes 128 and 256 at L 16K: the fused RoPE against the rope op + the block kernel without RoPE (the
+    bench's "block + rope op"), by device time."""
+    from gem.ops.block import block_attention
+    from gem.ops.rotary import RopeConfig, rope
+
+    out = []
+    lq = jagged_lengths(16384, 65536, low=8192, seed=16384)
+    q, k, v, oq, mq, _, _ = _qkv(lq, lq)
+    cfg = RopeConfig()
+    for bs in (128, 256):
+        out.append((f"block L=16384 b{bs} rope", (q, k, v), lambda bs=bs: block_attention(
+            q, k, v, oq, mq, block_size=bs, rope=cfg, kernel="triton")))
+        out.append((f"block L=16384 b{bs} rope op + block", (q, k, v), lambda bs=bs: block_attention(
+            rope(q, oq, mq, config=cfg, kernel="triton"), rope(k, oq, mq, config=cfg, kernel="triton"), v, oq, mq,
+            block_size=bs, kernel="triton")))
+    return out
+
+
+CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "jfa": _jfa_cases, "block": _block_cases,
+         "block_small": _block_small_cases, "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
 
 
 def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:
@@ -198,12 +276,18 @@ def main() -> int:
     ap.add_argument("--cases", default="gdpa,jfa,block")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--host", action="store_true", help="also host time per call and a cProfile of the host path")
+    ap.add_argument("--match", default="", help="only the cases whose name contains one of these (comma-separated)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="no timing: one fwd+bwd per case between cudaProfilerStart/Stop, after the warm-up that "
+                         "compiles and tunes, for `ncu --profile-from-start off` (scripts/ncu_probe.sh)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernel_probe: needs CUDA")
         return 2
     for group in a.cases.split(","):
         for name, inputs, fwd, *env in CASES[group]():  # env: variables set for the whole case
+            if a.match and not any(m in name for m in a.match.split(",")):
+                continue
             saved = {key: os.environ.get(key) for key in (env[0] if env else {})}
             os.environ.update(env[0] if env else {})
             def both(fwd=fwd, inputs=inputs):
@@ -213,19 +297,15 @@ def main() -> int:
             try:
                 fwd()  # compile / tune outside the timing
                 both()
-                f_ms, fb_ms = bench_ms(fwd), bench_ms(both)
-                print(f"\n## {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms (events)")
-                for label, fn in (("fwd", fwd), ("fwd+bwd", both)):
-                    rows = _kernel_table(fn, a.iters)
-                    dev = sum(r[1] for r in rows) / 1000
-                    print(f"{label}: device {dev:.3f} ms per call in {sum(r[2] for r in rows)} kernels")
-                    for kname, us, c in rows[:8]:
-                        print(f"   {us:9.1f} us  x{c:<3d} {kname}")
-                    if a.host:
-                        print(f"{label}: host {_host_us(fn):.1f} us per call, "
-                              f"{_host_us_no_launch(fn):.1f} with Triton launches as no-ops")
-                if a.host:
-                    print(f"fwd+bwd host profile (20 calls, by own time):\n{_host_profile(both)}")
+                if a.ncu:
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.start()
+                    both()
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.stop()
+                    print(f"## {name}: profiled one fwd+bwd", flush=True)
+                else:
+                    _time_case(name, fwd, both, a)
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
                 print(f"\n## {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
             for key, val in saved.items():
@@ -235,6 +315,23 @@ def main() -> int:
                     os.environ[key] = val
             torch.cuda.empty_cache()
     return 0
+
+
+def _time_case(name, fwd, both, a) -> None:
+    """Event times of the case, then each kernel's device time per call (and the host time with --host)."""
+    f_ms, fb_ms = bench_ms(fwd), bench_ms(both)
+    print(f"\n## {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms (events)")
+    for label, fn in (("fwd", fwd), ("fwd+bwd", both)):
+        rows = _kernel_table(fn, a.iters)
+        dev = sum(r[1] for r in rows) / 1000
+        print(f"{label}: device {dev:.3f} ms per call in {sum(r[2] for r in rows)} kernels")
+        for kname, us, c in rows[:8]:
+            print(f"   {us:9.1f} us  x{c:<3d} {kname}")
+        if a.host:
+            print(f"{label}: host {_host_us(fn):.1f} us per call, "
+                  f"{_host_us_no_launch(fn):.1f} with Triton launches as no-ops")
+    if a.host:
+        print(f"fwd+bwd host profile (20 calls, by own time):\n{_host_profile(both)}")
 
 
 if __name__ == "__main__":

@@ -375,14 +375,18 @@ def _fwd_kernel(
 def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT,
                  RIGHT, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
                  C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                 C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 SCALE_Q: tl.constexpr):
     """dK, dV of one key tile += one query tile's share; MASK: the tile pair crosses the window edge."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     qmask = (offs_m[:, None] < lq) & d_ok[None, :]
     q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
-    q = _scaled(q, scale)  # scaled q serves both S^T and dK
-    st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
+    if SCALE_Q:  # scaled q serves both S^T and dK
+        q = _scaled(q, scale)
+        st = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # [BN, BM] = S^T
+    else:  # the loaded q feeds both dots as is; dK takes the scale at the end
+        st = _mm(k, tl.trans(q), DOT_PREC, UPCAST) * scale
     at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     dpt = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
     dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
@@ -457,6 +461,7 @@ def _bwd_dkdv_kernel(
     CLAMP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALE_Q: tl.constexpr,
 ):
     b, tile, kvh = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -486,18 +491,19 @@ def _bwd_dkdv_kernel(
         for t in range(t_a):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
                                   stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
         for t in range(t_a, t_b):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
                                   stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, False, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
         for t in range(t_b, nt):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
                                   stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                  C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
     DVb = DV + k_start * stride_dvt + kvh * stride_dvh
-    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * out_scale).to(DK.dtype.element_ty), mask=kmask)
+    dk_scale = out_scale if SCALE_Q else out_scale * scale
+    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DV.dtype.element_ty), mask=kmask)
 
 
@@ -647,6 +653,7 @@ def _bwd_short_kernel(
     CLAMP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALE_Q: tl.constexpr,
 ):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
@@ -672,9 +679,13 @@ def _bwd_short_kernel(
         for t in range(n_tiles):
             offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
             qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+            q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
             do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
-            s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)  # [BM, BN]; padded rows / keys give 0 and act(0) = 0
+            if SCALE_Q:
+                q = _scaled(q, scale)
+                s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)  # [BM, BN]; padded rows / keys give 0 and act(0) = 0
+            else:  # the loaded q feeds both dots as is; dK takes the scale at the end
+                s = _mm(q, tl.trans(k), DOT_PREC, UPCAST) * scale
             a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             ds = _mm(do, tl.trans(v), DOT_PREC, UPCAST) * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             if MASKED:
@@ -688,7 +699,8 @@ def _bwd_short_kernel(
                      mask=qmask)
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
     DVb = DV + k_start * stride_dvt + kvh * stride_dvh
-    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * out_scale).to(DK.dtype.element_ty), mask=kmask)
+    dk_scale = out_scale if SCALE_Q else out_scale * scale
+    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DV.dtype.element_ty), mask=kmask)
 
 
@@ -726,11 +738,11 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
-_bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP"])(_bwd_dkdv_kernel)
+_bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
-_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N"])(_bwd_short_kernel)
+_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q"])(_bwd_short_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -821,6 +833,15 @@ def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_l
     return tiles if tiles > 1 else 0
 
 
+def _bwd_scale_q() -> bool:
+    """GEM_GDPA_BWD_SCALE_Q=1: the dK/dV passes scale each loaded q tile before its dots (the old form, kept to time
+    against); by default they scale S and dK instead, so the loaded q feeds both dots unchanged."""
+    env = os.environ.get("GEM_GDPA_BWD_SCALE_Q", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"GEM_GDPA_BWD_SCALE_Q={env!r}: expected 0 or 1")
+    return env == "1"
+
+
 def _consts(activation: str, approx: str) -> dict:
     if approx:
         p = POLY6[activation]
@@ -856,11 +877,14 @@ def work_table(
     ordered: bool,
     transpose: bool = False,
     total: int | None = None,
+    order: str = "seq",
 ) -> torch.Tensor:
     """int32 [n, 2] (sequence, tile) over tiles of `rows` rows of side a; no host sync.
 
-    Tiles past a sequence's end are marked -1 and moved last (they exit at once). ordered: costliest first,
-    cost = rows x visible partners; otherwise sequence-major order.
+    Tiles past a sequence's end are marked -1 and moved last (they exit at once). ordered, with cost = rows x
+    visible partners: order "seq" runs the costliest sequences first, each sequence's tiles adjacent (costliest
+    first), so the programs in flight share their sequences' K/V (or Q/dO) in L2; order "tile" runs the costliest
+    tiles of all sequences first. Not ordered: sequence-major order.
     transpose: side a is the keys (the dK/dV pass), so the window is mirrored.
     total: side a's token count (a host int); since sum(ceil(L / rows)) < total / rows + B, the table is cut
     there, so a batch of many short sequences and one long one launches no grid of B x max tiles.
@@ -888,23 +912,40 @@ def work_table(
         key = torch.where(valid, cost, -1)
     else:
         key = valid.to(torch.int64)
-    order = torch.argsort(key.flatten(), descending=True, stable=True)
+    perm = torch.argsort(key.flatten(), descending=True, stable=True)
+    if ordered and order == "seq":  # then stably by sequence rank (costliest first); empty tiles last
+        seq_rank = torch.empty(nb, dtype=torch.int64, device=len_a.device)
+        seq_rank[torch.argsort(key.clamp_min(0).sum(1), descending=True, stable=True)] = torch.arange(
+            nb, device=len_a.device)
+        group = torch.where(valid, seq_rank[:, None], nb).flatten()[perm]
+        perm = perm[torch.argsort(group, stable=True)]
     if total is not None:
-        order = order[: max(1, min(nb * nt, total // rows + nb))]
-    table = torch.stack((torch.where(valid, seq, -1), tile), -1).flatten(0, 1)[order]
+        perm = perm[: max(1, min(nb * nt, total // rows + nb))]
+    table = torch.stack((torch.where(valid, seq, -1), tile), -1).flatten(0, 1)[perm]
     return table.to(torch.int32).contiguous()
 
 
 def _table(offsets_a, offsets_b, max_len_a, rows, left, right, ordered, transpose, total):
     """work_table of one pass, built once per offsets pair (gem.ops._common.offsets_cached): the layers of a
     model and the backward reuse it, so a call launches its kernel alone (GEM_GDPA_WORK_CACHE=0: rebuild)."""
+    order = work_order()
+
     def build():
         la = offsets_a[1:] - offsets_a[:-1]
         lb = offsets_b[1:] - offsets_b[:-1]
-        return work_table(la, lb, max_len_a, rows, left, right, ordered, transpose=transpose, total=total)
+        return work_table(la, lb, max_len_a, rows, left, right, ordered, transpose=transpose, total=total,
+                          order=order)
 
     return offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_a, offsets_b,
-                          (max_len_a, rows, left, right, ordered, transpose, total), build)
+                          (max_len_a, rows, left, right, ordered, transpose, total, order), build)
+
+
+def work_order() -> str:
+    """GEM_GDPA_ORDER: "seq" (default) or "tile", the order of ordered work tables (see work_table)."""
+    order = os.environ.get("GEM_GDPA_ORDER", "seq")
+    if order not in ("seq", "tile"):
+        raise ValueError(f"GEM_GDPA_ORDER={order!r}: expected 'seq' or 'tile'")
+    return order
 
 
 def _num_sms(device) -> int:
@@ -1036,7 +1077,7 @@ def _gdpa_bwd(
         args = _launch_args(
             (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
         )
-        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, **common)
+        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), **common)
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)
         # no fused loop unless GEM_GDPA_FLAT asks: with 64-row tiles it was slower (cross M256: 1.307 vs 1.278 ms)
@@ -1066,7 +1107,7 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     common = _common(q, k, left, right, activation, approx)
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _bwd_short[(nb * k.shape[1],)](*args, BLOCK_N=_bucket(max_len_k), **common)
+    _bwd_short[(nb * k.shape[1],)](*args, BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), **common)
     return dq, dk, dv
 
 

@@ -93,9 +93,13 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 @triton.jit
 def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
-                      Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK: tl.constexpr):
-    """Sort key per tile (b, t) of the A sequences: (partner rows visited + 1) << 32 | ~index, or -1 when the tile
-    starts past the sequence end. Sorted descending: heaviest first, ties by index; one launch instead of a dozen."""
+                      Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GROUPED: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Sort key per tile (b, t) of the A sequences, or -1 when the tile starts past the sequence end; sorted
+    descending, one launch instead of a dozen. Per tile: (partner rows visited + 1) << 32 | ~index (heaviest tiles
+    first, ties by index). GROUPED: the sequence's weight, min(La, 65535) x min(partner span, 32767), << 32 |
+    ~index: heaviest sequences first, each sequence's tiles adjacent in index order, so the programs in flight
+    share their sequences' K/V (or Q/dO) in L2."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
     b = idx // NT
@@ -117,7 +121,13 @@ def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
             lo = tl.maximum(start - (la - lb) - win_right, 0)
         if HAS_LEFT:
             hi = tl.minimum(last - (la - lb) + win_left + 1, lb)
-    cost = (tl.maximum(hi - lo, 0) + 1).to(tl.int64)
+    if GROUPED:
+        span = lb
+        if HAS_LEFT and HAS_RIGHT:
+            span = tl.minimum(lb, win_left + win_right + 1)
+        cost = tl.minimum(la, 65535).to(tl.int64) * tl.minimum(span, 32767).to(tl.int64)
+    else:
+        cost = (tl.maximum(hi - lo, 0) + 1).to(tl.int64)
     key = tl.where(start < la, cost * 4294967296 + (4294967295 - idx.to(tl.int64)), -1)
     tl.store(KEYS + idx, key, mask=ok)
 
@@ -575,15 +585,27 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 # ----------------------------------------------------------------------------------------------- host side
 
 
-def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
-    """Work table over the tiles of `block` rows of offsets_a's sequences, heaviest first, from one Triton launch
-    and one sort: sorted int64 keys (cost << 32 | ~item) that the kernels decode (_work_item); -1 = no tile."""
+def work_order() -> str:
+    """GEM_JFA_ORDER: "seq" (default) runs the heaviest sequences first with each sequence's tiles adjacent; "tile"
+    runs the heaviest tiles of all sequences first (longest-processing-time order)."""
+    order = os.environ.get("GEM_JFA_ORDER", "seq")
+    if order not in ("seq", "tile"):
+        raise ValueError(f"GEM_JFA_ORDER={order!r}: expected 'seq' or 'tile'")
+    return order
+
+
+def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool,
+               order: str = "seq"):
+    """Work table over the tiles of `block` rows of offsets_a's sequences (in `order`, see work_order), from one
+    Triton launch and one sort: sorted int64 keys (weight << 32 | ~item) that the kernels decode (_work_item);
+    -1 = no tile."""
     nt = max(1, cdiv(max_len_a, block))
     n = (offsets_a.numel() - 1) * nt
     keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
     kb = 16 if triton_interpreting() else 1024
     _work_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0),
-                                             Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BLOCK=kb)
+                                      Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+                                      GROUPED=order == "seq", BLOCK=kb)
     return torch.sort(keys, descending=True).values, nt
 
 
@@ -593,9 +615,10 @@ _WORK_CACHE_MAX = OFFSETS_CACHE_MAX
 def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
     """_work_keys for one pass, built once per offsets tensor pair (gem.ops._common.offsets_cached; knob
     GEM_JFA_WORK_CACHE=0 turns the cache off)."""
+    order = work_order()
     return offsets_cached("_gem_jfa_work", "GEM_JFA_WORK_CACHE", offsets_a, offsets_b,
-                          (q_side, max_len_a, block, left, right),
-                          lambda: _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side))
+                          (q_side, max_len_a, block, left, right, order),
+                          lambda: _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side, order))
 
 
 # Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.
@@ -674,8 +697,9 @@ def _bwd_configs(d: int, var: str = "base"):
         # (32, 128, ...): the one 8-warp v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
         # ones spill 88-168 bytes per thread). (32, 64, ..., 4, 2): a 4-warp dK/dV tile (24 bytes spilled, 240 for
         # 64 x 64): two programs per SM, so one's K/V load and dK/dV store overlap the other's loop (untimed)
+        # (32, 64, ..., 4, 3): the same 4-warp tiles one stage deeper (session 14 candidate)
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
-                (32, 64, 64, 64, 4, 2)]
+                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 

@@ -202,13 +202,22 @@ def test_work_table_orders_longest_first():
     from gem.ops.triton_gdpa import work_table
 
     lens = torch.tensor([5, 40, 0, 17])
-    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True)
+    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True, order="tile")
     seqs = table[:, 0].tolist()
     assert seqs == [1, 1, 1, 3, 0, 3, -1, -1, -1, -1, -1, -1]  # full tiles of the longest first, empty last
     plain = work_table(lens, lens, 40, 16, -1, -1, ordered=False)
     assert plain[:, 0].tolist()[:6] == [0, 1, 1, 1, 3, 3]
-    cut = work_table(lens, lens, 40, 16, -1, -1, ordered=True, total=62)  # keeps 62 // 16 + 4 rows
+    cut = work_table(lens, lens, 40, 16, -1, -1, ordered=True, total=62, order="tile")  # keeps 62 // 16 + 4 rows
     assert cut[:, 0].tolist() == [1, 1, 1, 3, 0, 3, -1]
+    # "seq" (the default): costliest sequences first, each one's tiles adjacent and costliest first
+    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True)
+    assert table.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
+    assert table[6:, 0].tolist() == [-1] * 6
+    causal = work_table(lens, lens, 40, 16, -1, 0, ordered=True)  # later q tiles see more keys
+    # costs rows x keys seen: sequence 1's tiles 256, 512, 320; sequence 3's 256, 17
+    assert causal.tolist()[:6] == [[1, 1], [1, 2], [1, 0], [3, 0], [3, 1], [0, 0]]
+    keys = work_table(lens, lens, 40, 16, -1, 0, ordered=True, transpose=True)  # earlier key tiles: more queries
+    assert keys.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -406,6 +415,33 @@ def test_fused_loop_knob(monkeypatch, tiles):
     _check([70, 0, 33, 1, 5, 49], [9, 40, 0, 17, 1, 33], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     # masked calls keep the per-tile loop
     _check([40, 7], [40, 9], activation="silu", causal=True, short_kv=False)
+
+
+@pytest.mark.parametrize("order", ["tile", "seq"])
+def test_work_orders_match_reference(monkeypatch, order):
+    """GEM_GDPA_ORDER only reorders the programs: both orders give the reference."""
+    monkeypatch.setenv("GEM_GDPA_ORDER", order)
+    _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", short_kv=False)
+    _check([40, 7, 23], [40, 9, 23], activation="silu", causal=True, short_kv=False)
+    monkeypatch.setenv("GEM_GDPA_ORDER", "lpt")
+    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
+    with pytest.raises(ValueError, match="GEM_GDPA_ORDER"):
+        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
+
+
+@pytest.mark.parametrize("scale_q", ["0", "1"])
+def test_bwd_scale_placement_knob(monkeypatch, scale_q):
+    """GEM_GDPA_BWD_SCALE_Q: the dK/dV passes scale S (default) or each loaded q tile; both match the reference, on
+    the one-pass and the tiled backward, with a scale that is not folded anywhere else."""
+    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
+    for short_kv in (True, False):
+        _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", scale=0.37, short_kv=short_kv)
+        _check([40, 7], [40, 9], activation="silu", causal=True, scale=1.9, short_kv=short_kv)
+    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", "yes")
+    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
+    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+    with pytest.raises(ValueError, match="GEM_GDPA_BWD_SCALE_Q"):
+        out.sum().backward()
 
 
 def test_fused_loop_default_keeps_waves(monkeypatch):

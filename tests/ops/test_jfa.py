@@ -91,6 +91,19 @@ def test_cross_attention_bottom_right_aligned(causal, window):
     _check(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("order", ["tile", "seq"])
+def test_work_orders_match_reference(order, monkeypatch):
+    """GEM_JFA_ORDER only reorders the programs: both orders give the reference, self and cross, masked or not."""
+    monkeypatch.setenv("GEM_JFA_ORDER", order)
+    lens = [40, 0, 17, 1, 33]
+    q, k, v = _inputs(lens, h=2, h_kv=2)
+    for kw in ({"causal": True}, {"window": (5, 3)}, {}):
+        _check(*_run(q, k, v, lens, **kw), torch.float32)
+    lens_q, lens_k = [5, 3, 20, 1, 0, 33], [9, 0, 4, 20, 6, 17]
+    q, k, v = _inputs(lens_q, lens_k, h=2, h_kv=1)
+    _check(*_run(q, k, v, lens_q, lens_k, causal=True), torch.float32)
+
+
 def test_gqa_and_head_dim_32_max_len_above_lengths():
     lens = [19, 7, 33]
     q, k, v = _inputs(lens, h=4, h_kv=2, d=32)
@@ -429,9 +442,10 @@ def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypa
     assert calls.get("v2", 0) == (0 if base_bwd else 2)
 
 
-def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right, q_side):
+def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right, q_side, order="tile"):
     """Reference for _work_keys: b * NT + tile of every tile of `block` rows, descending by the number of partner rows
-    it visits (+1), ties in index order; -1 pads."""
+    it visits (+1) ("tile") or by the sequence's weight ("seq": La x partner span, capped), ties in index order;
+    -1 pads."""
     nt = max(1, -(-max_len_a // block))
     la = (offsets_a[1:] - offsets_a[:-1])[:, None].long()
     lb = (offsets_b[1:] - offsets_b[:-1])[:, None].long()
@@ -445,9 +459,14 @@ def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right, q_sid
         shift = la - lb
         lo = (start - shift - right).clamp(min=0) if right >= 0 else torch.zeros_like(last)
         hi = torch.minimum(last - shift + left + 1, lb) if left >= 0 else lb.expand_as(last)
-    cost = torch.where(start < la, (hi - lo).clamp(min=0) + 1, -1).flatten()
-    order = torch.argsort(cost, descending=True, stable=True)
-    return torch.where(cost[order] >= 0, order, -1), nt
+    if order == "seq":
+        span = torch.minimum(lb, torch.tensor(left + right + 1)) if left >= 0 and right >= 0 else lb
+        weight = (la.clamp(max=65535) * span.clamp(max=32767)).expand_as(last)
+    else:
+        weight = (hi - lo).clamp(min=0) + 1
+    cost = torch.where(start < la, weight, -1).flatten()
+    perm = torch.argsort(cost, descending=True, stable=True)
+    return torch.where(cost[perm] >= 0, perm, -1), nt
 
 
 def _decode(keys):
@@ -459,18 +478,33 @@ def test_work_table_orders_heaviest_tiles_first():
     from gem.ops.triton_jfa import _work_keys
 
     off = _offsets([300, 100, 0, 129])
-    keys, nt = _work_keys(off, off, 300, 128, -1, 0, True)
+    keys, nt = _work_keys(off, off, 300, 128, -1, 0, True, "tile")
     items = _decode(keys)
     assert nt == 3
     # (sequence, tile): (0, 2) ends at 300, (0, 1) at 256, (3, 1) at 129, (0, 0) and (3, 0) at 128, (1, 0) at 100
     want = [0 * 3 + 2, 0 * 3 + 1, 3 * 3 + 1, 0 * 3 + 0, 3 * 3 + 0, 1 * 3 + 0]
     assert items.tolist() == want + [-1] * (items.numel() - len(want))
-    items = _decode(_work_keys(off, off, 300, 128, -1, 0, False)[0])
+    items = _decode(_work_keys(off, off, 300, 128, -1, 0, False, "tile")[0])
     # k tile costs: (0, 0) 300, (0, 1) 172, (3, 0) 129, (1, 0) 100, (0, 2) 44, (3, 1) 1
     assert items.tolist()[:6] == [0, 1, 9, 3, 2, 10]
     # not causal: every tile of a sequence costs its length, longer sequences first
-    items = _decode(_work_keys(off, off, 300, 128, -1, -1, True)[0])
+    items = _decode(_work_keys(off, off, 300, 128, -1, -1, True, "tile")[0])
     assert items.tolist()[:6] == [0, 1, 2, 9, 10, 3]
+
+
+def test_work_table_groups_sequences_by_default(monkeypatch):
+    """"seq" order: heaviest sequences first, each sequence's tiles adjacent (shared K/V stays in L2)."""
+    from gem.ops import triton_jfa
+
+    off = _offsets([300, 100, 0, 129])
+    monkeypatch.delenv("GEM_JFA_ORDER", raising=False)
+    assert triton_jfa.work_order() == "seq"
+    for q_side in (True, False):
+        items = _decode(triton_jfa._work_keys(off, off, 300, 128, -1, 0, q_side)[0])
+        assert items.tolist() == [0, 1, 2, 9, 10, 3] + [-1] * 6
+    monkeypatch.setenv("GEM_JFA_ORDER", "lpt")
+    with pytest.raises(ValueError, match="GEM_JFA_ORDER"):
+        triton_jfa.work_order()
 
 
 @pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 0), (3, 7), (-1, 2), (20, -1)])
@@ -479,11 +513,12 @@ def test_work_keys_match_the_torch_reference(left, right):
     from gem.ops.triton_jfa import _work_keys
 
     off_q, off_k = _offsets([300, 100, 0, 129, 17]), _offsets([40, 100, 7, 0, 300])
-    for a, b, q_side in ((off_q, off_k, True), (off_k, off_q, False)):
-        keys, nt = _work_keys(a, b, 300, 32, left, right, q_side)
-        want, nt_want = _torch_work_table(a, b, 300, 32, left, right, q_side)
-        assert nt == nt_want
-        assert _decode(keys).tolist() == want.tolist()
+    for order in ("tile", "seq"):
+        for a, b, q_side in ((off_q, off_k, True), (off_k, off_q, False)):
+            keys, nt = _work_keys(a, b, 300, 32, left, right, q_side, order)
+            want, nt_want = _torch_work_table(a, b, 300, 32, left, right, q_side, order)
+            assert nt == nt_want
+            assert _decode(keys).tolist() == want.tolist()
 
 
 # ------------------------------------------------------------------------------------- work table cache
@@ -586,7 +621,7 @@ def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
     n = calls["keys"]
     keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0, True)
     assert calls["keys"] == n  # the newest entries stay
-    want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0, True)
+    want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0, True, "seq")
     assert _decode(keys).tolist() == want.tolist() and nt == nt_want
     triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0, True)
     assert calls["keys"] == n + 1  # the oldest went
@@ -595,8 +630,8 @@ def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
     monkeypatch.setattr(triton_jfa, "id", lambda obj: 0, raising=False)
     lens_b = ([40, 0, 300, 7], [300, 7, 40, 0])
     got = [_decode(triton_jfa._cached_table(off, _offsets(lb), 300, 16, -1, 0, True)[0]) for lb in lens_b]
-    want = [_torch_work_table(off, _offsets(lb), 300, 16, -1, 0, True)[0] for lb in lens_b]
-    assert not torch.equal(want[0], want[1])  # the causal cost depends on offsets_b
+    want = [_torch_work_table(off, _offsets(lb), 300, 16, -1, 0, True, "seq")[0] for lb in lens_b]
+    assert not torch.equal(want[0], want[1])  # the sequences' weights depend on offsets_b
     for a, b in zip(got, want):
         assert a.tolist() == b.tolist()
     monkeypatch.undo()
