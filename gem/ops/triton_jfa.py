@@ -623,7 +623,7 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
 
 # Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.
 # The forward is one kernel (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc, a flat grid
-# ordered item-major so the heaviest (tile, head) pairs of every head start first); the backward has two forms.
+# ordered item-major, in the work order of work_order()); the backward has two forms.
 #   auto      per pass, from the H200 sweep (docs/PERF.md): forward "tma"; backward "base" for long rows with no left
 #             window (max_len_q >= _AUTO_BWD_BASE_MIN_LEN: full or causal), else that of "tma" (short rows and
 #             sliding windows); see _auto_choice
@@ -639,9 +639,10 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
 # were removed. Work tables are cached on the offsets tensor (_cached_table): layers and the backward share them.
 VARIANTS = ("auto", "base", "rowmajor", "tma")
 
-# auto backward: "base" from this max_len_q up (H200, D=128: 329 vs 314 TFLOP/s full and 267 vs 243 causal at
-# N=4096; v2 wins at N=1024 causal, 124 vs 96). A module constant so that tests can move it.
-_AUTO_BWD_BASE_MIN_LEN = 2048
+# auto backward: "base" from this max_len_q up. Session 14 (H200, D=128, sequence-grouped order and the 3-stage
+# 4-warp dK/dV tile): v2 now wins at N=4096 too (bwd 3.154 vs 3.299 ms full, 1.792 vs 1.933 causal); it was not
+# timed above that, where "base" stays (session 8 had it ahead at N=4096). A module constant so tests can move it.
+_AUTO_BWD_BASE_MIN_LEN = 8192
 
 
 def variant() -> str:
