@@ -698,10 +698,11 @@ def _bwd_configs(d: int, var: str = "base"):
         # (32, 128, ...): the one 8-warp v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
         # ones spill 88-168 bytes per thread). (32, 64, ..., 4, 2): a 4-warp dK/dV tile (24 bytes spilled, 240 for
         # 64 x 64): two programs per SM, so one's K/V load and dK/dV store overlap the other's loop (untimed)
-        # (32, 64, ..., 4, 3): the same 4-warp tiles one stage deeper; the tuner took its dK/dV half everywhere
-        # on the H200 (full N1024 0.589 vs 0.651 ms, causal 0.412 vs 0.424, SWA 16K 0.399 vs 0.415); 4 stages too
+        # (32, 64, ..., 4, 3): the same 4-warp tiles one stage deeper; the tuner took its dK/dV half at every D 128
+        # key on the H200 (full N1024 0.589 vs 0.651 ms, causal 0.412 vs 0.424, SWA 16K 0.399 vs 0.415); a 4-stage
+        # form lost to it everywhere (session 14)
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
-                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (32, 64, 64, 64, 4, 4)]
+                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
