@@ -93,27 +93,32 @@ def _gdpa_flat_cases():
     return out
 
 
+def _gdpa_inputs(names):
+    """The GDPA bench shapes by name: (case label, _qkv inputs, gdpa keyword arguments)."""
+    def cross(n, m):
+        lq = jagged_lengths(n, 8 * 65536, seed=n)
+        lk = torch.randint(1, m + 1, (lq.numel(),), generator=torch.Generator().manual_seed(m)).to("cuda")
+        return _qkv(lq, lk)
+
+    def causal_self(n):
+        ls = jagged_lengths(n, 65536, seed=n)
+        return _qkv(ls, ls)
+
+    shapes = {"c64": ("cross gelu_tanh N=256 M=64", lambda: cross(256, 64), {"activation": "gelu_tanh"}),
+              "c256": ("cross gelu_tanh N=1024 M=256", lambda: cross(1024, 256), {"activation": "gelu_tanh"}),
+              "s2k": ("self silu N=2048 causal", lambda: causal_self(2048), {"activation": "silu", "causal": True}),
+              "s512": ("self silu N=512 causal", lambda: causal_self(512), {"activation": "silu", "causal": True})}
+    return [(shapes[n][0], shapes[n][1](), shapes[n][2]) for n in names]
+
+
 def _gdpa_scale_cases():
     """The dK/dV passes scaling S (default) against scaling each loaded q tile (GEM_GDPA_BWD_SCALE_Q=1)."""
     from gem.ops.gdpa import gdpa
 
     out = []
-    lq = jagged_lengths(256, 8 * 65536, seed=256)
-    lk = torch.randint(1, 65, (lq.numel(),), generator=torch.Generator().manual_seed(64)).to("cuda")
-    c64 = _qkv(lq, lk)
-    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
-    lk = torch.randint(1, 257, (lq.numel(),), generator=torch.Generator().manual_seed(256)).to("cuda")
-    c256 = _qkv(lq, lk)
-    ls = jagged_lengths(2048, 65536, seed=2048)
-    s2k = _qkv(ls, ls)
-    ls = jagged_lengths(512, 65536, seed=512)
-    s512 = _qkv(ls, ls)
+    inputs = _gdpa_inputs(("c64", "c256", "s2k", "s512"))
     for flag in ("1", "0"):
-        for name, (q, k, v, oq, mq, ok, mk), kw in (
-                ("cross gelu_tanh N=256 M=64", c64, {"activation": "gelu_tanh"}),
-                ("cross gelu_tanh N=1024 M=256", c256, {"activation": "gelu_tanh"}),
-                ("self silu N=2048 causal", s2k, {"activation": "silu", "causal": True}),
-                ("self silu N=512 causal", s512, {"activation": "silu", "causal": True})):
+        for name, (q, k, v, oq, mq, ok, mk), kw in inputs:
             out.append((f"gdpa {name} bwd scale_q={flag}", (q, k, v),
                         lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
                         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_BWD_SCALE_Q": flag}))
@@ -130,11 +135,7 @@ def _order_cases():
     j1k = _qkv(lq, lq)
     lq = jagged_lengths(4096, 131072, seed=4096)
     j4k = _qkv(lq, lq)
-    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
-    lk = torch.randint(1, 257, (lq.numel(),), generator=torch.Generator().manual_seed(256)).to("cuda")
-    c256 = _qkv(lq, lk)
-    ls = jagged_lengths(2048, 65536, seed=2048)
-    s2k = _qkv(ls, ls)
+    gdpa_inputs = _gdpa_inputs(("c256", "s2k"))
     out = []
     for order in ("tile", "seq"):
         env = {"GEM_JFA_ORDER": order, "GEM_GDPA_ORDER": order}
@@ -142,9 +143,7 @@ def _order_cases():
                                                   ("N=4096 causal", j4k, {"causal": True})):
             out.append((f"jfa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, kw=kw:
                         jagged_attention(q, k, v, oq, mq, kernel="triton", **kw), env))
-        for name, (q, k, v, oq, mq, ok, mk), kw in (
-                ("cross gelu_tanh N=1024 M=256", c256, {"activation": "gelu_tanh"}),
-                ("self silu N=2048 causal", s2k, {"activation": "silu", "causal": True})):
+        for name, (q, k, v, oq, mq, ok, mk), kw in gdpa_inputs:
             out.append((f"gdpa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk,
                         kw=kw: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), env))
     return out
