@@ -1,6 +1,6 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_scale,order,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
     bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same

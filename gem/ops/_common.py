@@ -25,6 +25,17 @@ def next_pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def clamp_window(left: int, right: int, max_len_q: int, max_len_k: int) -> tuple[int, int]:
+    """Window sides cut to the widest that can bind: key j is visible to query i when i + Lk - Lq - left <= j <=
+    i + Lk - Lq + right, so left >= Lk - 1 or right >= Lq - 1 never masks anything. The kernels' int32 index
+    arithmetic then stays far from overflow for any window a user passes (2^31 - 1 as "unbounded" included)."""
+    if left > max_len_k:
+        left = max(max_len_k, 0)
+    if right > max_len_q:
+        right = max(max_len_q, 0)
+    return left, right
+
+
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.ops._common import check_offsets, jagged_to_padded, padded_to_jagged, resolve_kernel
+from gem.ops._common import check_offsets, clamp_window, jagged_to_padded, padded_to_jagged, resolve_kernel
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
 LEAKY_SLOPE = 0.01
@@ -237,6 +237,7 @@ def gdpa(
         raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
     check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
     check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
+    consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
         return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts)
     if not 16 <= q.shape[-1] <= 256:

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from gem.ops._common import check_offsets, jagged_to_padded, resolve_kernel
+from gem.ops._common import check_offsets, clamp_window, jagged_to_padded, resolve_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -104,7 +104,7 @@ def jagged_attention(
     default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise: on the H200 the -inf
     forward was 14% faster with a window of 512 and "sub" 3-4% faster for full attention (docs/PERF.md).
     The Triton kernel variant comes from GEM_JFA_VARIANT (gem.ops.triton_jfa.VARIANTS): the default "auto" runs
-    the TMA forward, and the "base" backward for long rows (max_len_q >= 2048) without a left window, else the v2
+    the TMA forward, and the "base" backward for long rows (max_len_q >= 8192) without a left window, else the v2
     one. The per-sequence work tables are cached on the offsets_q / offsets_k tensors and reused while those
     tensors are not modified in place, so pass the same offsets objects to every layer (GEM_JFA_WORK_CACHE=0
     turns the cache off).
@@ -117,6 +117,7 @@ def jagged_attention(
         mask_mode = "inf" if left >= 0 else "sub"
     if offsets_k is None:
         offsets_k, max_len_k = offsets_q, max_len_q
+    left, right = clamp_window(left, right, int(max_len_q), int(max_len_k))
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     which = resolve_kernel(kernel, q, k, v)
     if which == "reference":

@@ -1055,6 +1055,7 @@ def _gdpa_bwd(
     short_kv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _flat_knob()
+    _bwd_scale_q()  # knobs are checked on every call, also where no kernel reads them
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):

@@ -2,8 +2,10 @@
 
 Scheme (see gem/ops/jfa.py for the mask semantics):
 - Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
-  pass. A small table of sorted int64 keys maps program -> batch * NT + tile, ordered by descending work so the
-  longest tiles start first; it is built on the device (no host sync) once per offsets tensor and cached on it.
+  pass. A small table of sorted int64 keys maps program -> batch * NT + tile: by default the heaviest sequences
+  first, each sequence's tiles adjacent in index order (so the programs in flight share K/V in L2), or the
+  heaviest tiles first (GEM_JFA_ORDER=tile); it is built on the device (no host sync) once per offsets tensor and
+  cached on it.
 - Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
   window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
   (the causal diagonal).
@@ -75,8 +77,8 @@ def _work_item(WORK, w):
 
 @triton.jit
 def _program_item(WORK, H_GRID: tl.constexpr, FLAT: tl.constexpr):
-    """(work item, head) of this program: a flat item-major grid (the heaviest pairs of all heads first) or a
-    (item, head) grid."""
+    """(work item, head) of this program: a flat item-major grid (every head of a work item adjacent, in the work
+    table's order) or a (item, head) grid."""
     if FLAT:
         return _work_item(WORK, tl.program_id(0) // H_GRID), tl.program_id(0) % H_GRID
     return _work_item(WORK, tl.program_id(0)), tl.program_id(1)
@@ -92,7 +94,7 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 
 @triton.jit
-def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
+def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right, span_cap,
                       Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GROUPED: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Sort key per tile (b, t) of the A sequences, or -1 when the tile starts past the sequence end; sorted
@@ -121,11 +123,8 @@ def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right,
             lo = tl.maximum(start - (la - lb) - win_right, 0)
         if HAS_LEFT:
             hi = tl.minimum(last - (la - lb) + win_left + 1, lb)
-    if GROUPED:
-        span = lb
-        if HAS_LEFT and HAS_RIGHT:
-            span = tl.minimum(lb, win_left + win_right + 1)
-        cost = tl.minimum(la, 65535).to(tl.int64) * tl.minimum(span, 32767).to(tl.int64)
+    if GROUPED:  # span_cap: left + right + 1 for two-sided windows, from the host (no int32 wrap here)
+        cost = tl.minimum(la, 65535).to(tl.int64) * tl.minimum(tl.minimum(lb, span_cap), 32767).to(tl.int64)
     else:
         cost = (tl.maximum(hi - lo, 0) + 1).to(tl.int64)
     key = tl.where(start < la, cost * 4294967296 + (4294967295 - idx.to(tl.int64)), -1)
@@ -603,7 +602,8 @@ def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, righ
     n = (offsets_a.numel() - 1) * nt
     keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
     kb = 16 if triton_interpreting() else 1024
-    _work_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0),
+    span_cap = min(left + right + 1, 2**31 - 1) if left >= 0 and right >= 0 else 2**31 - 1
+    _work_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0), span_cap,
                                       Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
                                       GROUPED=order == "seq", BLOCK=kb)
     return torch.sort(keys, descending=True).values, nt

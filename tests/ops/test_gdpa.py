@@ -423,6 +423,9 @@ def test_work_orders_match_reference(monkeypatch, order):
     monkeypatch.setenv("GEM_GDPA_ORDER", order)
     _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     _check([40, 7, 23], [40, 9, 23], activation="silu", causal=True, short_kv=False)
+    for window in ((2**31 - 1, 0), (2**30, 2**30)):  # wider than any sequence: clamped, no int32 wrap
+        for short_kv in (True, False):
+            _check([40, 7, 23], [40, 9, 23], activation="silu", window=window, short_kv=short_kv)
     monkeypatch.setenv("GEM_GDPA_ORDER", "lpt")
     q, k, v, oq, mq, ok, mk = _inputs([5], [3])
     with pytest.raises(ValueError, match="GEM_GDPA_ORDER"):
@@ -437,6 +440,7 @@ def test_bwd_scale_placement_knob(monkeypatch, scale_q):
     for short_kv in (True, False):
         _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", scale=0.37, short_kv=short_kv)
         _check([40, 7], [40, 9], activation="silu", causal=True, scale=1.9, short_kv=short_kv)
+        _check([40, 7], [40, 9], activation="gelu", window=(6, 3), scale=0.6, short_kv=short_kv)  # both edges
     monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", "yes")
     q, k, v, oq, mq, ok, mk = _inputs([5], [3])
     out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")

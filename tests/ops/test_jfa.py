@@ -93,11 +93,12 @@ def test_cross_attention_bottom_right_aligned(causal, window):
 
 @pytest.mark.parametrize("order", ["tile", "seq"])
 def test_work_orders_match_reference(order, monkeypatch):
-    """GEM_JFA_ORDER only reorders the programs: both orders give the reference, self and cross, masked or not."""
+    """GEM_JFA_ORDER only reorders the programs: both orders give the reference, self and cross, masked or not,
+    windows wider than any sequence included (their sizes must not wrap in the table's int32 arithmetic)."""
     monkeypatch.setenv("GEM_JFA_ORDER", order)
     lens = [40, 0, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=2)
-    for kw in ({"causal": True}, {"window": (5, 3)}, {}):
+    for kw in ({"causal": True}, {"window": (5, 3)}, {}, {"window": (2**30, 2**30)}, {"window": (2**31 - 1, 0)}):
         _check(*_run(q, k, v, lens, **kw), torch.float32)
     lens_q, lens_k = [5, 3, 20, 1, 0, 33], [9, 0, 4, 20, 6, 17]
     q, k, v = _inputs(lens_q, lens_k, h=2, h_kv=1)
@@ -507,7 +508,8 @@ def test_work_table_groups_sequences_by_default(monkeypatch):
         triton_jfa.work_order()
 
 
-@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 0), (3, 7), (-1, 2), (20, -1)])
+# (2**30, 2**30): wider than any sequence; the public ops clamp wider ones (clamp_window) before the table
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 0), (3, 7), (-1, 2), (20, -1), (2**30, 2**30)])
 def test_work_keys_match_the_torch_reference(left, right):
     """The one-launch table decodes to the reference order, both sides, cross lengths, empty sequences."""
     from gem.ops.triton_jfa import _work_keys
