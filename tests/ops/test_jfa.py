@@ -91,6 +91,24 @@ def test_cross_attention_bottom_right_aligned(causal, window):
     _check(got, want, torch.float32)
 
 
+def test_clamp_window_keeps_every_mask():
+    """clamp_window cuts a side only where it cannot bind: the visibility masks (bottom-right aligned, cross
+    lengths, 0 and 1 included) are identical before and after, for sides around and far past the cut."""
+    from gem.ops._common import clamp_window
+    from gem.ops.jfa import visible_mask
+
+    lq, lk = torch.tensor([0, 1, 5, 9, 12, 3]), torch.tensor([4, 1, 0, 9, 7, 12])
+    max_q, max_k = 12, 12
+    sides = [-1, 0, 1, 2, 3, 6, 10, 11, 12, 13, 2**30, 2**31 - 1]
+    for left in sides:
+        for right in sides:
+            cl, cr = clamp_window(left, right, max_q, max_k)
+            assert (cl == -1) == (left == -1) and (cr == -1) == (right == -1)
+            assert max(cl, cr) <= 12
+            assert torch.equal(visible_mask(lq, lk, max_q, max_k, left, right),
+                               visible_mask(lq, lk, max_q, max_k, cl, cr)), (left, right)
+
+
 @pytest.mark.parametrize("order", ["tile", "seq"])
 def test_work_orders_match_reference(order, monkeypatch):
     """GEM_JFA_ORDER only reorders the programs: both orders give the reference, self and cross, masked or not,
