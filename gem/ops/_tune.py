@@ -81,3 +81,9 @@ def _config_error(e: Exception) -> bool:
     msg = str(e)
     # torch reports "CUDA error: ...", Triton's launcher "Triton Error [CUDA]: ..."
     return not any(m in msg for m in ("CUDA error", "[CUDA]", "illegal memory access", "launch failure"))
+
+
+def reg_cap(cfg: tuple) -> dict:
+    """Launch option of a config tuple's optional 5th entry after (BLOCK_M, BLOCK_N, num_warps, num_stages): ptxas's
+    per-thread register cap, so that more programs share an SM (GPU only: the interpreter has no registers)."""
+    return {"maxnreg": cfg[4]} if len(cfg) > 4 and not triton_interpreting() else {}

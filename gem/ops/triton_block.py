@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import cdiv, eager_tables, next_pow2, offsets_cached, triton_interpreting
-from gem.ops._tune import ConfigTuner
+from gem.ops._tune import ConfigTuner, reg_cap
 from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
@@ -459,8 +459,8 @@ DKDV_TILES = ((64, 64), (32, 64), (32, 128), (64, 128), (128, 128))
 DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
 
 
-def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for kind in fwd/dkdv/dq; the first is the default.
+def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) candidates for kind in fwd/dkdv/dq; the first is the default.
 
     Tiles are clamped to max(16, next_pow2(block_size)) (larger ones only add masked-out work in block-local
     attention) and deduplicated. Under the interpreter: one small config, so CPU tests stay fast.
@@ -481,6 +481,14 @@ def configs(kind: str, block_size: int) -> list[tuple[int, int, int, int]]:
     for tm, tn in tiles:
         tm, tn = min(tm, cap), min(tn, cap)
         cfg = (tm, tn, warps(tm, tn), 2)
+        if cfg not in out:
+            out.append(cfg)
+    # JFA's tuner picks on the H200 (session 14), for the same short causal loops: a 4-warp 3-stage backward tile,
+    # two programs per SM; and a forward 8-warp tile capped at 128 registers (5th entry: maxnreg), so that two
+    # programs share an SM (uncapped, an 8-warp D 128 program takes the whole register file)
+    extra = {"fwd": ((128, 64, 8, 2, 128),), "dkdv": ((32, 64, 4, 3),), "dq": ((64, 64, 4, 3),)}[kind]
+    for cfg in extra:
+        cfg = (min(cfg[0], cap), min(cfg[1], cap)) + cfg[2:]
         if cfg not in out:
             out.append(cfg)
     return out
@@ -614,11 +622,11 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
     k_s = _rotated(k, tables, user, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
 
     def launch(cfg):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bm)
         _fwd_kernel[(work.shape[0], h)](
             q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
@@ -647,18 +655,18 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
 
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     def dkdv(cfg, q_s, k_t):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bn)  # one program per key tile
         _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
             q_s, k_t, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", **meta)
+            num_stages=stages, ROT_STAT=stat == "rotate", **reg_cap(cfg), **meta)
 
     def dq_pass(cfg, q_t, k_s):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bm)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0], h)](
             q_t, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", **meta)
+            num_stages=stages, ROT_STAT=stat == "rotate", **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
     rot = (tables, user, max_len, rope_base, rotary_dim, interleaved, stream)

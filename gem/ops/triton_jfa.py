@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import OFFSETS_CACHE_MAX, cdiv, eager_tables, offsets_cached, triton_interpreting
-from gem.ops._tune import ConfigTuner
+from gem.ops._tune import ConfigTuner, reg_cap
 
 LOG2E = 1.4426950408889634
 
@@ -668,7 +668,7 @@ def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
 _TMA_BWD_HEAD_DIMS = (128,)
 
 
-# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default.
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]). The first entry of each list is the default.
 def _fwd_configs(d: int, masked: bool = False):
     if triton_interpreting():
         return [(16, 16, 4, 1)]
@@ -677,7 +677,10 @@ def _fwd_configs(d: int, masked: bool = False):
     if d <= 64:
         return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
     if d <= 128:
-        cfgs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2)]
+        # A 5th entry is ptxas's register cap (maxnreg). At 253 registers an 8-warp program fills the SM's register
+        # file: one program per SM, latency-bound on short jagged rows (ncu, session 14). Capped at 128, two
+        # (128, 64, 8, 2) programs (~96 KB of shared memory each) fit on one SM.
+        cfgs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 64, 8, 2, 128)]
         if masked:
             # causal diagonals and window edges: a 64-row tile on one warpgroup masks half the rows' worth of key
             # tiles per edge, and two or three programs share an SM (BlockAttention's forward wins with it)
@@ -701,8 +704,10 @@ def _bwd_configs(d: int, var: str = "base"):
         # (32, 64, ..., 4, 3): the same 4-warp tiles one stage deeper; the tuner took its dK/dV half at every D 128
         # key on the H200 (full N1024 0.589 vs 0.651 ms, causal 0.412 vs 0.424, SWA 16K 0.399 vs 0.415); a 4-stage
         # form lost to it everywhere (session 14)
+        # (32, 64, 64, 64, 8, 3): the same tiles on 8 warps. On 4 warps both SWA passes sit at 255 registers and
+        # dK/dV spills (ncu, session 14: its two fp32 64 x 128 accumulators take 128 registers per thread)
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
-                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3)]
+                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (32, 64, 64, 64, 8, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
@@ -759,13 +764,13 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
               "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
 
     def launch(cfg):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages = cfg[:4]
         work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True)
         _jfa_fwd_kernel[(work.numel() * h,)](
             q, k, v, out, lse, offsets_q, offsets_k, work, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0),
             max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **common)
+            num_stages=stages, **reg_cap(cfg), **common)
 
     key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))

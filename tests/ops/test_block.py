@@ -237,6 +237,25 @@ def test_gpu_fp32_head_dims(d):
            rope_cfg=RopeConfig(rotary_dim=d // 2), device="cuda")
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [128, 512])
+def test_gpu_every_config(block_size, monkeypatch):
+    """Every candidate of the three kernels compiles and matches (the tuner would silently drop one that fails):
+    the i-th config of each list together, with and without RoPE."""
+    import gem.ops.triton_block as tb
+
+    lists = {kind: tb.configs(kind, block_size) for kind in ("fwd", "dkdv", "dq")}
+    for i in range(max(len(c) for c in lists.values())):
+        picked = {kind: [c[i % len(c)]] for kind, c in lists.items()}
+        monkeypatch.setattr(tb, "configs", lambda kind, bs, p=picked: p[kind])
+        tb._TUNER.best.clear()
+        for rope_cfg in (None, RopeConfig()):
+            _check([1500, 1, 0, 777], h=4, hkv=2, d=128, dtype=torch.bfloat16, block_size=block_size,
+                   rope_cfg=rope_cfg, device="cuda")
+    tb._TUNER.best.clear()
+
+
 @pytest.mark.parametrize("lengths,tile", [([5, 0, 35, 1], 16), ([], 16), ([0, 0], 8), ([100, 17], 32)])
 def test_work_table_lists_every_tile_once(lengths, tile):
     from gem.ops.triton_block import work_table
@@ -299,9 +318,11 @@ def test_gpu_config_lists(monkeypatch, block_size):
     for kind, tiles in (("fwd", tb.FWD_TILES), ("dkdv", tb.DKDV_TILES), ("dq", tb.DQ_TILES)):
         cfgs = tb.configs(kind, block_size)
         assert len(cfgs) == len(set(cfgs)) and cfgs[0][:2] == tb._default_tiles(block_size, kind != "fwd")
-        assert all(16 <= bm <= cap and 16 <= bn <= cap for bm, bn, _, _ in cfgs), (kind, cfgs)
-        if block_size >= 128:  # nothing clamped: every tile, one warps count and two stages at most each
-            assert {c[:2] for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 1
+        assert all(16 <= bm <= cap and 16 <= bn <= cap for bm, bn, *_ in cfgs), (kind, cfgs)
+        # a 5th entry is a register cap that leaves room for two 8-warp programs per SM
+        assert all(len(c) == 4 or (len(c) == 5 and c[2] * 32 * c[4] <= 32768) for c in cfgs), (kind, cfgs)
+        if block_size >= 128:  # nothing clamped: every tile, at most three forms of one tile (warps/stages/cap)
+            assert {c[:2] for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tb.configs("fwd", 512) == [(16, 16, 4, 1)]
 

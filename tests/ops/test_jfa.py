@@ -441,6 +441,33 @@ def test_backward_passes_tuned_apart(variant, monkeypatch):
     assert picks == want
 
 
+def test_register_cap_config_launches(monkeypatch):
+    """A forward config with a 5th entry (ptxas's register cap) is picked and run like any other; the cap becomes the
+    maxnreg launch option on the GPU only (the interpreter rejects nothing, but it has no registers to cap)."""
+    from gem.ops import _tune, triton_jfa
+
+    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "0")
+    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False: [(16, 16, 4, 1, 128)])
+    monkeypatch.setattr(triton_jfa._TUNER, "best", {})
+    lens = [5, 0, 37, 1, 20]
+    q, k, v = _inputs(lens, h=2, h_kv=1)
+    got, ref = _run(q, k, v, lens, causal=True)
+    _check(got, ref, torch.float32)
+    assert {cfg for key, cfg in triton_jfa._TUNER.best.items() if key[0] == "fwd"} == {(16, 16, 4, 1, 128)}
+    assert _tune.reg_cap((16, 16, 4, 1, 128)) == {} and _tune.reg_cap((16, 16, 4, 1)) == {}
+    monkeypatch.setattr(_tune, "triton_interpreting", lambda: False)
+    assert _tune.reg_cap((128, 64, 8, 2, 128)) == {"maxnreg": 128} and _tune.reg_cap((128, 64, 8, 2)) == {}
+
+
+def test_gpu_forward_register_caps_leave_room_for_two_programs(monkeypatch):
+    """Every capped GPU forward config lets two programs share an SM's 64K registers."""
+    from gem.ops import triton_jfa
+
+    monkeypatch.setattr(triton_jfa, "triton_interpreting", lambda: False)
+    capped = [c for d in (32, 64, 128, 256) for m in (False, True) for c in triton_jfa._fwd_configs(d, m) if len(c) > 4]
+    assert capped and all(2 * c[2] * 32 * c[4] <= 65536 for c in capped), capped
+
+
 @pytest.mark.parametrize("base_min_len", [0, 1 << 30])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 6)])
 def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypatch):
