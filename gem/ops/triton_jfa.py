@@ -675,7 +675,7 @@ def _fwd_configs(d: int, masked: bool = False):
     # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
     # two programs can share an SM and hide each other's pipeline fill (short jagged rows, causal diagonals).
     if d <= 64:
-        return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2)]
+        return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 8, 2, 128)]
     if d <= 128:
         # A 5th entry is ptxas's register cap (maxnreg). At 253 registers an 8-warp program fills the SM's register
         # file: one program per SM, latency-bound on short jagged rows (ncu, session 14). Capped at 128, two
