@@ -705,11 +705,11 @@ def _bwd_configs(d: int, var: str = "base"):
         # key on the H200 (full N1024 0.589 vs 0.651 ms, causal 0.412 vs 0.424, SWA 16K 0.399 vs 0.415); a 4-stage
         # form lost to it everywhere (session 14)
         # On 4 warps both SWA passes sit at 255 registers and dK/dV spills (ncu, session 14: its two fp32 64 x 128
-        # accumulators take 128 registers per thread). (32, 64, 64, 64, 8, 3): the same tiles on 8 warps (lost
-        # everywhere, session 15: not in the tuner's best four). (32, 32, 64, 32, 4, 3): 32-key tiles, half the
-        # accumulators and three programs per SM by shared memory, for the short key loops of windows.
+        # accumulators take 128 registers per thread). Tried and dropped in session 15 (never in the tuner's best
+        # four dK/dV tiles, windowed or not): the same tiles on 8 warps, and 32-key dK/dV tiles (its dQ half,
+        # (64, 32, 4, 3), came second at every windowed key: 0.269 vs 0.258 ms at 16K)
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
-                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (32, 32, 64, 32, 4, 3)]
+                (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
