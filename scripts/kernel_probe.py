@@ -176,6 +176,11 @@ def _block_cases():
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
+        # a tile's heads side by side (GEM_BLOCK_HEAD_ORDER=inner): they share its RoPE table rows in L2
+        out.append((f"block L={n} b512 rope, heads inner", (q, k, v),
+                    lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(q, k, v, oq, mq, block_size=512,
+                                                                       rope=RopeConfig(), kernel="triton"),
+                    {"GEM_BLOCK_HEAD_ORDER": "inner"}))
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)
     q, k, v, oq, mq, _, _ = _qkv(lq, lq)
     # the backward's stationary tiles rotated on load instead of read from the rotated copies

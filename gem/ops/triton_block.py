@@ -120,6 +120,16 @@ def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, cos_ptr, sin_ptr, half, rd, 
 
 
 @triton.jit
+def _item_head(NH: tl.constexpr, HEAD_INNER: tl.constexpr):
+    """(work item, head) of this program: a (W, NH) grid, or with HEAD_INNER a flat one whose NH programs of one
+    item are adjacent, so they meet its RoPE table rows (and positions) in L2."""
+    if HEAD_INNER:
+        pid = tl.program_id(0)
+        return pid // NH, pid % NH
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _q_range(m0, length, block_size, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
     """Keys visited by query rows [m0, m0+BLOCK): [lo, hi), and full_hi: key tiles ending <= full_hi need no mask."""
     m_last = tl.minimum(m0 + BLOCK, length) - 1
@@ -172,10 +182,9 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
                 CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, HEAD_INNER: tl.constexpr):
     """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile)."""
-    w = tl.program_id(0)
-    h = tl.program_id(1)
+    w, h = _item_head(H, HEAD_INNER)
     b = tl.load(work + 2 * w)
     if b < 0:
         return
@@ -256,12 +265,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                      GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
                      HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr,
-                     DOT_F32: tl.constexpr,
-                   ROT_STAT: tl.constexpr):
+                     DOT_F32: tl.constexpr, ROT_STAT: tl.constexpr, HEAD_INNER: tl.constexpr):
     """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile). K: k, rotated here on load when
     ROT_STAT, else its rotated copy."""
-    w = tl.program_id(0)
-    hk = tl.program_id(1)
+    w, hk = _item_head(HKV, HEAD_INNER)
     b = tl.load(work + 2 * w)
     if b < 0:
         return
@@ -361,12 +368,11 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
                    INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                   ROT_STAT: tl.constexpr):
+                   ROT_STAT: tl.constexpr, HEAD_INNER: tl.constexpr):
     """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile). Q: q, rotated here on load when
     ROT_STAT, else its rotated copy. Also
     computes and stores delta = rowsum(dO * O) of its rows, which it needs and the dK/dV pass (run after) reads."""
-    w = tl.program_id(0)
-    h = tl.program_id(1)
+    w, h = _item_head(H, HEAD_INNER)
     b = tl.load(work + 2 * w)
     if b < 0:
         return
@@ -508,6 +514,24 @@ def rope_stream_mode() -> str:
     return mode
 
 
+HEAD_ORDERS = ("outer", "inner")
+
+
+def head_order() -> str:
+    """GEM_BLOCK_HEAD_ORDER, read per call: "outer" (default) runs every tile of head 0, then head 1, ... (a (W, H)
+    grid); "inner" runs the heads of one tile side by side (a flat grid), so that they share the tile's RoPE table
+    rows in L2. At one 62K-token sequence the fp32 cos/sin tables are 32 MB and every kernel of a fused-RoPE call
+    ran ~4-10% slower than at 8K tokens per sequence (H200 probe, docs/PERF.md); "inner" is not timed yet."""
+    order = os.environ.get("GEM_BLOCK_HEAD_ORDER", "outer")
+    if order not in HEAD_ORDERS:
+        raise ValueError(f"GEM_BLOCK_HEAD_ORDER={order!r}: expected one of {HEAD_ORDERS}")
+    return order
+
+
+def _grid(items: int, heads: int, inner: bool) -> tuple:
+    return (items * heads,) if inner else (items, heads)
+
+
 BWD_STATIONARY_MODES = ("copy", "rotate")
 
 
@@ -525,7 +549,7 @@ def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tupl
     # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune. The stream
     # mode changes the kernels' inner loops, so each mode is tuned on its own (no mode without rope).
     return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1],
-            stream if rotary_dim > 0 else None)
+            stream if rotary_dim > 0 else None, head_order())
 
 
 class _Tables:
@@ -620,13 +644,14 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
     cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     k_s = _rotated(k, tables, user, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
+    inner = head_order() == "inner"
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bm)
-        _fwd_kernel[(work.shape[0], h)](
+        _fwd_kernel[_grid(work.shape[0], h, inner)](
             q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, HEAD_INNER=inner, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
@@ -652,21 +677,22 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     # Stationary tiles: rotated on load (GEM_BLOCK_BWD_STATIONARY=rotate), or read from the same rotated copies the
     # other pass streams (copy, the default with pre-rotated streaming): only dQ/dK's inverse rotation stays.
     stat = bwd_stationary_mode() if rotary_dim > 0 and stream == "prerotated" else "rotate"
+    inner = head_order() == "inner"
 
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     def dkdv(cfg, q_s, k_t):
         bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bn)  # one program per key tile
-        _bwd_dkdv_kernel[(work.shape[0], k.shape[1])](
+        _bwd_dkdv_kernel[_grid(work.shape[0], k.shape[1], inner)](
             q_s, k_t, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", **reg_cap(cfg), **meta)
+            num_stages=stages, ROT_STAT=stat == "rotate", HEAD_INNER=inner, **reg_cap(cfg), **meta)
 
     def dq_pass(cfg, q_t, k_s):
         bm, bn, warps, stages = cfg[:4]
         work = tables.work(offsets, bm)  # one program per query tile
-        _bwd_dq_kernel[(work.shape[0], h)](
+        _bwd_dq_kernel[_grid(work.shape[0], h, inner)](
             q_t, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", **reg_cap(cfg), **meta)
+            num_stages=stages, ROT_STAT=stat == "rotate", HEAD_INNER=inner, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
     rot = (tables, user, max_len, rope_base, rotary_dim, interleaved, stream)

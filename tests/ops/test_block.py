@@ -484,3 +484,56 @@ def test_scores_far_below_zero():
     ref = _run(lambda a, b, c: block_attention_reference(a, b, c, offsets, 37, **kw), q, k, v, do)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Program order over heads (GEM_BLOCK_HEAD_ORDER): a (W, H) grid, or a flat one with a tile's heads adjacent.
+
+
+@pytest.mark.parametrize("order", ["outer", "inner"])
+@pytest.mark.parametrize(
+    "lengths,h,hkv,block_size,rope_cfg,dtype",
+    [
+        ([29, 0, 1, 14], 2, 2, 8, RopeConfig(), torch.float32),
+        ([23, 1, 0, 9], 4, 2, 12, RopeConfig(rotary_dim=16, interleaved=True), torch.float32),  # GQA: dK/dV over 2
+        ([21, 1, 6], 3, 1, 4, None, torch.bfloat16),  # odd head count, no rope
+    ],
+)
+def test_head_orders_match_reference(monkeypatch, order, lengths, h, hkv, block_size, rope_cfg, dtype):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
+    launches = []
+
+    class Spy:  # records each launch's grid and order flag
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((grid, kw["HEAD_INNER"])) or self.kernel[grid](*a, **kw)
+
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        monkeypatch.setattr(tb, name, Spy(getattr(tb, name)))
+    _check(lengths, h=h, hkv=hkv, block_size=block_size, rope_cfg=rope_cfg, dtype=dtype)
+    assert len(launches) >= 3 and {flag for _, flag in launches} == {order == "inner"}
+    # "inner": flat grids of W * heads programs; "outer": (W, heads)
+    heads = {h, hkv}
+    if order == "inner":
+        assert all(len(g) == 1 and any(g[0] % n == 0 for n in heads) for g, _ in launches), launches
+    else:
+        assert all(len(g) == 2 and g[1] in heads for g, _ in launches), launches
+
+
+def test_head_order_bad_value_and_tuned_apart(monkeypatch):
+    import gem.ops.triton_block as tb
+
+    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", "zigzag")
+    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="GEM_BLOCK_HEAD_ORDER='zigzag'"):
+        block_attention(q, k, v, offsets, 5, block_size=4, kernel="triton")
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(16, 16, 4, 1)])
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    for order in ("outer", "inner"):
+        monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
+        _check([9, 4], block_size=8, rope_cfg=RopeConfig())
+    assert len(tb._TUNER.best) == 6  # fwd, dkdv, dq per order
