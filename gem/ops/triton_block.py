@@ -122,7 +122,7 @@ def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, cos_ptr, sin_ptr, half, rd, 
 @triton.jit
 def _item_head(NH: tl.constexpr, HEAD_INNER: tl.constexpr):
     """(work item, head) of this program: a (W, NH) grid, or with HEAD_INNER a flat one whose NH programs of one
-    item are adjacent, so they meet its RoPE table rows (and positions) in L2."""
+    item are adjacent, so they meet its RoPE table rows in L2."""
     if HEAD_INNER:
         pid = tl.program_id(0)
         return pid // NH, pid % NH
@@ -483,7 +483,8 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
         return 8 if kind != "fwd" or m * n >= 128 * 64 else 4
 
     out = [(bm, bn, warps(bm, bn), 3)]  # default warps/stages: a guess, not measured
-    # One warps count per tile and two stages: every candidate costs a compile per key, in the first training step.
+    # One warps count per tile and two stages (plus the few extras below): every candidate costs a compile per key,
+    # in the first training step.
     for tm, tn in tiles:
         tm, tn = min(tm, cap), min(tn, cap)
         cfg = (tm, tn, warps(tm, tn), 2)
@@ -521,7 +522,7 @@ def head_order() -> str:
     """GEM_BLOCK_HEAD_ORDER, read per call: "outer" (default) runs every tile of head 0, then head 1, ... (a (W, H)
     grid); "inner" runs the heads of one tile side by side (a flat grid), so that they share the tile's RoPE table
     rows in L2. At one 62K-token sequence the fp32 cos/sin tables are 32 MB and every kernel of a fused-RoPE call
-    ran ~4-10% slower than at 8K tokens per sequence (H200 probe, docs/PERF.md); "inner" is not timed yet."""
+    ran 6-18% slower than at 8K tokens per sequence (H200 probe, docs/PERF.md); "inner" is not timed yet."""
     order = os.environ.get("GEM_BLOCK_HEAD_ORDER", "outer")
     if order not in HEAD_ORDERS:
         raise ValueError(f"GEM_BLOCK_HEAD_ORDER={order!r}: expected one of {HEAD_ORDERS}")

@@ -74,8 +74,8 @@ def _sdpa(b):
 
 def _sdpa_masked(b):
     """Causal padded SDPA as a user with a padding mask writes it: one boolean [B, 1, N, N] mask (causal and key
-    padding), so SDPA leaves the flash backend. shared/PERF.md's padded-SDPA causal anchors match this call's speed;
-    the "padded SDPA" row is the exact is_causal flash call, which right padding allows."""
+    padding), so SDPA leaves the flash backend. The "padded SDPA" row is the exact is_causal flash call, which right
+    padding allows; shared/PERF.md's padded causal anchors lie between the two forms' speeds."""
     import torch.nn.functional as F
 
     from gem.ops._common import jagged_to_padded
@@ -88,8 +88,8 @@ def _sdpa_masked(b):
     qp, kp, vp = (x.transpose(1, 2).contiguous().requires_grad_() for x in (qp, kp, vp))
     n = qp.shape[2]
     tril = torch.ones(n, n, dtype=torch.bool, device=qp.device).tril()
-    full_mask = (tril[None] & mask[:, None, :])[:, None]  # [B, 1, N, N]; pad rows see key 0 (never read)
-    full_mask[..., 0] = True
+    full_mask = (tril[None] & mask[:, None, :])[:, None]  # [B, 1, N, N]
+    full_mask[..., 0] = True  # no all-masked row (NaN) even for an empty sequence; pad rows are never read
 
     def fwd():
         return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full_mask)

@@ -239,12 +239,14 @@ def test_gpu_fp32_head_dims(d):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("order", ["outer", "inner"])
 @pytest.mark.parametrize("block_size", [128, 512])
-def test_gpu_every_config(block_size, monkeypatch):
+def test_gpu_every_config(block_size, order, monkeypatch):
     """Every candidate of the three kernels compiles and matches (the tuner would silently drop one that fails):
-    the i-th config of each list together, with and without RoPE."""
+    the i-th config of each list together, with and without RoPE, in both head orders."""
     import gem.ops.triton_block as tb
 
+    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
     lists = {kind: tb.configs(kind, block_size) for kind in ("fwd", "dkdv", "dq")}
     for i in range(max(len(c) for c in lists.values())):
         picked = {kind: [c[i % len(c)]] for kind, c in lists.items()}
@@ -522,6 +524,35 @@ def test_head_orders_match_reference(monkeypatch, order, lengths, h, hkv, block_
         assert all(len(g) == 1 and any(g[0] % n == 0 for n in heads) for g, _ in launches), launches
     else:
         assert all(len(g) == 2 and g[1] in heads for g, _ in launches), launches
+
+
+def test_register_cap_reaches_block_launches(monkeypatch):
+    """A config's 5th entry becomes the maxnreg launch option of the kernel it was picked for (GPU only: here the
+    interpreter check is patched off and the interpreter ignores the option)."""
+    import gem.ops._tune as tune
+    import gem.ops.triton_block as tb
+
+    cfgs = {"fwd": [(16, 16, 4, 1, 128)], "dkdv": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1, 96)]}
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: cfgs[kind])
+    monkeypatch.setattr(tb._TUNER, "best", {})
+    monkeypatch.setattr(tune, "triton_interpreting", lambda: False)
+    caps = {}
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                caps.setdefault(self.name, kw.get("maxnreg"))
+                return self.kernel[grid](*a, **kw)
+
+            return launch
+
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        monkeypatch.setattr(tb, name, Spy(name, getattr(tb, name)))
+    _check([9, 4, 0], block_size=8, rope_cfg=RopeConfig())
+    assert caps == {"_fwd_kernel": 128, "_bwd_dkdv_kernel": None, "_bwd_dq_kernel": 96}
 
 
 def test_head_order_bad_value_and_tuned_apart(monkeypatch):

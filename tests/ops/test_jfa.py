@@ -455,8 +455,23 @@ def test_register_cap_config_launches(monkeypatch):
     _check(got, ref, torch.float32)
     assert {cfg for key, cfg in triton_jfa._TUNER.best.items() if key[0] == "fwd"} == {(16, 16, 4, 1, 128)}
     assert _tune.reg_cap((16, 16, 4, 1, 128)) == {} and _tune.reg_cap((16, 16, 4, 1)) == {}
+    # as on the GPU: the cap reaches the forward launch as maxnreg (the interpreter ignores the option)
     monkeypatch.setattr(_tune, "triton_interpreting", lambda: False)
     assert _tune.reg_cap((128, 64, 8, 2, 128)) == {"maxnreg": 128} and _tune.reg_cap((128, 64, 8, 2)) == {}
+    caps = []
+    real = triton_jfa._jfa_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: caps.append(kw.get("maxnreg")) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(triton_jfa, "_jfa_fwd_kernel", Spy())
+    for cfg in ((16, 16, 4, 1, 128), (16, 16, 4, 1)):
+        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False, c=cfg: [c])
+        monkeypatch.setattr(triton_jfa._TUNER, "best", {})
+        got, ref = _run(q, k, v, lens, causal=True)
+        _check(got, ref, torch.float32)
+    assert caps and set(caps) == {128, None} and caps[0] == 128 and caps[-1] is None
 
 
 def test_gpu_forward_register_caps_leave_room_for_two_programs(monkeypatch):
