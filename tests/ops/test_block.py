@@ -425,19 +425,23 @@ def test_rope_stream_bad_value(monkeypatch):
         block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
 
 
-def test_rope_stream_modes_tuned_apart(monkeypatch):
+@pytest.mark.parametrize("env,values,no_rope_keys", [("GEM_BLOCK_ROPE_STREAM", ("prerotated", "inkernel"), 1),
+                                                     ("GEM_BLOCK_HEAD_ORDER", ("outer", "inner"), 2)])
+def test_knobs_tuned_apart(monkeypatch, env, values, no_rope_keys):
+    """Each value of a knob that changes the kernels gets its own tuner keys (fwd, dkdv, dq); without rope the
+    stream mode changes nothing (one key set), the head order still does."""
     import gem.ops.triton_block as tb
 
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(16, 16, 4, 1)])
     monkeypatch.setattr(tb._TUNER, "best", {})
-    for mode in ("prerotated", "inkernel"):
-        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    for value in values:
+        monkeypatch.setenv(env, value)
         _check([9, 4], block_size=8, rope_cfg=RopeConfig())
-    assert len(tb._TUNER.best) == 6  # fwd, dkdv, dq per mode
-    for mode in ("prerotated", "inkernel"):  # without rope the mode changes nothing: one key
-        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    assert len(tb._TUNER.best) == 6
+    for value in values:
+        monkeypatch.setenv(env, value)
         _check([9, 4], block_size=8)
-    assert len(tb._TUNER.best) == 9
+    assert len(tb._TUNER.best) == 6 + 3 * no_rope_keys
 
 
 def test_cached_tables_do_not_keep_offsets_alive():
@@ -555,16 +559,8 @@ def test_register_cap_reaches_block_launches(monkeypatch):
     assert caps == {"_fwd_kernel": 128, "_bwd_dkdv_kernel": None, "_bwd_dq_kernel": 96}
 
 
-def test_head_order_bad_value_and_tuned_apart(monkeypatch):
-    import gem.ops.triton_block as tb
-
+def test_head_order_bad_value(monkeypatch):
     monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", "zigzag")
     q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
     with pytest.raises(ValueError, match="GEM_BLOCK_HEAD_ORDER='zigzag'"):
         block_attention(q, k, v, offsets, 5, block_size=4, kernel="triton")
-    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(16, 16, 4, 1)])
-    monkeypatch.setattr(tb._TUNER, "best", {})
-    for order in ("outer", "inner"):
-        monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
-        _check([9, 4], block_size=8, rope_cfg=RopeConfig())
-    assert len(tb._TUNER.best) == 6  # fwd, dkdv, dq per order
