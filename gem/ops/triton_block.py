@@ -490,9 +490,10 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
         cfg = (tm, tn, warps(tm, tn), 2)
         if cfg not in out:
             out.append(cfg)
-    # JFA's tuner picks on the H200 (session 14), for the same short causal loops: a 4-warp 3-stage backward tile,
-    # two programs per SM; and a forward 8-warp tile capped at 128 registers (5th entry: maxnreg), so that two
-    # programs share an SM (uncapped, an 8-warp D 128 program takes the whole register file)
+    # JFA's tuner picks on the H200, for the same short causal loops: a 4-warp 3-stage backward tile (session 14),
+    # two programs per SM; and a forward 8-warp tile capped at 128 registers (5th entry: maxnreg; session 15), so
+    # that two programs share an SM (uncapped, an 8-warp D 128 program takes the whole register file). Both won
+    # their block-512 keys in session 15 (docs/PERF.md).
     extra = {"fwd": ((128, 64, 8, 2, 128),), "dkdv": ((32, 64, 4, 3),), "dq": ((64, 64, 4, 3),)}[kind]
     for cfg in extra:
         cfg = (min(cfg[0], cap), min(cfg[1], cap)) + cfg[2:]

@@ -672,8 +672,9 @@ _TMA_BWD_HEAD_DIMS = (128,)
 def _fwd_configs(d: int, masked: bool = False):
     if triton_interpreting():
         return [(16, 16, 4, 1)]
-    # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory, so
-    # two programs can share an SM and hide each other's pipeline fill (short jagged rows, causal diagonals).
+    # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory: two
+    # programs fit by shared memory, and by registers once capped (below), hiding each other's pipeline fill on
+    # short jagged rows and causal diagonals.
     if d <= 64:
         return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 8, 2, 128)]
     if d <= 128:
