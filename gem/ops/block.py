@@ -5,7 +5,8 @@ restart at each sequence start; the last block may be partial), and j <= i when 
 With `rope`, q and k are rotated by their position within the sequence (see gem.ops.rotary, NeoX halves by
 default); the Triton kernels rotate each kernel's stationary q or k tile in registers on load and inversely rotate
 dq/dk before the store; the tiles they stream come from a rotated copy that one rope pass writes just before the
-launch (a temporary, never saved: see gem.ops.triton_block for why and GEM_BLOCK_ROPE_STREAM).
+launch (a temporary, never saved: see gem.ops.triton_block for why and GEM_BLOCK_ROPE_STREAM). The kernels
+rotate by the position within the block instead: the same scores, as a RoPE score depends only on j - i.
 """
 
 from __future__ import annotations

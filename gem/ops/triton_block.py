@@ -22,6 +22,8 @@ Rotating every streamed tile in the inner loop instead costs a load of cos/sin t
 between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms with every
 tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms without RoPE.
 GEM_BLOCK_ROPE_STREAM=inkernel rotates streamed tiles in-kernel instead (no copies; the default is prerotated).
+All rotations use the position within the block (scores depend only on j - i, and blocks start at sequence
+starts), so the cos/sin rows read stay within block_size however long the sequence.
 Holding rotated tiles whole instead (the stationary one rotated by reshape/split/join in registers, so every dot
 spans the head dim) was timed in session 12 and lost: fwd 0.210 vs 0.188 ms, dQ 0.305 vs 0.263, dK/dV 0.475 vs 0.468.
 
@@ -56,7 +58,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_parts(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, rd, D: tl.constexpr, R: tl.constexpr,
+def _load_parts(ptr, row_off, ok, pos, block_size, cos_ptr, sin_ptr, half, rd, D: tl.constexpr, R: tl.constexpr,
                 HALF_B: tl.constexpr, PASS_B: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
                 INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr):
     """[R, D] tile as (rotated half 1, rotated half 2, pass-through part), all in the input dtype.
@@ -66,7 +68,8 @@ def _load_parts(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, rd, D: tl.constex
     ty = ptr.dtype.element_ty
     if ROPE:
         if ROTATE:
-            a1, a2 = rope_load_rotated(ptr, row_off, ok, pos, cos_ptr, sin_ptr, half, HALF_B, INTERLEAVED, 1.0)
+            a1, a2 = rope_load_rotated(ptr, row_off, ok, pos % block_size, cos_ptr, sin_ptr, half, HALF_B,
+                                       INTERLEAVED, 1.0)
             a1 = a1.to(ty)
             a2 = a2.to(ty)
         else:
@@ -106,12 +109,12 @@ def _dot_parts(a1, a2, ap, b1, b2, bp, acc, ROPE: tl.constexpr, HAS_PASS: tl.con
 
 
 @triton.jit
-def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, cos_ptr, sin_ptr, half, rd, D: tl.constexpr,
+def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, block_size, cos_ptr, sin_ptr, half, rd, D: tl.constexpr,
                  HALF_B: tl.constexpr, PASS_B: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
                  INTERLEAVED: tl.constexpr):
     """Store a gradient given per part w.r.t. the rotated tensor, applying the inverse rotation first."""
     if ROPE:
-        g1, g2 = rope_rotate_regs(g1, g2, pos, ok, cos_ptr, sin_ptr, half, HALF_B, -1.0)
+        g1, g2 = rope_rotate_regs(g1, g2, pos % block_size, ok, cos_ptr, sin_ptr, half, HALF_B, -1.0)
         rope_store_halves(ptr, row_off, ok, g1, g2, half, HALF_B, INTERLEAVED)
     if HAS_PASS:
         j = tl.arange(0, PASS_B)
@@ -157,8 +160,8 @@ def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_o
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
     s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS, PREC,
                    DOT_F32)
     s = s * qk_scale
@@ -196,8 +199,8 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, True)
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, True)
     # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
     # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
@@ -233,8 +236,8 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < hi
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B, ROPE,
-                             HAS_PASS, INTERLEAVED, ROT_STREAM)
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
@@ -279,8 +282,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < length
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
     d = tl.arange(0, D_B)
     d_ok = d < D
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -326,8 +329,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
                                            INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
-    _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, cos_ptr, sin_ptr, half,
-                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+    _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, block_size, cos_ptr, sin_ptr,
+                 half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
 @triton.jit
@@ -340,8 +343,8 @@ def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi,
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
-    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
+    k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
                    PREC, DOT_F32)
@@ -384,8 +387,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B, PASS_B,
-                             ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
     d = tl.arange(0, D_B)
     d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -409,8 +412,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
                                  BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
                                  ROT_STREAM, PREC, DOT_F32)
-    _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, cos_ptr, sin_ptr, half,
-                 rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
+    _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, block_size, cos_ptr, sin_ptr,
+                 half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -466,7 +469,8 @@ DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
 
 
 def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) candidates for kind in fwd/dkdv/dq; the first is the default.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) candidates for kind in fwd/dkdv/dq; the first is the
+    default.
 
     Tiles are clamped to max(16, next_pow2(block_size)) (larger ones only add masked-out work in block-local
     attention) and deduplicated. Under the interpreter: one small config, so CPU tests stay fast.
@@ -521,9 +525,8 @@ HEAD_ORDERS = ("outer", "inner")
 
 def head_order() -> str:
     """GEM_BLOCK_HEAD_ORDER, read per call: "outer" (default) runs every tile of head 0, then head 1, ... (a (W, H)
-    grid); "inner" runs the heads of one tile side by side (a flat grid), so that they share the tile's RoPE table
-    rows in L2. At one 62K-token sequence the fp32 cos/sin tables are 32 MB and every kernel of a fused-RoPE call
-    ran 6-18% slower than at 8K tokens per sequence (H200 probe, docs/PERF.md); "inner" is not timed yet."""
+    grid); "inner" runs the heads of one tile side by side (a flat grid), so that they share the tile's K/V and RoPE
+    table rows in L2 (docs/PERF.md has the timings)."""
     order = os.environ.get("GEM_BLOCK_HEAD_ORDER", "outer")
     if order not in HEAD_ORDERS:
         raise ValueError(f"GEM_BLOCK_HEAD_ORDER={order!r}: expected one of {HEAD_ORDERS}")
@@ -562,7 +565,7 @@ class _Tables:
     keep it alive): callers pass them to each method."""
 
     def __init__(self, total):
-        self.total, self.cache, self.pos = total, {}, None
+        self.total, self.cache, self.pos = total, {}, {}
 
     def work(self, offsets32, tile):
         table = self.cache.get(tile)
@@ -570,10 +573,12 @@ class _Tables:
             table = self.cache[tile] = work_table(offsets32, tile, self.total)
         return table
 
-    def positions(self, offsets):
-        if self.pos is None:  # the rope op's own cache: the standalone op on the same offsets shares it
-            self.pos = positions_cached(offsets, self.total)
-        return self.pos
+    def positions(self, offsets, block_size):
+        """Each token's position within its block (the rope op's per-sequence positions mod block_size)."""
+        pos = self.pos.get(block_size)
+        if pos is None:
+            pos = self.pos[block_size] = positions_cached(offsets, self.total) % block_size
+        return pos
 
     @staticmethod
     def of(offsets, total):
@@ -584,13 +589,18 @@ class _Tables:
 _DUMMY: dict = {}
 
 
-def _rope_tables(rotary_dim: int, base: float, max_len: int, device):
+def _rope_rows(max_len: int, block_size: int) -> int:
+    """cos/sin rows the kernels index: positions within a block (see _rotated)."""
+    return max(1, min(max_len, block_size))
+
+
+def _rope_tables(rotary_dim: int, base: float, rows: int, device):
     if rotary_dim == 0:
         key = str(device)
         if key not in _DUMMY:
             _DUMMY[key] = torch.zeros(1, dtype=torch.float32, device=device)
         return _DUMMY[key], _DUMMY[key]
-    return cos_sin_table(max(max_len, 1), rotary_dim, base, device)
+    return cos_sin_table(rows, rotary_dim, base, device)
 
 
 _METAS: dict = {}
@@ -619,13 +629,18 @@ def _make_meta(q, k, rotary_dim, interleaved, causal, stream):
     )
 
 
-def _rotated(x, tables, offsets, max_len, rope_base, rotary_dim, interleaved, stream):
+def _rotated(x, tables, offsets, max_len, block_size, rope_base, rotary_dim, interleaved, stream):
     """The copy of x that a kernel streams: x rotated by one rope-kernel pass (a temporary), or x itself when the
-    kernel rotates streamed tiles (inkernel) or there is no rope. Positions come from the rope op's per-offsets
-    cache in eager calls."""
+    kernel rotates streamed tiles (inkernel) or there is no rope.
+
+    Every rotation here (copies and in-kernel) is by the position within the block, not within the sequence: a
+    RoPE score depends only on the distance j - i, and blocks start at sequence starts, so both give the same
+    attention. The cos/sin rows read are then at most block_size (256 KB at 512 x 64 fp32 pairs) and stay in L2,
+    where a 62K-token sequence read 32 MB of tables."""
     if rotary_dim == 0 or stream == "inkernel":
         return x
-    return _rope_triton(x, offsets, max_len, rope_base, rotary_dim, interleaved, False, tables.positions(offsets))
+    return _rope_triton(x, offsets, _rope_rows(max_len, block_size), rope_base, rotary_dim, interleaved, False,
+                        tables.positions(offsets, block_size))
 
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
@@ -643,9 +658,9 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
         return o.zero_(), lse.zero_(), None
     tables = _Tables.of(offsets, t)
     user, offsets = offsets, offsets.to(torch.int32)
-    cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
+    cos, sin = _rope_tables(rotary_dim, rope_base, _rope_rows(max_len, block_size), q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
-    k_s = _rotated(k, tables, user, max_len, rope_base, rotary_dim, interleaved, stream)  # streamed key tiles
+    k_s = _rotated(k, tables, user, max_len, block_size, rope_base, rotary_dim, interleaved, stream)  # streamed
     inner = head_order() == "inner"
 
     def launch(cfg):
@@ -672,7 +687,7 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     tables = _Tables.of(offsets, t)
     user, offsets = offsets, offsets.to(torch.int32)
     delta = torch.empty_like(lse)  # written by the dQ pass
-    cos, sin = _rope_tables(rotary_dim, rope_base, max_len, q.device)
+    cos, sin = _rope_tables(rotary_dim, rope_base, _rope_rows(max_len, block_size), q.device)
     meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
 
@@ -697,7 +712,7 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
             num_stages=stages, ROT_STAT=stat == "rotate", HEAD_INNER=inner, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
-    rot = (tables, user, max_len, rope_base, rotary_dim, interleaved, stream)
+    rot = (tables, user, max_len, block_size, rope_base, rotary_dim, interleaved, stream)
     # K_rot: the eager forward's (k-sized, small under GQA), else made here. Q_rot is recomputed, not saved by the
     # forward (activation memory weighs more than a ~35 us pass): with stat "rotate" only after the dQ pass (which
     # writes delta) is done, so a recomputed K_rot is freed first; with "copy" before it, as the dQ pass reads it.

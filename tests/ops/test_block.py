@@ -474,6 +474,26 @@ def test_rotated_copies_reuse_cached_positions(monkeypatch):
     assert built == [32]
 
 
+@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
+def test_rope_reads_table_rows_of_one_block_only(monkeypatch, mode):
+    # The kernels rotate by the position within the block (the same scores as by the position within the
+    # sequence): a sequence ~10 blocks long must ask for no cos/sin rows past block_size and still match the
+    # reference, which rotates by the position within the sequence.
+    from gem.ops import rotary, triton_block
+
+    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
+    lengths, cfg = [157, 3, 0, 40], RopeConfig(rotary_dim=24)
+    _check(lengths, h=2, hkv=1, block_size=16, causal=True, rope_cfg=cfg)
+    asked = []
+    real = rotary.cos_sin_table
+    spy = lambda n, *a: asked.append(n) or real(n, *a)  # noqa: E731
+    monkeypatch.setattr(rotary, "cos_sin_table", spy)
+    monkeypatch.setattr(triton_block, "cos_sin_table", spy)
+    q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
+    _run(lambda a, b, c: block_attention(a, b, c, off, 157, block_size=16, rope=cfg, kernel="triton"), q, k, v, do)
+    assert asked and max(asked) <= 16
+
+
 # the dK/dV pass runs a ragged key tile through its unmasked q-tile loop: inf/NaN in the key rows past the
 # sequence end, which it never stores
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2", "ignore:invalid value encountered in matmul")
