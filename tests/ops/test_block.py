@@ -486,7 +486,7 @@ def test_rope_reads_table_rows_of_one_block_only(monkeypatch, mode):
     _check(lengths, h=2, hkv=1, block_size=16, causal=True, rope_cfg=cfg)
     asked = []
     real = rotary.cos_sin_table
-    spy = lambda n, *a: asked.append(n) or real(n, *a)  # noqa: E731
+    spy = lambda n, *a: asked.append(n) or real(n, *a)
     monkeypatch.setattr(rotary, "cos_sin_table", spy)
     monkeypatch.setattr(triton_block, "cos_sin_table", spy)
     q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
