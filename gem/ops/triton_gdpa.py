@@ -74,9 +74,27 @@ def _act(
         a = r * r
     elif ACT == 5:  # leaky_relu
         a = tl.where(s > 0, s, s * LEAKY)
+    elif ACT == 7:  # gelu_tanh in tanh form: one tanh instead of exp + divide (ACT_TANH_FORM)
+        hs = 0.5 * s
+        a = hs + hs * _tanh(0.7978845608028654 * (s + 0.044715 * s * s * s))
+    elif ACT == 8:  # silu = x * (1 + tanh(x / 2)) / 2
+        hs = 0.5 * s
+        a = hs + hs * _tanh(hs)
     else:  # identity
         a = s
     return a
+
+
+@triton.jit
+def _tanh(x):
+    """tanh: one `tanh.approx.f32` on the GPU (max relative error ~2^-11, below bf16/fp16 rounding); under the
+    interpreter (no PTX) the same function through exp, so CPU tests check the formulas built on it."""
+    if HW_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * x))
+    return t
 
 
 @triton.jit
@@ -119,12 +137,41 @@ def _dact(
         d = 2.0 * tl.maximum(s, 0.0)
     elif ACT == 5:
         d = tl.where(s > 0, 1.0, LEAKY)
+    elif ACT == 7:
+        t = _tanh(0.7978845608028654 * (s + 0.044715 * s * s * s))
+        hs = 0.5 * s
+        d = 0.5 + 0.5 * t + hs * (1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * s * s))
+    elif ACT == 8:
+        sg = 0.5 + 0.5 * _tanh(0.5 * s)
+        d = sg * (1.0 + s * (1.0 - sg))
     else:
         d = s * 0.0 + 1.0
     return d
 
 
 LEAKY = tl.constexpr(LEAKY_SLOPE)
+HW_TANH = tl.constexpr(not triton_interpreting())
+# activation codes past ACTIVATIONS: gelu_tanh and silu written with one tanh (_tanh), see tanh_form()
+ACT_TANH_FORM = {"gelu_tanh": 7, "silu": 8}
+TANH_MODES = ("auto", "approx", "exact")
+
+
+def tanh_mode() -> str:
+    """GEM_GDPA_TANH, read per call: "auto" (default) writes gelu_tanh and silu with one tanh.approx instruction on
+    the GPU for bf16/fp16 inputs and keeps the exp + divide form for fp32; "approx" always takes the tanh form (on
+    CPU its tanh goes through exp: tests of the formulas); "exact" never does."""
+    mode = os.environ.get("GEM_GDPA_TANH", "auto")
+    if mode not in TANH_MODES:
+        raise ValueError(f"GEM_GDPA_TANH={mode!r}: expected one of {TANH_MODES}")
+    return mode
+
+
+def tanh_form(activation: str, approx: str, dtype) -> bool:
+    """Whether the kernels compute `activation` in its tanh form (ACT_TANH_FORM)."""
+    if approx or activation not in ACT_TANH_FORM:
+        return False
+    mode = tanh_mode()
+    return mode == "approx" or (mode == "auto" and not triton_interpreting() and dtype != torch.float32)
 
 
 @triton.jit
@@ -842,13 +889,13 @@ def _bwd_scale_q() -> bool:
     return env == "1"
 
 
-def _consts(activation: str, approx: str) -> dict:
+def _consts(activation: str, approx: str, tanh: bool = False) -> dict:
     if approx:
         p = POLY6[activation]
         c = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6"), p.coef))
         return dict(ACT=ACTIVATIONS.index(activation), POLY=True, CLAMP=p.clamp, **c)
     return {
-        "ACT": ACTIVATIONS.index(activation),
+        "ACT": ACT_TANH_FORM[activation] if tanh else ACTIVATIONS.index(activation),
         "POLY": False,
         "CLAMP": 0.0,
         "C1": 0.0,
@@ -971,7 +1018,7 @@ def _common(q, k, left, right, activation, approx) -> dict:
         MASKED=left >= 0 or right >= 0,
         DOT_PREC=_prec(q.dtype),
         UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
-        **_consts(activation, approx),
+        **_consts(activation, approx, tanh_form(activation, approx, q.dtype)),
     )
 
 

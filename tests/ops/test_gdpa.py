@@ -70,6 +70,36 @@ def test_each_activation_fwd_bwd(activation):
     _check([5, 0, 33, 17], [7, 4, 0, 40], h=4, hk=2, activation=activation)
 
 
+@pytest.mark.parametrize("activation", ("gelu_tanh", "silu"))
+@pytest.mark.parametrize("short_kv,causal", [(True, False), (False, True)])
+def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
+    # GEM_GDPA_TANH=approx: gelu_tanh and silu written with one tanh (on CPU that tanh goes through exp), forward
+    # and the derivative the backward recomputes; both K/V paths and a masked case.
+    from gem.ops import triton_gdpa
+
+    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
+    seen = []
+    real = triton_gdpa._consts
+    monkeypatch.setattr(triton_gdpa, "_consts", lambda *a: seen.append(real(*a)["ACT"]) or real(*a))
+    _check([5, 0, 33, 17], [7, 4, 0, 40], h=4, hk=2, activation=activation, causal=causal, short_kv=short_kv)
+    assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
+
+
+def test_tanh_mode_picks_the_form(monkeypatch):
+    from gem.ops.triton_gdpa import tanh_form
+
+    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
+    assert tanh_form("silu", "", torch.float32) and not tanh_form("gelu", "", torch.bfloat16)
+    assert not tanh_form("silu", "poly6", torch.bfloat16)  # poly6 keeps its own polynomial
+    monkeypatch.setenv("GEM_GDPA_TANH", "exact")
+    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
+    monkeypatch.setenv("GEM_GDPA_TANH", "auto")  # the interpreter has no tanh.approx: auto keeps exp + divide
+    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
+    monkeypatch.setenv("GEM_GDPA_TANH", "fast")
+    with pytest.raises(ValueError, match="GEM_GDPA_TANH"):
+        tanh_form("silu", "", torch.bfloat16)
+
+
 @pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
 def test_poly6_kernel_matches_poly6_reference(activation):
     _check([9, 21], [30, 3], activation=activation, approx="poly6", causal=True)
