@@ -78,6 +78,9 @@ def main(argv=None):
                    help="extra rows for JFA kernel variants: 'all' or a comma list of gem.ops.triton_jfa.VARIANTS")
     p.add_argument("--jfa-anchors", default="all",
                    help="competitors timed in the jfa/swa sections: 'all', 'none' or a comma list of row names")
+    p.add_argument("--block-lengths", default=None,
+                   help="block section: a comma list of sequence lengths at block 512 only (default: 1K-64K, then "
+                        "blocks 64/128/256 at 16K)")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():

@@ -155,6 +155,9 @@ def _measure(case, impl, make, inputs, flops, extra) -> Row:
         msg = str(e).splitlines()[0][:120] if str(e) else ""
         row.extra["error"] = f"{type(e).__name__}: {msg}"
         traceback.print_exc()
+    # each row as it lands: a run cut short by its time limit still leaves what it measured
+    print(f"row: {case} | {impl} | fwd {row.fwd_ms:.3f} ms | fwd+bwd {row.extra.get('fwd+bwd_ms', math.nan)} ms",
+          flush=True)
     return row
 
 
@@ -197,10 +200,13 @@ def run(args) -> list[Row]:
     quick = bool(getattr(args, "quick", False))
     tokens = TOKENS  # --quick drops shapes, never tokens: smaller batches would time launches
     lengths = (1024, 8192, 16384) if quick else (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    chosen = getattr(args, "block_lengths", None)
+    if chosen:
+        lengths = tuple(int(x) for x in chosen.split(","))
     rows: list[Row] = []
     for n in lengths:
         rows += _case_rows(n, 512, tokens=max(tokens, n), competitors=True)
-    for block in () if quick else (64, 128, 256):  # each block size is a new tuning key (compiles)
+    for block in () if quick or chosen else (64, 128, 256):  # each block size is a new tuning key (compiles)
         rows += _case_rows(16384, block, tokens=tokens, competitors=True)
     return rows
 
