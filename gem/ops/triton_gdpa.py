@@ -87,8 +87,9 @@ def _act(
 
 @triton.jit
 def _tanh(x):
-    """tanh: one `tanh.approx.f32` on the GPU (max relative error ~2^-11, below bf16/fp16 rounding); under the
-    interpreter (no PTX) the same function through exp, so CPU tests check the formulas built on it."""
+    """tanh: one `tanh.approx.f32` on the GPU (relative error <= 2^-10.99 of t, so an activation 0.5*s*(1 + t) is
+    off by at most ~|s| * 2^-12 in absolute terms: 8x below the bf16 rounding of an activation of the same |s|);
+    under the interpreter (no PTX) the same function through exp, so CPU tests check the formulas built on it."""
     if HW_TANH:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                       pack=1)
@@ -157,9 +158,11 @@ TANH_MODES = ("auto", "approx", "exact")
 
 
 def tanh_mode() -> str:
-    """GEM_GDPA_TANH, read per call: "auto" (default) writes gelu_tanh and silu with one tanh.approx instruction on
-    the GPU for bf16/fp16 inputs and keeps the exp + divide form for fp32; "approx" always takes the tanh form (on
-    CPU its tanh goes through exp: tests of the formulas); "exact" never does."""
+    """GEM_GDPA_TANH, read per call (forward and backward each read it: a knob for measurement, not to flip
+    between them): "auto" (default) writes gelu_tanh and silu with one tanh.approx instruction on the GPU for bf16
+    inputs and keeps the exp + divide form for fp16/fp32, whose finer rounding the instruction's ~|s| * 2^-12
+    absolute error would approach; "approx" always takes the tanh form (on CPU its tanh goes through exp: tests of
+    the formulas); "exact" never does."""
     mode = os.environ.get("GEM_GDPA_TANH", "auto")
     if mode not in TANH_MODES:
         raise ValueError(f"GEM_GDPA_TANH={mode!r}: expected one of {TANH_MODES}")
@@ -171,7 +174,7 @@ def tanh_form(activation: str, approx: str, dtype) -> bool:
     if approx or activation not in ACT_TANH_FORM:
         return False
     mode = tanh_mode()
-    return mode == "approx" or (mode == "auto" and not triton_interpreting() and dtype != torch.float32)
+    return mode == "approx" or (mode == "auto" and not triton_interpreting() and dtype == torch.bfloat16)
 
 
 @triton.jit

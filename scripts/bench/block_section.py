@@ -202,7 +202,7 @@ def run(args) -> list[Row]:
     lengths = (1024, 8192, 16384) if quick else (1024, 2048, 4096, 8192, 16384, 32768, 65536)
     chosen = getattr(args, "block_lengths", None)
     if chosen:
-        lengths = tuple(int(x) for x in chosen.split(","))
+        lengths = tuple(int(x) for x in chosen.split(",") if x.strip())
     rows: list[Row] = []
     for n in lengths:
         rows += _case_rows(n, 512, tokens=max(tokens, n), competitors=True)
@@ -218,4 +218,5 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--block-lengths", default=None, help="comma list of lengths at block 512 only")
     print_table(run(p.parse_args()), "BlockAttention")

@@ -17,7 +17,9 @@ TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import traceback
 
 import torch
@@ -30,28 +32,26 @@ TOKENS = 65536
 CROSS_TOKENS = 8 * TOKENS
 
 
-def _ours(q, k, v, oq, mq, ok, mk, env=None, **kw):
-    """A call of our gdpa; `env`: environment settings (kernel knobs) in force during each call."""
-    import os
-
+def _ours(q, k, v, oq, mq, ok, mk, **kw):
+    """A call of our gdpa."""
     from gem.ops.gdpa import gdpa
 
-    if not env:
-        return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
+    return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
 
-    def call():
-        old = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
-            return gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
-    return call
+@contextlib.contextmanager
+def _env(env):
+    """Environment settings (kernel knobs) in force for a whole row: its forward and the backward autograd runs."""
+    old = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _padded_compiled(q, k, v, oq, mq, ok, mk, *, activation, causal):
@@ -122,17 +122,19 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
     impls = [("gdpa", {}), ("gdpa poly6", {"approx": "poly6"}),
              ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}})] + list(extra_impls)
     for name, kw in impls:
-        rows.append(
-            _measure(
-                SECTION,
-                case,
-                name,
-                lambda kw=kw: _ours(q, k, v, oq, mq, ok, mk, activation=activation, causal=causal, **kw),
-                (q, k, v),
-                flops,
-                info,
+        kw = dict(kw)
+        with _env(kw.pop("env", None)):
+            rows.append(
+                _measure(
+                    SECTION,
+                    case,
+                    name,
+                    lambda kw=kw: _ours(q, k, v, oq, mq, ok, mk, activation=activation, causal=causal, **kw),
+                    (q, k, v),
+                    flops,
+                    info,
+                )
             )
-        )
     if compare:
         holder = {}
 

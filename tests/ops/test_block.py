@@ -484,14 +484,23 @@ def test_rope_reads_table_rows_of_one_block_only(monkeypatch, mode):
     monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
     lengths, cfg = [157, 3, 0, 40], RopeConfig(rotary_dim=24)
     _check(lengths, h=2, hkv=1, block_size=16, causal=True, rope_cfg=cfg)
+    q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
+    want = _run(lambda a, b, c: block_attention(a, b, c, off, 157, block_size=16, rope=cfg, kernel="triton"),
+                q, k, v, do)
     asked = []
     real = rotary.cos_sin_table
-    spy = lambda n, *a: asked.append(n) or real(n, *a)
+
+    def spy(n, *a):  # exactly n good rows, then NaN: a read past them turns the outputs NaN
+        asked.append(n)
+        return tuple(torch.cat((t[:n], torch.full((256, t.shape[1]), float("nan")))) for t in real(n, *a))
+
     monkeypatch.setattr(rotary, "cos_sin_table", spy)
     monkeypatch.setattr(triton_block, "cos_sin_table", spy)
-    q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
-    _run(lambda a, b, c: block_attention(a, b, c, off, 157, block_size=16, rope=cfg, kernel="triton"), q, k, v, do)
+    got = _run(lambda a, b, c: block_attention(a, b, c, off, 157, block_size=16, rope=cfg, kernel="triton"),
+               q, k, v, do)
     assert asked and max(asked) <= 16
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # the dK/dV pass runs a ragged key tile through its unmasked q-tile loop: inf/NaN in the key rows past the

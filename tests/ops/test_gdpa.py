@@ -95,6 +95,11 @@ def test_tanh_mode_picks_the_form(monkeypatch):
     assert not tanh_form("gelu_tanh", "", torch.bfloat16)
     monkeypatch.setenv("GEM_GDPA_TANH", "auto")  # the interpreter has no tanh.approx: auto keeps exp + divide
     assert not tanh_form("gelu_tanh", "", torch.bfloat16)
+    from gem.ops import triton_gdpa
+
+    monkeypatch.setattr(triton_gdpa, "triton_interpreting", lambda: False)  # on the GPU: bf16 only
+    assert tanh_form("gelu_tanh", "", torch.bfloat16) and tanh_form("silu", "", torch.bfloat16)
+    assert not tanh_form("silu", "", torch.float16) and not tanh_form("silu", "", torch.float32)
     monkeypatch.setenv("GEM_GDPA_TANH", "fast")
     with pytest.raises(ValueError, match="GEM_GDPA_TANH"):
         tanh_form("silu", "", torch.bfloat16)
@@ -352,6 +357,24 @@ def test_gpu_self_bf16(activation, approx, causal):
         causal=causal,
         scale=1.0 / 128,
     )
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gpu_tanh_form_wide_scores(activation):
+    # scores spread over about [-20, 20] (q scaled by 4, scale 1/sqrt(d)): where 0.5*s*(1 + t) cancels for s < 0
+    q, k, v, oq, mq, ok, mk = _inputs([300, 1, 77, 0, 512], [300, 1, 77, 0, 512], h=4, hk=2, d=128,
+                                      dtype=torch.bfloat16, device="cuda", seed=3)
+    q = (4 * q.detach()).requires_grad_()
+    out = gdpa(q, k, v, oq, mq, ok, mk, activation=activation, causal=True, kernel="triton")
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = gdpa_reference(q32, k32, v32, oq, mq, ok, mk, activation=activation, causal=True)
+    _close(out, ref, torch.bfloat16, "out")
+    g = torch.randn_like(out)
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), g),
+                          torch.autograd.grad(ref, (q32, k32, v32), g.float())):
+        _close(a, b, torch.bfloat16, name)
 
 
 @pytest.mark.gpu
