@@ -171,7 +171,7 @@ def _block_cases():
     from gem.ops.rotary import RopeConfig
 
     out = []
-    for n in (1024, 8192, 65536):
+    for n in (1024, 8192, 32768, 65536):
         lq = jagged_lengths(n, 65536, low=n // 2, seed=n)
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
