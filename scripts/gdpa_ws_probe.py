@@ -27,79 +27,50 @@ import triton
 import triton.language as tl
 
 from gem.ops.gdpa import POLY6
+from gem.ops.triton_gdpa import _act
 
-ACTS = {"identity": 0, "gelu_tanh exp+div": 1, "gelu_tanh tanh.approx": 2, "gelu_tanh poly6": 3}
+# gem's activation codes (gem.ops.triton_gdpa): (ACT, POLY)
+ACTS = {"identity": (6, False), "gelu_tanh exp+div": (1, False), "gelu_tanh tanh.approx": (7, False),
+        "gelu_tanh poly6": (1, True)}
 _P = POLY6["gelu_tanh"]
 
 
 @triton.jit
-def _act(s, ACT: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-         C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr):
-    if ACT == 1:
-        u = 1.5957691216057308 * (s + 0.044715 * s * s * s)
-        a = tl.math.fdiv(s, 1.0 + tl.exp(-u))
-    elif ACT == 2:
-        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        hs = 0.5 * s
-        a = hs + hs * t
-    elif ACT == 3:
-        t = tl.minimum(tl.abs(s), CLAMP)
-        h = t * C6 + C5
-        h = h * t + C4
-        h = h * t + C3
-        h = h * t + C2
-        h = h * t + C1
-        a = tl.maximum(s, 0.0) - h * t
-    else:
-        a = s
-    return a
-
-
-@triton.jit
 def _tile(q_desc, k_desc, v_desc, o_desc, z, m0, N, M, scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, ACT: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
-          C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr):
+          BLOCK_N: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+          C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
+          WS: tl.constexpr, STAGES: tl.constexpr):
+    """One q tile against all its keys; gem's own activation code (gem.ops.triton_gdpa._act)."""
     q = q_desc.load([z * N + m0, 0])
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for j in range(0, M, BLOCK_N):
+    for j in tl.range(0, M, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
         k = k_desc.load([z * M + j, 0])
         v = v_desc.load([z * M + j, 0])
         s = tl.dot(q, k.T) * scale
-        a = _act(s, ACT, C1, C2, C3, C4, C5, C6, CLAMP)
+        a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
         acc = tl.dot(a.to(v.dtype), v, acc)
     o_desc.store([z * N + m0, 0], acc.to(o_desc.dtype))
 
 
 @triton.jit
 def _fwd(Q, K, V, O, Z, N, M, scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-         ACT: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr, PERSIST: tl.constexpr, C1: tl.constexpr,
-         C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
-         CLAMP: tl.constexpr):
+         ACT: tl.constexpr, POLY: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr, PERSIST: tl.constexpr,
+         C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+         C6: tl.constexpr, CLAMP: tl.constexpr):
     q_desc = tl.make_tensor_descriptor(Q, shape=[Z * N, D], strides=[D, 1], block_shape=[BLOCK_M, D])
     k_desc = tl.make_tensor_descriptor(K, shape=[Z * M, D], strides=[D, 1], block_shape=[BLOCK_N, D])
     v_desc = tl.make_tensor_descriptor(V, shape=[Z * M, D], strides=[D, 1], block_shape=[BLOCK_N, D])
     o_desc = tl.make_tensor_descriptor(O, shape=[Z * N, D], strides=[D, 1], block_shape=[BLOCK_M, D])
     tiles_m = N // BLOCK_M
-    if PERSIST:
+    if PERSIST:  # the q-tile loop is the warp-specialized one
         for t in tl.range(tl.program_id(0), Z * tiles_m, tl.num_programs(0), num_stages=STAGES,
                           warp_specialize=WS):
             _tile(q_desc, k_desc, v_desc, o_desc, t // tiles_m, (t % tiles_m) * BLOCK_M, N, M, scale, D, BLOCK_M,
-                  BLOCK_N, ACT, C1, C2, C3, C4, C5, C6, CLAMP)
-    else:
+                  BLOCK_N, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, False, None)  # inner: default stages
+    else:  # one q tile per program: its K/V loop is
         t = tl.program_id(0)
-        z = t // tiles_m
-        m0 = (t % tiles_m) * BLOCK_M
-        q = q_desc.load([z * N + m0, 0])
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for j in tl.range(0, M, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
-            k = k_desc.load([z * M + j, 0])
-            v = v_desc.load([z * M + j, 0])
-            s = tl.dot(q, k.T) * scale
-            a = _act(s, ACT, C1, C2, C3, C4, C5, C6, CLAMP)
-            acc = tl.dot(a.to(v.dtype), v, acc)
-        o_desc.store([z * N + m0, 0], acc.to(o_desc.dtype))
+        _tile(q_desc, k_desc, v_desc, o_desc, t // tiles_m, (t % tiles_m) * BLOCK_M, N, M, scale, D, BLOCK_M,
+              BLOCK_N, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, WS, STAGES)
 
 
 def _reference(q, k, v, scale, act):
@@ -147,7 +118,8 @@ def main():
             label = f"| {z}x{n}x{m} | {act} | {bm}x{bn} | {warps} | {stages} | {'persist' if persist else 'tile'} | {ws} |"
             try:
                 fn = functools.partial(_fwd[grid], q, k, v, o, z, n, m, scale, D=d, BLOCK_M=bm, BLOCK_N=bn,
-                                       ACT=ACTS[act], WS=ws, STAGES=stages, PERSIST=persist, num_warps=warps,
+                                       ACT=ACTS[act][0], POLY=ACTS[act][1], WS=ws, STAGES=stages,
+                                       PERSIST=persist, num_warps=warps,
                                        **consts)
                 kern = fn()
                 torch.cuda.synchronize()
