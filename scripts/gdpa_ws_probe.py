@@ -115,7 +115,8 @@ def main():
             o = torch.full_like(q, float("nan"))  # a tile the kernel never writes shows as NaN
             consts = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6"), _P.coef), CLAMP=_P.clamp)
             grid = (min(z * (n // bm), 2 * sms),) if persist else (z * (n // bm),)
-            label = f"| {z}x{n}x{m} | {act} | {bm}x{bn} | {warps} | {stages} | {'persist' if persist else 'tile'} | {ws} |"
+            loop = "persist" if persist else "tile"
+            label = f"| {z}x{n}x{m} | {act} | {bm}x{bn} | {warps} | {stages} | {loop} | {ws} |"
             try:
                 fn = functools.partial(_fwd[grid], q, k, v, o, z, n, m, scale, D=d, BLOCK_M=bm, BLOCK_N=bn,
                                        ACT=ACTS[act][0], POLY=ACTS[act][1], WS=ws, STAGES=stages,

@@ -4,12 +4,13 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   self   SiLU, causal, lengths ~ U[1, N], N 512..4096
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
-Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu (GEM_GDPA_TANH=exact;
-the default takes one tanh.approx instruction for bf16); the cross case also with the short-K/V paths forced off (the tiled
-forward and the two-pass backward), and with 64- and 128-row q tiles in the forward and the dQ pass
-(GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path up to 64 keys and, at
-D > 64, on the tiled forward and the dQ pass; 128 otherwise). Work tables are cached per offsets tensor, as in a model whose layers share one batch's offsets:
-after the first call a timed call launches only its kernels.
+Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
+(GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
+short-K/V paths forced off (the tiled forward and the two-pass backward), and with 64- and 128-row q tiles in the
+forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path
+up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
+forward and backward alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's
+offsets: after the first call a timed call launches only its kernels.
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them); the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.

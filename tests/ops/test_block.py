@@ -482,7 +482,7 @@ def test_rope_reads_table_rows_of_one_block_only(monkeypatch, mode):
     from gem.ops import rotary, triton_block
 
     monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
-    lengths, cfg = [157, 3, 0, 40], RopeConfig(rotary_dim=24)
+    lengths, cfg = [157, 1, 0, 40], RopeConfig(rotary_dim=24)
     _check(lengths, h=2, hkv=1, block_size=16, causal=True, rope_cfg=cfg)
     q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
     want = _run(lambda a, b, c: block_attention(a, b, c, off, 157, block_size=16, rope=cfg, kernel="triton"),

@@ -81,7 +81,7 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     seen = []
     real = triton_gdpa._consts
     monkeypatch.setattr(triton_gdpa, "_consts", lambda *a: seen.append(real(*a)["ACT"]) or real(*a))
-    _check([5, 0, 33, 17], [7, 4, 0, 40], h=4, hk=2, activation=activation, causal=causal, short_kv=short_kv)
+    _check([5, 0, 33, 1, 17], [7, 4, 0, 1, 40], h=4, hk=2, activation=activation, causal=causal, short_kv=short_kv)
     assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
 
 
