@@ -127,21 +127,16 @@ def _cases():
                 label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
                 cases.append(("gdpa", label, gdpa))
 
-    def gdpa_env(env):  # one unmasked long-K/V forward and backward under kernel knobs
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        try:
+    def gdpa_env(settings):  # one unmasked long-K/V forward and backward under kernel knobs
+        from scripts.bench.common import env
+
+        with env(settings):
             lk = [300, 70, 5, 1, 0]
             q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
             args = (offsets(lens), offsets(lk), 300, 300, "gelu_tanh", "", -1, -1, 0.1, 1.0, True, 0)
             out = triton_gdpa._gdpa_fwd(q, k, v, *args)
             triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
-        finally:
-            for key, val in saved.items():
-                if val is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = val
+
     # the fused (q tile, K/V tile) loops of the forward and dQ pass; the 8-warp 128-row q tiles (default: 64 rows)
     for env in ({"GEM_GDPA_FLAT": "4"}, {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}):
         label = "gdpa gelu_tanh " + " ".join(f"{key}={val}" for key, val in env.items())

@@ -15,14 +15,12 @@ fused row, the unfused/fused ratio. TFLOP/s count allowed (block-causal) pairs o
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import traceback
 
 import torch
 
-from scripts.bench.common import Row, bench_ms, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, bench_ms, env, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "block"
 H, D = 4, 128
@@ -116,22 +114,6 @@ def _flex(q, k, v, off, max_len, block):
     return lambda: fc(q, k, v)
 
 
-@contextlib.contextmanager
-def _knob(name, value):
-    """Set env var `name` for one row (fwd and bwd both read it); None leaves the environment alone."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
 def _measure(case, impl, make, inputs, flops, extra) -> Row:
     row = Row(SECTION, case, impl, extra=dict(extra))
     try:
@@ -180,7 +162,7 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
                   ("flex block-causal", lambda: _flex(q, k, v, off, max_len, block))]
     rows = []
     for name, make in impls:
-        with _knob("GEM_BLOCK_ROPE_STREAM", "inkernel" if name == "block RoPE in-kernel" else None):
+        with env({"GEM_BLOCK_ROPE_STREAM": "inkernel"} if name == "block RoPE in-kernel" else None):
             rows.append(_measure(case, name, make, (q, k, v), flops, info))
     fused, unfused = rows[0], rows[1]
     for key, a, b in (("unfused/fused fwd", unfused.fwd_ms, fused.fwd_ms),

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+
+@contextlib.contextmanager
+def env(settings: dict | None):
+    """Environment settings (kernel knobs) in force inside the block, restored after; None leaves all alone."""
+    old = {name: os.environ.get(name) for name in settings or {}}
+    os.environ.update(settings or {})
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def jagged_lengths(n: int, tokens: int, *, low: int = 1, seed: int = 0, device="cuda") -> torch.Tensor:

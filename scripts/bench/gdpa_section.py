@@ -18,14 +18,12 @@ TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import traceback
 
 import torch
 
-from scripts.bench.common import Row, attn_flops, bench_ms, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, attn_flops, bench_ms, env, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "gdpa"
 H, D = 4, 128
@@ -38,21 +36,6 @@ def _ours(q, k, v, oq, mq, ok, mk, **kw):
     from gem.ops.gdpa import gdpa
 
     return lambda: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw)
-
-
-@contextlib.contextmanager
-def _env(env):
-    """Environment settings (kernel knobs) in force for a whole row: its forward and the backward autograd runs."""
-    old = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _padded_compiled(q, k, v, oq, mq, ok, mk, *, activation, causal):
@@ -124,7 +107,7 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
              ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}})] + list(extra_impls)
     for name, kw in impls:
         kw = dict(kw)
-        with _env(kw.pop("env", None)):
+        with env(kw.pop("env", None)):  # a row's knobs hold for its forward and backward
             rows.append(
                 _measure(
                     SECTION,
