@@ -1,6 +1,6 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_scale,order,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_scale,order,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
     bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
@@ -93,6 +93,22 @@ def _gdpa_flat_cases():
     return out
 
 
+def _gdpa_short_cases():
+    """The short-K/V forward (whole K/V in one tile) forced on past its default reach, and its q tile heights."""
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c256")):
+        forced = (None, True) if "M=256" in name else (None,)
+        for short in forced:
+            for rows in ("32", "64", "128"):
+                out.append((f"gdpa {name} short_kv={short} rows={rows}", (q, k, v),
+                            lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw, short=short:
+                            gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=short, **kw),
+                            {"GEM_GDPA_FWD_BLOCK_M": rows}))
+    return out
+
+
 def _gdpa_inputs(names):
     """The GDPA bench shapes by name: (case label, _qkv inputs, gdpa keyword arguments)."""
     def cross(n, m):
@@ -181,6 +197,9 @@ def _block_cases():
                     lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(q, k, v, oq, mq, block_size=512,
                                                                        rope=RopeConfig(), kernel="triton"),
                     {"GEM_BLOCK_HEAD_ORDER": "inner"}))
+        if n >= 32768:  # the kernels without RoPE at the lengths whose event times disagreed (session 16)
+            out.append((f"block L={n} b512 no rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
+                q, k, v, oq, mq, block_size=512, kernel="triton")))
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)
     q, k, v, oq, mq, _, _ = _qkv(lq, lq)
     # the backward's stationary tiles rotated on load instead of read from the rotated copies
@@ -210,7 +229,8 @@ def _block_small_cases():
     return out
 
 
-CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "jfa": _jfa_cases, "block": _block_cases,
+CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases, "jfa": _jfa_cases,
+         "block": _block_cases,
          "block_small": _block_small_cases, "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
 
 
