@@ -171,6 +171,29 @@ def _cases():
     return cases
 
 
+def _per_config(op, name, thunk):
+    """(op, name, thunk) once per GDPA config index: every autotuned kernel pinned to its index-i config."""
+    if op != "gdpa":
+        return [(op, name, thunk)]
+    from gem.ops import triton_gdpa as tg
+
+    def pinned(i):
+        saved = {kname: getattr(tg, kname).configs for kname in tg.ALL_CONFIGS}
+        try:
+            for kname, cfgs in tg.ALL_CONFIGS.items():
+                kernel = getattr(tg, kname)
+                kernel.configs = [cfgs[i % len(cfgs)]]
+                kernel.cache.clear()
+            thunk()
+        finally:
+            for kname, cfgs in saved.items():
+                getattr(tg, kname).configs = cfgs
+
+    n = max(len(c) for c in tg.ALL_CONFIGS.values())
+    return [(op, f"{name} cfg#{i} " + " ".join(f"{k}=[{cfgs[i % len(cfgs)]}]" for k, cfgs in tg.ALL_CONFIGS.items()),
+             lambda i=i: pinned(i)) for i in range(n)]
+
+
 def main() -> int:
     import argparse
 
@@ -182,6 +205,9 @@ def main() -> int:
     ap.add_argument("--resources", action="store_true",
                     help="also report each case's most registers and spill bytes per thread (cuobjdump)")
     ap.add_argument("--match", default="", help="only the cases whose label contains this text (e.g. 'jfa ds')")
+    ap.add_argument("--every-config", action="store_true",
+                    help="GDPA: each case once per config index i, every autotuned kernel on its i-th config (lists "
+                         "cycle, as in the GPU every-config test), so --resources shows each candidate's registers")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
     if not ops <= {"jfa", "gdpa", "block", "rope"}:
@@ -195,7 +221,10 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     _install(a.resources)
     failed = []
-    for op, name, thunk in _cases():
+    cases = _cases()
+    if a.every_config:
+        cases = [c for op, name, thunk in cases for c in _per_config(op, name, thunk)]
+    for op, name, thunk in cases:
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto"))
                                           or (op == "rope" and "cfg0" not in name))):
             continue
@@ -219,6 +248,8 @@ def main() -> int:
             spills = sorted({f"{k} {st} B" for k, _, st in res if st > 0})
             note += (f"; max {max((r for _, r, _ in res), default=0)} registers"
                      f"; spills: {', '.join(spills) if spills else 'none'}")
+            if a.every_config:  # each kernel's registers / spill bytes, in compile order
+                note += "; per kernel: " + ", ".join(f"{k} {r}/{st}" for k, r, st in res)
         print(f"ok   {name}: {len(kernels)} compiles, max shared {smem // 1024} KB, "
               f"{time.perf_counter() - t0:.1f} s{note}")
     print(f"compile_check: {len(COMPILED)} kernel compiles for sm_90, {len(failed)} failed case(s)")

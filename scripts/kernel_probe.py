@@ -1,6 +1,7 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_scale,order,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_tma,gdpa_scale,order,jfa,block,block_small]
+                                   [--match TEXT] [--iters 20] [--host]
     bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
@@ -109,6 +110,18 @@ def _gdpa_short_cases():
     return out
 
 
+def _gdpa_tma_cases():
+    """The forward through TMA descriptors (GEM_GDPA_TMA=1) against pointer loads, on the bench shapes."""
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c256", "s512", "s2k")):
+        for tma in ("0", "1"):
+            out.append((f"gdpa {name} tma={tma}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
+                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_TMA": tma}))
+    return out
+
+
 def _gdpa_inputs(names):
     """The GDPA bench shapes by name: (case label, _qkv inputs, gdpa keyword arguments)."""
     def cross(n, m):
@@ -192,11 +205,11 @@ def _block_cases():
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
-        # a tile's heads side by side (GEM_BLOCK_HEAD_ORDER=inner): they share its RoPE table rows in L2
-        out.append((f"block L={n} b512 rope, heads inner", (q, k, v),
+        # head by head (GEM_BLOCK_HEAD_ORDER=outer; the default runs a tile's heads side by side)
+        out.append((f"block L={n} b512 rope, heads outer", (q, k, v),
                     lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(q, k, v, oq, mq, block_size=512,
                                                                        rope=RopeConfig(), kernel="triton"),
-                    {"GEM_BLOCK_HEAD_ORDER": "inner"}))
+                    {"GEM_BLOCK_HEAD_ORDER": "outer"}))
         if n >= 32768:  # the kernels without RoPE at the lengths whose event times disagreed (session 16)
             out.append((f"block L={n} b512 no rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
                 q, k, v, oq, mq, block_size=512, kernel="triton")))
@@ -229,9 +242,9 @@ def _block_small_cases():
     return out
 
 
-CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases, "jfa": _jfa_cases,
-         "block": _block_cases,
-         "block_small": _block_small_cases, "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
+CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases,
+         "gdpa_tma": _gdpa_tma_cases, "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
+         "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
 
 
 def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:
@@ -330,6 +343,8 @@ def main() -> int:
                     print(f"## {name}: profiled one fwd+bwd", flush=True)
                 else:
                     _time_case(name, fwd, both, a)
+                if name.startswith("gdpa"):
+                    _print_gdpa_tuning()
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
                 print(f"\n## {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
             for key, val in saved.items():
@@ -339,6 +354,23 @@ def main() -> int:
                     os.environ[key] = val
             torch.cuda.empty_cache()
     return 0
+
+
+_SEEN_TIMINGS: list = []  # the dicts themselves: kept alive, so no id is reused
+
+
+def _print_gdpa_tuning() -> None:
+    """Each GDPA autotuner's timings of its newest key (triton keeps the last tuning's), fastest first."""
+    from gem.ops import triton_gdpa as tg
+
+    for kname in tg.ALL_CONFIGS:
+        timings = getattr(getattr(tg, kname), "configs_timings", None)
+        if not timings or any(t is timings for t in _SEEN_TIMINGS):
+            continue
+        _SEEN_TIMINGS.append(timings)
+        ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
+        cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
+        print(f"tuned {kname}: " + "; ".join(cells))
 
 
 def _time_case(name, fwd, both, a) -> None:
