@@ -1,6 +1,6 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_tma,gdpa_scale,order,jfa,block,block_small]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_scale,order,jfa,block,block_small]
                                    [--match TEXT] [--iters 20] [--host]
     bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
@@ -107,18 +107,6 @@ def _gdpa_short_cases():
                             lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw, short=short:
                             gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=short, **kw),
                             {"GEM_GDPA_FWD_BLOCK_M": rows}))
-    return out
-
-
-def _gdpa_tma_cases():
-    """The forward through TMA descriptors (GEM_GDPA_TMA=1) against pointer loads, on the bench shapes."""
-    from gem.ops.gdpa import gdpa
-
-    out = []
-    for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c256", "s512", "s2k")):
-        for tma in ("0", "1"):
-            out.append((f"gdpa {name} tma={tma}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
-                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_TMA": tma}))
     return out
 
 
@@ -243,7 +231,7 @@ def _block_small_cases():
 
 
 CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases,
-         "gdpa_tma": _gdpa_tma_cases, "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
+         "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
          "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
 
 

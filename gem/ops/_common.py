@@ -184,8 +184,3 @@ def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, dev
             seen = _CHECKED[offsets] = []
         seen.append(key)
         del seen[:-4]  # a few (rows, max_len) pairs per tensor, e.g. q and k sides
-
-
-def tma_scratch(size: int, alignment: int, stream):
-    """Global scratch for in-kernel TMA descriptors (128 bytes per program): triton.set_allocator's callback."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import eager_tables, next_pow2, offsets_cached, tma_scratch, triton_interpreting
+from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
@@ -294,45 +294,22 @@ def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED: tl.constexpr, BLOCK_M: tl.c
 
 # ------------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _q_tile(Qb, desc_q, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr):
     """Scaled q rows [m0, m0 + BLOCK_M) (zeros past lq or D), their row indices and their mask."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-    if TMA:  # rows past lq lie outside the sequence's descriptor: zero-filled
-        q = _scaled(desc_q.load([m0, 0]), scale)
-    else:
-        q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+    q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
     return q, offs_m, qmask
 
 
 @triton.jit
-def _store_o(Ob, desc_o, m0, offs_m, qmask, offs_d, stride_ot, o, TMA: tl.constexpr):
-    """Output rows [m0, m0 + BLOCK_M): a TMA store drops the rows past the sequence's descriptor."""
-    if TMA:
-        desc_o.store([m0, 0], o)
-    else:
-        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), o, mask=qmask)
-
-
-@triton.jit
-def _kv_tile(Kb, Vb, desc_k, desc_v, n0, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt, TMA: tl.constexpr):
-    """K and V rows [n0, n0 + BLOCK_N) (zeros past lk or D)."""
-    if TMA:
-        k = desc_k.load([n0, 0])
-        v = desc_v.load([n0, 0])
-    else:
-        k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-    return k, v
-
-
-@triton.jit
-def _fwd_kv_tile(acc, q, Kb, Vb, desc_k, desc_v, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff,
-                 LEFT, RIGHT, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
-                 C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
-                 CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
+                 MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """acc += act(q k^T) v over one key tile; MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
-    k, v = _kv_tile(Kb, Vb, desc_k, desc_v, n0, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt, TMA)
+    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
@@ -382,7 +359,6 @@ def _fwd_kernel(
     CLAMP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -397,31 +373,9 @@ def _fwd_kernel(
     Ob = O + q_start * stride_ot + head * stride_oh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
-    desc_q = None
-    desc_o = None
-    desc_k = None
-    desc_v = None
-    o_scale = out_scale
-    if TMA:
-        # one descriptor per sequence and head (HEAD_DIM == BLOCK_D, 16-byte aligned rows: the host checks), so
-        # loads past the sequence's rows come back as zeros and stores past them are dropped. A length 0 keeps a
-        # 1-row shape: q then has no tiles; K/V rows are loaded only by the short path, from token 0 (the host
-        # asks for at least one key token), and its output is scaled to 0
-        if SHORT_KV:
-            Kb = tl.where(lk > 0, Kb, K + kvh * stride_kh)
-            Vb = tl.where(lk > 0, Vb, V + kvh * stride_vh)
-            o_scale = tl.where(lk > 0, out_scale, 0.0)
-        desc_q = tl.make_tensor_descriptor(Qb, shape=[tl.maximum(lq, 1), HEAD_DIM], strides=[stride_qt, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        desc_o = tl.make_tensor_descriptor(Ob, shape=[tl.maximum(lq, 1), HEAD_DIM], strides=[stride_ot, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        desc_k = tl.make_tensor_descriptor(Kb, shape=[tl.maximum(lk, 1), HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        desc_v = tl.make_tensor_descriptor(Vb, shape=[tl.maximum(lk, 1), HEAD_DIM], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
     if SHORT_KV:
         # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item
-        k_all, v_all = _kv_tile(Kb, Vb, desc_k, desc_v, 0, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, TMA)
+        k_all, v_all, _ = _load_kv(Kb, Vb, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt)
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
@@ -431,18 +385,17 @@ def _fwd_kernel(
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
         nt = tl.cdiv(lk, BLOCK_N)
         for t in tl.range(n_tiles, flatten=True):
-            m0 = (first + t) * BLOCK_M
-            q, offs_m, qmask = _q_tile(Qb, desc_q, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, TMA)
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, desc_k, desc_v, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                   stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6,
-                                   CLAMP, DOT_PREC, UPCAST, TMA)
-            _store_o(Ob, desc_o, m0, offs_m, qmask, offs_d, stride_ot, (acc * out_scale).to(O.dtype.element_ty), TMA)
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
+            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
     else:
         for t in range(n_tiles):
             m0 = (first + t) * BLOCK_M
-            q, offs_m, qmask = _q_tile(Qb, desc_q, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, TMA)
+            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             if SHORT_KV:
                 s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
@@ -453,18 +406,18 @@ def _fwd_kernel(
             else:
                 lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
                 for j in range(t_a):  # j: t is the q-tile loop's
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, desc_k, desc_v, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d,
-                                       d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4,
-                                       C5, C6, CLAMP, DOT_PREC, UPCAST, TMA)
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
                 for j in range(t_a, t_b):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, desc_k, desc_v, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d,
-                                       d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3,
-                                       C4, C5, C6, CLAMP, DOT_PREC, UPCAST, TMA)
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
+                                       C5, C6, CLAMP, DOT_PREC, UPCAST)
                 for j in range(t_b, nt):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, desc_k, desc_v, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d,
-                                       d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4,
-                                       C5, C6, CLAMP, DOT_PREC, UPCAST, TMA)
-            _store_o(Ob, desc_o, m0, offs_m, qmask, offs_d, stride_ot, (acc * o_scale).to(O.dtype.element_ty), TMA)
+                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
+                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
+                                       C6, CLAMP, DOT_PREC, UPCAST)
+            tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -671,8 +624,7 @@ def _bwd_dq_kernel(
         n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
         nt = tl.cdiv(lk, BLOCK_N)
         for t in tl.range(n_tiles, flatten=True):
-            q, offs_m, qmask = _q_tile(Qb, None, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M,
-                                       False)
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
             do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
@@ -683,7 +635,7 @@ def _bwd_dq_kernel(
                      mask=qmask)
         return
     m0 = group_id * BLOCK_M
-    q, offs_m, qmask = _q_tile(Qb, None, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, False)
+    q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
@@ -804,11 +756,7 @@ def _bwd_short_kernel(
 
 # --------------------------------------------------------------------------------------------- autotuning
 def _configs(names: tuple[str, ...], values: list[tuple]) -> list[triton.Config]:
-    """(*params, num_warps, num_stages[, maxnreg]) each: maxnreg, ptxas's per-thread register cap, lets more
-    programs share an SM (the memory-bound short-K/V kernels want more loads in flight)."""
-    n = len(names)
-    return [triton.Config(dict(zip(names, v[:n])), num_warps=v[n], num_stages=v[n + 1],
-                          maxnreg=v[n + 2] if len(v) > n + 2 else None) for v in values]
+    return [triton.Config(dict(zip(names, v[:-2])), num_warps=v[-2], num_stages=v[-1]) for v in values]
 
 
 _KEY = ["HEAD_DIM", "max_len_bucket", "ACT", "POLY", "MASKED"]
@@ -819,19 +767,19 @@ if triton_interpreting():
     _DQ_CFG = _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(16, 1, 1)])
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
 else:  # a small space: each config costs a compile per key
-    # (3- and 4-stage forms of the short-K/V q-tile loop were tried in session 16: cross M64 0.436 -> 0.435 ms)
-    # the 3rd and 4th: 4-warp programs capped at 168 / 128 registers, three / four per SM by registers
-    _FWD_CFG = _configs((), [(4, 2), (8, 2), (4, 2, 168), (4, 2, 128)])
+    # (3- and 4-stage forms of the short-K/V q-tile loop were tried in session 16: cross M64 0.436 -> 0.435 ms; in
+    # session 17, register caps (maxnreg 128 / 168) on every 4-warp list here: none won, e.g. cross M64 forward
+    # 0.436 / 0.438 ms, one-pass backward 1.277 vs 0.990 ms; and TMA loads and stores in the forward: slower)
+    _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
     # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
     # three programs share an SM and hide each other's load and activation latency
-    _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 4, 2, 168), (64, 4, 2, 128)])
+    _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(64, 4, 2), (64, 4, 3), (128, 4, 2)])
     # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread)
-    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2), (32, 8, 2, 128)])
+    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
-    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 2, 168)])  # <= 64-row q tiles
-    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1), (32, 4, 2), (16, 4, 2), (32, 8, 3),
-                                            (32, 4, 2, 168), (32, 4, 2, 128), (16, 4, 2, 128)])
+    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
+    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1), (32, 4, 2), (16, 4, 2), (32, 8, 3)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
@@ -840,10 +788,9 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
     _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
         c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "TMA"])(_fwd_kernel)
-_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "TMA"])(_fwd_kernel)
-_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "TMA"])(
-    _fwd_kernel)
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
+_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
@@ -937,20 +884,6 @@ def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_l
         return 0
     tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
     return tiles if tiles > 1 else 0
-
-
-def _fwd_tma(*tensors) -> bool:
-    """GEM_GDPA_TMA=1: the forward loads q, K, V and stores its output through per-sequence TMA descriptors (rows
-    past a sequence come back as zeros, stores past it are dropped), where every tensor allows one: 2-byte
-    elements, D a power of two, 16-byte aligned bases, token rows and head offsets."""
-    env = os.environ.get("GEM_GDPA_TMA", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"GEM_GDPA_TMA={env!r}: expected 0 or 1")
-    if env != "1":
-        return False
-    return all(t.element_size() == 2 and t.shape[2] == _bucket(t.shape[2]) and t.stride(2) == 1
-               and t.data_ptr() % 16 == 0 and (t.stride(0) * 2) % 16 == 0 and (t.stride(1) * 2) % 16 == 0
-               for t in tensors)
 
 
 def _bwd_scale_q() -> bool:
@@ -1124,12 +1057,8 @@ def _gdpa_fwd(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
-        _fwd_tma(q)
         return torch.zeros_like(q)
     out = _empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
-    tma = _fwd_tma(q, k, v, out) and k.shape[0] > 0
-    if tma and q.is_cuda:
-        triton.set_allocator(tma_scratch)  # a context variable: set it on this thread, right before launch
     kv_tile = _bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * _bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(short_kv)
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
@@ -1141,7 +1070,7 @@ def _gdpa_fwd(
         fused = _fused_tiles(t, block_m, h, offsets_q.numel() - 1, max_len_q, max_len_k, q.device, True)
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
-    common = dict(BLOCK_M=block_m, TILES=tiles, TMA=tma, **_common(q, k, left, right, activation, approx))
+    common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:

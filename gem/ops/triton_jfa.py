@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import OFFSETS_CACHE_MAX, cdiv, eager_tables, offsets_cached, tma_scratch, triton_interpreting
+from gem.ops._common import OFFSETS_CACHE_MAX, cdiv, eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
 
 LOG2E = 1.4426950408889634
@@ -728,6 +728,11 @@ def _pass_configs(d: int, var: str, which: str):
 _TUNER = ConfigTuner("gem.ops.jfa", "GEM_JFA_AUTOTUNE")
 
 
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for in-kernel TMA descriptors (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _tma_ok(*tensors) -> bool:
     """TMA needs 16-byte aligned bases and row strides; the kernels' descriptors also span adjacent heads of one
     token (contiguous [H, D] per token)."""
@@ -757,7 +762,7 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
         var = _auto_choice("fwd", max_len_q, left, right)
     tma = var == "tma" and _tma_ok(k, v)
     if tma and q.is_cuda:
-        triton.set_allocator(tma_scratch)  # a context variable: set it on this thread, right before launch
+        triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
               "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
 
@@ -793,7 +798,7 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
     v2 = var != "base"
     tma = var == "tma" and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
-        triton.set_allocator(tma_scratch)  # the backward may run on another thread than the forward
+        triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
     lse2 = lse * LOG2E
     if not v2:

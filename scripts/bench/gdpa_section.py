@@ -5,8 +5,7 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
 Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
-(GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16) and with the forward's loads and
-stores through TMA descriptors (GEM_GDPA_TMA=1); the cross case also with the
+(GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
 short-K/V paths forced off (the tiled forward and the two-pass backward), and with 64- and 128-row q tiles in the
 forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path
 up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
@@ -105,8 +104,7 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
     info = {"B": lq.numel(), "tokens": int(lq.sum())}
     rows = []
     impls = [("gdpa", {}), ("gdpa poly6", {"approx": "poly6"}),
-             ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}}),
-             ("gdpa TMA forward (GEM_GDPA_TMA=1)", {"env": {"GEM_GDPA_TMA": "1"}})] + list(extra_impls)
+             ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}})] + list(extra_impls)
     for name, kw in impls:
         kw = dict(kw)
         with env(kw.pop("env", None)):  # a row's knobs hold for its forward and backward

@@ -85,44 +85,6 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
 
 
-@pytest.mark.parametrize("short_kv,window,flat", [(True, None, ""), (False, None, ""), (False, None, "2"),
-                                                  (True, (3, 0), ""), (False, (-1, 0), ""), (False, (9, 4), "")])
-def test_tma_forward_matches_reference(monkeypatch, short_kv, window, flat):
-    """GEM_GDPA_TMA=1: q, K, V loads and the output store through per-sequence descriptors. Rows past a sequence
-    must load as zeros and stores past it must be dropped (outputs start as NaN, and the next sequence's rows
-    are other programs' outputs); lengths 0 and 1, and sequences over several 16-row tiles."""
-    from gem.ops import triton_gdpa
-
-    monkeypatch.setenv("GEM_GDPA_TMA", "1")
-    monkeypatch.setenv("GEM_GDPA_FLAT", flat)
-    seen = []
-    real = triton_gdpa._fwd_tma
-    monkeypatch.setattr(triton_gdpa, "_fwd_tma", lambda *t: seen.append(real(*t)) or seen[-1])
-    causal = window == (-1, 0)
-    kw = {} if window is None or causal else {"window": window}
-    _check([5, 0, 33, 1, 17, 40, 3], [7, 4, 0, 1, 40, 12, 0], h=4, hk=2, dtype=torch.bfloat16, activation="gelu_tanh",
-           short_kv=short_kv, causal=causal, **kw)
-    assert seen and all(seen)
-
-
-def test_tma_forward_needs_aligned_power_of_two_rows(monkeypatch):
-    from gem.ops import triton_gdpa
-
-    monkeypatch.setenv("GEM_GDPA_TMA", "1")
-    ok = torch.zeros(9, 2, 32, dtype=torch.bfloat16)
-    assert triton_gdpa._fwd_tma(ok)
-    assert not triton_gdpa._fwd_tma(ok.float())  # 4-byte elements
-    assert not triton_gdpa._fwd_tma(torch.zeros(9, 2, 24, dtype=torch.bfloat16))  # D not a power of two
-    assert not triton_gdpa._fwd_tma(torch.zeros(9 * 64 + 1, dtype=torch.bfloat16)[1:].view(9, 2, 32))  # base
-    assert not triton_gdpa._fwd_tma(torch.zeros(9, 2, 33, dtype=torch.bfloat16)[:, :, :32])  # 66-byte rows
-    monkeypatch.setenv("GEM_GDPA_TMA", "0")
-    assert not triton_gdpa._fwd_tma(ok)
-    monkeypatch.setenv("GEM_GDPA_TMA", "yes")
-    q, k, v, oq, mq, ok_, mk = _inputs([3], [4], dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="GEM_GDPA_TMA='yes'"):
-        gdpa(q, k, v, oq, mq, ok_, mk, kernel="triton")
-
-
 def test_tanh_mode_picks_the_form(monkeypatch):
     from gem.ops.triton_gdpa import tanh_form
 
@@ -466,35 +428,6 @@ def test_gpu_every_config(monkeypatch):
             m.setenv("GEM_GDPA_FLAT", "4")
             _check(lq, lk_long, d=128, short_kv=False, **kw)
             _check(lq, lk_long, d=64, short_kv=False, **kw)
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_tma_forward_every_config(monkeypatch):
-    """GEM_GDPA_TMA=1 on every forward config: both K/V paths, masked, the fused loops, D 64 and 128; a last
-    sequence with no keys (its 1-row K/V descriptor must not reach past the tensor) and one with no queries."""
-    from gem.ops import triton_gdpa as tg
-
-    monkeypatch.setenv("GEM_GDPA_TMA", "1")
-    g = torch.Generator().manual_seed(5)
-    lq = torch.randint(1, 600, (10,), generator=g).tolist() + [0, 1, 77]
-    lk_short = torch.randint(1, 64, (10,), generator=g).tolist() + [5, 3, 0]
-    lk_long = torch.randint(1, 300, (10,), generator=g).tolist() + [5, 3, 0]
-    kw = {"h": 4, "hk": 2, "dtype": torch.bfloat16, "device": "cuda", "activation": "gelu_tanh"}
-    fwd = ("_fwd_short", "_fwd_long", "_fwd_long_small")
-    for i in range(max(len(tg.ALL_CONFIGS[name]) for name in fwd)):
-        for name in fwd:
-            cfgs = tg.ALL_CONFIGS[name]
-            kernel = getattr(tg, name)
-            monkeypatch.setattr(kernel, "configs", [cfgs[i % len(cfgs)]])
-            kernel.cache.clear()
-        _check(lq, lk_short, d=128, short_kv=True, **kw)
-        _check(lq, lk_long, d=128, short_kv=False, **kw)
-        _check(lq, lq, d=128, causal=True, **kw)
-        _check(lq, lk_long, d=64, short_kv=False, window=(40, 3), **kw)
-        with monkeypatch.context() as m:
-            m.setenv("GEM_GDPA_FLAT", "4")
-            _check(lq, lk_long, d=128, short_kv=False, **kw)
 
 
 @pytest.mark.gpu
