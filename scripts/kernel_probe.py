@@ -1,7 +1,7 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_scale,order,jfa,block,block_small]
-                                   [--match TEXT] [--iters 20] [--host]
+    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_narrow,gdpa_scale,order,jfa,block,
+                                    block_small] [--match TEXT] [--iters 20] [--host]
     bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
@@ -110,6 +110,20 @@ def _gdpa_short_cases():
     return out
 
 
+def _gdpa_narrow_cases():
+    """The short-K/V kernels with each sequence on the narrowest K/V tile that holds it (default) or all on the
+    full tile (GEM_GDPA_NARROW=0)."""
+    from gem.ops.gdpa import gdpa
+
+    out = []
+    for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c128")):
+        for narrow in ("1", "0"):
+            out.append((f"gdpa {name} narrow={narrow}", (q, k, v),
+                        lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
+                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_NARROW": narrow}))
+    return out
+
+
 def _gdpa_inputs(names):
     """The GDPA bench shapes by name: (case label, _qkv inputs, gdpa keyword arguments)."""
     def cross(n, m):
@@ -122,6 +136,7 @@ def _gdpa_inputs(names):
         return _qkv(ls, ls)
 
     shapes = {"c64": ("cross gelu_tanh N=256 M=64", lambda: cross(256, 64), {"activation": "gelu_tanh"}),
+              "c128": ("cross gelu_tanh N=512 M=128", lambda: cross(512, 128), {"activation": "gelu_tanh"}),
               "c256": ("cross gelu_tanh N=1024 M=256", lambda: cross(1024, 256), {"activation": "gelu_tanh"}),
               "s2k": ("self silu N=2048 causal", lambda: causal_self(2048), {"activation": "silu", "causal": True}),
               "s512": ("self silu N=512 causal", lambda: causal_self(512), {"activation": "silu", "causal": True})}
@@ -231,7 +246,7 @@ def _block_small_cases():
 
 
 CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases,
-         "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
+         "gdpa_narrow": _gdpa_narrow_cases, "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
          "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
 
 

@@ -317,6 +317,25 @@ def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_k
 
 
 @triton.jit
+def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt, stride_vt,
+                    stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
+                    C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles."""
+    offs_n = tl.arange(0, BLOCK_N)
+    k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
+    for t in range(n_tiles):
+        m0 = (first + t) * BLOCK_M
+        q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+        a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+        if MASKED:
+            a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+        acc = _mm(a.to(v.dtype), v, DOT_PREC, UPCAST)
+        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -359,6 +378,7 @@ def _fwd_kernel(
     CLAMP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -373,14 +393,32 @@ def _fwd_kernel(
     Ob = O + q_start * stride_ot + head * stride_oh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
-    if SHORT_KV:
-        # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item
-        k_all, v_all, _ = _load_kv(Kb, Vb, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt)
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
     tl.static_assert(not (FLAT and (MASKED or SHORT_KV)))
-    if FLAT:
+    if SHORT_KV:
+        # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item; its keys take the
+        # narrowest of BLOCK_N, BLOCK_N / 2, BLOCK_N / 4 (>= 16) that holds them, so the dots and activations
+        # shrink with the sequence (K/V lengths vary within a batch)
+        if NARROW and BLOCK_N >= 64:
+            if lk <= BLOCK_N // 4:
+                _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 4,
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+            elif lk <= BLOCK_N // 2:
+                _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 2,
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+            else:
+                _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N,
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+        else:
+            _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
+                            stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+    elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
         nt = tl.cdiv(lk, BLOCK_N)
@@ -397,26 +435,19 @@ def _fwd_kernel(
             m0 = (first + t) * BLOCK_M
             q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            if SHORT_KV:
-                s = _mm(q, tl.trans(k_all), DOT_PREC, UPCAST)
-                a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-                if MASKED:
-                    a = tl.where(_visible(offs_m, offs_n0, doff, LEFT, RIGHT), a, 0.0)
-                acc = _mma(a.to(v_all.dtype), v_all, acc, DOT_PREC, UPCAST)
-            else:
-                lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
-                for j in range(t_a):  # j: t is the q-tile loop's
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                       C6, CLAMP, DOT_PREC, UPCAST)
-                for j in range(t_a, t_b):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4,
-                                       C5, C6, CLAMP, DOT_PREC, UPCAST)
-                for j in range(t_b, nt):
-                    acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok,
-                                       stride_kt, stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5,
-                                       C6, CLAMP, DOT_PREC, UPCAST)
+            lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+            for j in range(t_a):  # j: t is the q-tile loop's
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
+            for j in range(t_a, t_b):
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
+            for j in range(t_b, nt):
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
@@ -704,6 +735,7 @@ def _bwd_short_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     SCALE_Q: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
@@ -714,9 +746,45 @@ def _bwd_short_kernel(
     doff = lk - lq
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
+    DKb = DK + k_start * stride_dkt + kvh * stride_dkh
+    DVb = DV + k_start * stride_dvt + kvh * stride_dvh
+    # a sequence's keys take the narrowest of BLOCK_N, BLOCK_N / 2, BLOCK_N / 4 (>= 16) that holds them: the
+    # dots, activations and dK/dV tiles shrink with it (K/V lengths vary within a batch)
+    if NARROW and BLOCK_N >= 64:
+        if lk <= BLOCK_N // 4:
+            _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
+                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED, ACT, POLY, C1,
+                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+        elif lk <= BLOCK_N // 2:
+            _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
+                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED, ACT, POLY, C1,
+                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+        else:
+            _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
+                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1,
+                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+    else:
+        _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
+                        stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
+                        scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1,
+                        C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+
+
+@triton.jit
+def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
+                    stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
+                    scale, out_scale, LEFT, RIGHT, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
+                    C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    SCALE_Q: tl.constexpr):
+    """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile."""
+    offs_n = tl.arange(0, BLOCK_N)
     k, v, kmask = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -747,11 +815,9 @@ def _bwd_short_kernel(
             dq = _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST)
             tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
                      mask=qmask)
-    DKb = DK + k_start * stride_dkt + kvh * stride_dkh
-    DVb = DV + k_start * stride_dvt + kvh * stride_dvh
     dk_scale = out_scale if SCALE_Q else out_scale * scale
-    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DV.dtype.element_ty), mask=kmask)
+    tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DKb.dtype.element_ty), mask=kmask)
+    tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DVb.dtype.element_ty), mask=kmask)
 
 
 # --------------------------------------------------------------------------------------------- autotuning
@@ -788,14 +854,14 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
     _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
         c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M"])(_fwd_kernel)
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW"])(_fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
-_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q"])(_bwd_short_kernel)
+_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW"])(_bwd_short_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -884,6 +950,15 @@ def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_l
         return 0
     tiles = _tiles_per_program(t, block_m, h, n_seq, max_len_q, device)
     return tiles if tiles > 1 else 0
+
+
+def _narrow() -> bool:
+    """GEM_GDPA_NARROW=0 keeps every sequence of the short-K/V kernels (forward and one-pass backward) on the full
+    K/V tile; by default a sequence with at most a half or a quarter of its keys takes that narrower tile."""
+    env = os.environ.get("GEM_GDPA_NARROW", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"GEM_GDPA_NARROW={env!r}: expected 0 or 1")
+    return env != "0"
 
 
 def _bwd_scale_q() -> bool:
@@ -1054,6 +1129,7 @@ def _gdpa_fwd(
     short_kv: int,
 ) -> torch.Tensor:
     _flat_knob()  # a bad value fails every call, not only those that would fuse
+    narrow = _narrow()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -1074,9 +1150,10 @@ def _gdpa_fwd(
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
-        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, **common)
+        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow, **common)
     else:
-        (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, **common)
+        (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, NARROW=False,
+                                                                **common)
     return out
 
 
@@ -1109,6 +1186,7 @@ def _gdpa_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _flat_knob()
     _bwd_scale_q()  # knobs are checked on every call, also where no kernel reads them
+    _narrow()
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
@@ -1161,7 +1239,8 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     common = _common(q, k, left, right, activation, approx)
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _bwd_short[(nb * k.shape[1],)](*args, BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), **common)
+    _bwd_short[(nb * k.shape[1],)](*args, BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(),
+                                   **common)
     return dq, dk, dv
 
 

@@ -6,7 +6,9 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
 Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
 (GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
-short-K/V paths forced off (the tiled forward and the two-pass backward), and with 64- and 128-row q tiles in the
+short-K/V paths forced off (the tiled forward and the two-pass backward), with every sequence of the short-K/V
+kernels on the full K/V tile (GEM_GDPA_NARROW=0; by default one with at most a half or a quarter of the keys takes
+that narrower tile), and with 64- and 128-row q tiles in the
 forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path
 up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
 forward and backward alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's
@@ -173,6 +175,7 @@ def run(args) -> list[Row]:
             activation="gelu_tanh",
             causal=False,
             extra_impls=[("gdpa long-K/V path", {"short_kv": False}),
+                         ("gdpa full K/V tiles (GEM_GDPA_NARROW=0)", {"env": {"GEM_GDPA_NARROW": "0"}}),
                          ("gdpa 64-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "64", "GEM_GDPA_DQ_BLOCK_M": "64"}}),
                          ("gdpa 128-row q tiles",
                           {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})],

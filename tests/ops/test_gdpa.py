@@ -85,6 +85,25 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
 
 
+@pytest.mark.parametrize("narrow", ["1", "0"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_kv_narrow_tiles(monkeypatch, narrow, causal):
+    """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
+    a quarter of it that holds its keys: lengths at and one past each width's edge (16, 32 of a 64-key tile), 0
+    and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
+    monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
+    lk = [1, 16, 17, 32, 33, 64, 0, 9]
+    lq = [3, 20, 1, 17, 40, 33, 5, 0]
+    _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
+
+
+def test_narrow_knob_bad_value(monkeypatch):
+    monkeypatch.setenv("GEM_GDPA_NARROW", "yes")
+    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
+    with pytest.raises(ValueError, match="GEM_GDPA_NARROW='yes'"):
+        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+
+
 def test_tanh_mode_picks_the_form(monkeypatch):
     from gem.ops.triton_gdpa import tanh_form
 
