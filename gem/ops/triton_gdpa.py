@@ -294,23 +294,29 @@ def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED: tl.constexpr, BLOCK_M: tl.c
 
 # ------------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr):
-    """Scaled q rows [m0, m0 + BLOCK_M) (zeros past lq or D), their row indices and their mask."""
+def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr, SCALE: tl.constexpr):
+    """q rows [m0, m0 + BLOCK_M) (zeros past lq or D), scaled if SCALE, their row indices and their mask."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-    q = _scaled(tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0), scale)
+    q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
+    if SCALE:
+        q = _scaled(q, scale)
     return q, offs_m, qmask
 
 
 @triton.jit
 def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                 MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += act(q k^T) v over one key tile; MASK: the tile crosses the window edge."""
+                 scale, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                 C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                 CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCALE_S: tl.constexpr):
+    """acc += act(q k^T) v over one key tile (S scaled here if SCALE_S, else q came scaled); MASK: the tile crosses
+    the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-    a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
+    if SCALE_S:
+        s = s * scale
+    a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
     return _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
@@ -321,14 +327,20 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
                     stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
                     C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles."""
+                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    SCALE_Q: tl.constexpr):
+    """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles.
+    Without SCALE_Q the scale multiplies S, so each loaded q tile feeds the dot as loaded (the pipelined load can
+    go straight to shared memory)."""
     offs_n = tl.arange(0, BLOCK_N)
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     for t in range(n_tiles):
         m0 = (first + t) * BLOCK_M
-        q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
-        a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+        q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, SCALE_Q)
+        s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
+        if not SCALE_Q:
+            s = s * scale
+        a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
         if MASKED:
             a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
         acc = _mm(a.to(v.dtype), v, DOT_PREC, UPCAST)
@@ -379,6 +391,7 @@ def _fwd_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     NARROW: tl.constexpr,
+    FWD_SCALE_Q: tl.constexpr,
 ):
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -405,49 +418,53 @@ def _fwd_kernel(
             if lk <= BLOCK_N // 4:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 4,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
+                                FWD_SCALE_Q)
             elif lk <= BLOCK_N // 2:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 2,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
+                                FWD_SCALE_Q)
             else:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
+                                FWD_SCALE_Q)
         else:
             _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                             stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, FWD_SCALE_Q)
     elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
         nt = tl.cdiv(lk, BLOCK_N)
         for t in tl.range(n_tiles, flatten=True):
-            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M,
+                                       FWD_SCALE_Q)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST)
+                                   stride_vt, doff, LEFT, RIGHT, scale, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
     else:
         for t in range(n_tiles):
             m0 = (first + t) * BLOCK_M
-            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, FWD_SCALE_Q)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
             for j in range(t_a):  # j: t is the q-tile loop's
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST)
+                                   stride_vt, doff, LEFT, RIGHT, scale, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
             for j in range(t_a, t_b):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST)
+                                   stride_vt, doff, LEFT, RIGHT, scale, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
             for j in range(t_b, nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST)
+                                   stride_vt, doff, LEFT, RIGHT, scale, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
@@ -655,7 +672,7 @@ def _bwd_dq_kernel(
         n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
         nt = tl.cdiv(lk, BLOCK_N)
         for t in tl.range(n_tiles, flatten=True):
-            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+            q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
             do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
@@ -666,7 +683,7 @@ def _bwd_dq_kernel(
                      mask=qmask)
         return
     m0 = group_id * BLOCK_M
-    q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M)
+    q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
@@ -854,9 +871,11 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
     _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
         c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW"])(_fwd_kernel)
-_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
-_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q"])(
+    _fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "FWD_SCALE_Q"])(_fwd_kernel)
+_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "FWD_SCALE_Q"])(
+    _fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
@@ -959,6 +978,15 @@ def _narrow() -> bool:
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_NARROW={env!r}: expected 0 or 1")
     return env != "0"
+
+
+def _fwd_scale_q() -> bool:
+    """GEM_GDPA_FWD_SCALE_Q=1: the forward scales each loaded q tile before its dots (the older form, kept to time
+    against); by default it scales S, so the loaded tile feeds the dot unchanged."""
+    env = os.environ.get("GEM_GDPA_FWD_SCALE_Q", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"GEM_GDPA_FWD_SCALE_Q={env!r}: expected 0 or 1")
+    return env == "1"
 
 
 def _bwd_scale_q() -> bool:
@@ -1129,7 +1157,7 @@ def _gdpa_fwd(
     short_kv: int,
 ) -> torch.Tensor:
     _flat_knob()  # a bad value fails every call, not only those that would fuse
-    narrow = _narrow()
+    narrow, scale_q = _narrow(), _fwd_scale_q()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -1150,10 +1178,11 @@ def _gdpa_fwd(
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
-        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow, **common)
+        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow, FWD_SCALE_Q=scale_q,
+                         **common)
     else:
         (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, NARROW=False,
-                                                                **common)
+                                                                FWD_SCALE_Q=scale_q, **common)
     return out
 
 

@@ -97,11 +97,22 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal):
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
 
 
-def test_narrow_knob_bad_value(monkeypatch):
-    monkeypatch.setenv("GEM_GDPA_NARROW", "yes")
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
+def test_short_kv_knob_bad_value(monkeypatch, knob):
+    monkeypatch.setenv(knob, "yes")
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
-    with pytest.raises(ValueError, match="GEM_GDPA_NARROW='yes'"):
+    with pytest.raises(ValueError, match=f"{knob}='yes'"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+
+
+@pytest.mark.parametrize("scale_q", ["0", "1"])
+@pytest.mark.parametrize("short_kv,causal,flat", [(True, True, ""), (False, True, ""), (False, False, "2")])
+def test_forward_scaling_q_or_s(monkeypatch, scale_q, short_kv, causal, flat):
+    """The forward scales S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1): both K/V paths, masked, the
+    fused loops."""
+    monkeypatch.setenv("GEM_GDPA_FWD_SCALE_Q", scale_q)
+    monkeypatch.setenv("GEM_GDPA_FLAT", flat)
+    _check([3, 20, 1, 0, 40], [1, 17, 33, 5, 64], h=4, hk=2, activation="silu", causal=causal, short_kv=short_kv)
 
 
 def test_tanh_mode_picks_the_form(monkeypatch):
