@@ -873,9 +873,8 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
 
 _fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q"])(
     _fwd_kernel)
-_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "FWD_SCALE_Q"])(_fwd_kernel)
-_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT", "FWD_SCALE_Q"])(
-    _fwd_kernel)
+_fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
+_fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkdv_kernel)
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
@@ -981,8 +980,10 @@ def _narrow() -> bool:
 
 
 def _fwd_scale_q() -> bool:
-    """GEM_GDPA_FWD_SCALE_Q=1: the forward scales each loaded q tile before its dots (the older form, kept to time
-    against); by default it scales S, so the loaded tile feeds the dot unchanged."""
+    """GEM_GDPA_FWD_SCALE_Q=1: the short-K/V forward scales each loaded q tile before its dot (the older form, kept
+    to time against); by default it scales S, so the loaded tile feeds the dot unchanged (H200: cross M64 0.421 ->
+    0.400 ms, M128 0.698 -> 0.637). The tiled forward always scales q: scaling S there was 3% slower (M256, self
+    N512 and N2048), and one of its fused-loop configs computed wrong outputs on the H200 (session 17)."""
     env = os.environ.get("GEM_GDPA_FWD_SCALE_Q", "")
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_FWD_SCALE_Q={env!r}: expected 0 or 1")
@@ -1182,7 +1183,7 @@ def _gdpa_fwd(
                          **common)
     else:
         (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, NARROW=False,
-                                                                FWD_SCALE_Q=scale_q, **common)
+                                                                FWD_SCALE_Q=True, **common)
     return out
 
 

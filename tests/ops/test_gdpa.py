@@ -106,13 +106,11 @@ def test_short_kv_knob_bad_value(monkeypatch, knob):
 
 
 @pytest.mark.parametrize("scale_q", ["0", "1"])
-@pytest.mark.parametrize("short_kv,causal,flat", [(True, True, ""), (False, True, ""), (False, False, "2")])
-def test_forward_scaling_q_or_s(monkeypatch, scale_q, short_kv, causal, flat):
-    """The forward scales S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1): both K/V paths, masked, the
-    fused loops."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_kv_forward_scaling_q_or_s(monkeypatch, scale_q, causal):
+    """The short-K/V forward scales S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1)."""
     monkeypatch.setenv("GEM_GDPA_FWD_SCALE_Q", scale_q)
-    monkeypatch.setenv("GEM_GDPA_FLAT", flat)
-    _check([3, 20, 1, 0, 40], [1, 17, 33, 5, 64], h=4, hk=2, activation="silu", causal=causal, short_kv=short_kv)
+    _check([3, 20, 1, 0, 40], [1, 17, 33, 5, 64], h=4, hk=2, activation="silu", causal=causal, short_kv=True)
 
 
 def test_tanh_mode_picks_the_form(monkeypatch):
