@@ -128,6 +128,15 @@ def _cases():
                 label = f"gdpa short_kv={short} {act}{'/' + approx if approx else ''} window=({left},{right})"
                 cases.append(("gdpa", label, gdpa))
 
+    def gdpa_short_d64():  # the short forward on a 256-key tile at D 64 (narrow bodies of 64 and 128 keys)
+        lk = [9, 200, 0, 70, 1]
+        q, k, v = qkv(lens, lk, 4, 2, 64, torch.bfloat16)
+        args = (offsets(lens), offsets(lk), 300, max(lk), "gelu_tanh", "", -1, -1, 0.1, 1.0, True)
+        out = triton_gdpa._gdpa_fwd(q, k, v, *args, 1)
+        triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args, 1)
+
+    cases.append(("gdpa", "gdpa short_kv=1 d=64 keys=200 gelu_tanh", gdpa_short_d64))
+
     def gdpa_env(settings):  # one unmasked long-K/V forward and backward under kernel knobs
         from scripts.bench.common import env
 

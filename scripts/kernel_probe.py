@@ -116,7 +116,8 @@ def _gdpa_narrow_cases():
     from gem.ops.gdpa import gdpa
 
     out = []
-    variants = (("default", {}), ("narrow=0", {"GEM_GDPA_NARROW": "0"}), ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}))
+    variants = (("default", {}), ("narrow=0", {"GEM_GDPA_NARROW": "0"}),
+                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}))
     for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c128")):
         for label, env in variants:
             out.append((f"gdpa {name} {label}", (q, k, v),

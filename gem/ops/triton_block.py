@@ -526,7 +526,7 @@ HEAD_ORDERS = ("outer", "inner")
 def head_order() -> str:
     """GEM_BLOCK_HEAD_ORDER, read per call: "inner" (default) runs the heads of one tile side by side (a flat grid),
     so that they share the tile's K/V and RoPE table rows in L2; "outer" runs every tile of head 0, then head 1, ...
-    (a (W, H) grid). Inner was 0.3-1.7% faster by device time at L 1K-64K (H200, sessions 16-17, docs/PERF.md)."""
+    (a (W, H) grid). Inner was 0.4-1.7% faster by device time at L 1K-64K (H200, sessions 16-17, docs/PERF.md)."""
     order = os.environ.get("GEM_BLOCK_HEAD_ORDER", "inner")
     if order not in HEAD_ORDERS:
         raise ValueError(f"GEM_BLOCK_HEAD_ORDER={order!r}: expected one of {HEAD_ORDERS}")

@@ -9,8 +9,10 @@ int32 table built on device, longest first by default, so a skewed batch does no
 The backward has two forms, neither with atomics. Two-pass (split dQ, as FlashAttention): one program set per
 (K tile, KV head) makes dK/dV over the Q tiles of every head of its GQA group, another per (Q tile, head) makes
 dQ. One-pass, when a sequence's whole K/V and its fp32 dK/dV fit one program (short K/V, the cross-attention
-case) and the batch fills a wave of programs: one program per (sequence, KV head) streams the sequence's q/dO tiles once, stores each tile's dQ and
-keeps dK/dV in registers: 5 matmuls per tile pair instead of 7, and q/dO read once instead of twice.
+case) and the batch fills a wave of programs: one program per (sequence, KV head) streams the sequence's q/dO
+tiles once, stores each tile's dQ and keeps dK/dV in registers: 5 matmuls per tile pair instead of 7, and q/dO
+read once instead of twice. Both short-K/V kernels give each sequence the narrowest of their K/V tile, its half
+and its quarter that holds its keys.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt):
 
 @triton.jit
 def _scaled(q, scale):
-    # fold the scale into q once, not into every score
+    # the scale folded into q once (the tiled forward, the dQ pass); the short-K/V kernels scale S instead
     return (q.to(tl.float32) * scale).to(q.dtype)
 
 
@@ -306,17 +308,13 @@ def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr, S
 
 @triton.jit
 def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                 scale, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
-                 C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
-                 CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCALE_S: tl.constexpr):
-    """acc += act(q k^T) v over one key tile (S scaled here if SCALE_S, else q came scaled); MASK: the tile crosses
-    the window edge."""
+                 MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += act(q k^T) v over one key tile (q comes scaled); MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
-    if SCALE_S:
-        s = s * scale
-    a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    a = _act(_mm(q, tl.trans(k), DOT_PREC, UPCAST), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
     return _mma(a.to(v.dtype), v, acc, DOT_PREC, UPCAST)
@@ -440,31 +438,31 @@ def _fwd_kernel(
         nt = tl.cdiv(lk, BLOCK_N)
         for t in tl.range(n_tiles, flatten=True):
             q, offs_m, qmask = _q_tile(Qb, (first + t) * BLOCK_M, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M,
-                                       FWD_SCALE_Q)
+                                       True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, scale, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
+                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
     else:
         for t in range(n_tiles):
             m0 = (first + t) * BLOCK_M
-            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, FWD_SCALE_Q)
+            q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
             for j in range(t_a):  # j: t is the q-tile loop's
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, scale, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
+                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
             for j in range(t_a, t_b):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, scale, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
+                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
             for j in range(t_b, nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, scale, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC, UPCAST, not FWD_SCALE_Q)
+                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                                   DOT_PREC, UPCAST)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
@@ -772,34 +770,34 @@ def _bwd_short_kernel(
     if NARROW and BLOCK_N >= 64:
         if lk <= BLOCK_N // 4:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
-                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED, ACT, POLY, C1,
-                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
-                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED, ACT, POLY, C1,
-                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
-                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                            scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1,
-                            C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
+                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                        scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1,
-                        C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                        scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
+                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
 
 
 @triton.jit
 def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                     stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
                     scale, out_scale, LEFT, RIGHT, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
-                    C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    SCALE_Q: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
+                    POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                    C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr):
     """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile."""
     offs_n = tl.arange(0, BLOCK_N)
     k, v, kmask = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
@@ -851,8 +849,9 @@ if triton_interpreting():
     _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
 else:  # a small space: each config costs a compile per key
     # (3- and 4-stage forms of the short-K/V q-tile loop were tried in session 16: cross M64 0.436 -> 0.435 ms; in
-    # session 17, register caps (maxnreg 128 / 168) on every 4-warp list here: none won, e.g. cross M64 forward
-    # 0.436 / 0.438 ms, one-pass backward 1.277 vs 0.990 ms; and TMA loads and stores in the forward: slower)
+    # session 17, register caps (maxnreg 128 / 168 on the 4-warp candidates, 128 on an 8-warp dK/dV one): none won,
+    # e.g. cross M64 forward 0.436 / 0.438 ms, one-pass backward 1.277 vs 0.990 ms; TMA loads and stores in the
+    # forward: slower)
     _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
     # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
@@ -972,7 +971,8 @@ def _fused_tiles(t: int, block_m: int, h: int, n_seq: int, max_len_q: int, max_l
 
 def _narrow() -> bool:
     """GEM_GDPA_NARROW=0 keeps every sequence of the short-K/V kernels (forward and one-pass backward) on the full
-    K/V tile; by default a sequence with at most a half or a quarter of its keys takes that narrower tile."""
+    K/V tile of BLOCK_N keys; by default, where BLOCK_N >= 64, a sequence with at most BLOCK_N / 2 or BLOCK_N / 4
+    keys takes that narrower tile."""
     env = os.environ.get("GEM_GDPA_NARROW", "")
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_NARROW={env!r}: expected 0 or 1")
@@ -982,8 +982,9 @@ def _narrow() -> bool:
 def _fwd_scale_q() -> bool:
     """GEM_GDPA_FWD_SCALE_Q=1: the short-K/V forward scales each loaded q tile before its dot (the older form, kept
     to time against); by default it scales S, so the loaded tile feeds the dot unchanged (H200: cross M64 0.421 ->
-    0.400 ms, M128 0.698 -> 0.637). The tiled forward always scales q: scaling S there was 3% slower (M256, self
-    N512 and N2048), and one of its fused-loop configs computed wrong outputs on the H200 (session 17)."""
+    0.400 ms, M128 0.698 -> 0.637). The tiled forward always scales q: scaling S there was mixed (M256 3% slower,
+    self N512 and N2048 3-4% faster) and one of its fused-loop configs computed wrong outputs on the H200 (session
+    17)."""
     env = os.environ.get("GEM_GDPA_FWD_SCALE_Q", "")
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_FWD_SCALE_Q={env!r}: expected 0 or 1")

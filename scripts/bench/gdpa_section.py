@@ -7,8 +7,8 @@ Cases (bf16, H 4, D 128, about 64K tokens):
 Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
 (GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
 short-K/V paths forced off (the tiled forward and the two-pass backward), with every sequence of the short-K/V
-kernels on the full K/V tile (GEM_GDPA_NARROW=0; by default one with at most a half or a quarter of the keys takes
-that narrower tile), and with 64- and 128-row q tiles in the
+kernels on the full K/V tile (GEM_GDPA_NARROW=0; by default a sequence with at most a half or a quarter of the
+tile's keys takes that narrower tile), and with 64- and 128-row q tiles in the
 forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path
 up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
 forward and backward alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's

@@ -91,10 +91,25 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal):
     """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
     a quarter of it that holds its keys: lengths at and one past each width's edge (16, 32 of a 64-key tile), 0
     and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
+    from gem.ops import triton_gdpa
+
     monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
+    seen = []
+
+    class Spy:  # the launches' NARROW flag: both short-K/V kernels must get the knob's value
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+            return lambda *a, **kw: seen.append(kw["NARROW"]) or launch(*a, **kw)
+
+    monkeypatch.setattr(triton_gdpa, "_fwd_short", Spy(triton_gdpa._fwd_short))
+    monkeypatch.setattr(triton_gdpa, "_bwd_short", Spy(triton_gdpa._bwd_short))
     lk = [1, 16, 17, 32, 33, 64, 0, 9]
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
+    assert seen == [narrow == "1"] * 2
 
 
 @pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
@@ -103,6 +118,14 @@ def test_short_kv_knob_bad_value(monkeypatch, knob):
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
     with pytest.raises(ValueError, match=f"{knob}='yes'"):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+
+
+def test_narrow_knob_checked_by_the_backward(monkeypatch):
+    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
+    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
+    monkeypatch.setenv("GEM_GDPA_NARROW", "yes")
+    with pytest.raises(ValueError, match="GEM_GDPA_NARROW='yes'"):
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("scale_q", ["0", "1"])
@@ -441,6 +464,8 @@ def test_gpu_every_config(monkeypatch):
     g = torch.Generator().manual_seed(4)
     lq = torch.randint(1, 600, (10,), generator=g).tolist() + [0, 1]
     lk_short = torch.randint(1, 64, (10,), generator=g).tolist() + [5, 0]
+    lk_128 = torch.randint(1, 129, (10,), generator=g).tolist() + [128, 0]
+    lk_256 = torch.randint(1, 257, (10,), generator=g).tolist() + [256, 0]
     lk_long = torch.randint(1, 300, (10,), generator=g).tolist() + [5, 0]
     kw = {"h": 4, "hk": 2, "dtype": torch.bfloat16, "device": "cuda", "activation": "gelu_tanh"}
     for i in range(max(len(c) for c in tg.ALL_CONFIGS.values())):
@@ -449,6 +474,9 @@ def test_gpu_every_config(monkeypatch):
             monkeypatch.setattr(kernel, "configs", [cfgs[i % len(cfgs)]])
             kernel.cache.clear()
         _check(lq, lk_short, d=128, short_kv=True, **kw)  # short forward, one-pass backward
+        # the short forward on 128- and 256-key tiles (narrow bodies of 32-128 keys), two-pass backward
+        _check(lq, lk_128, d=128, short_kv=True, **kw)
+        _check(lq, lk_256, d=64, short_kv=True, **kw)
         _check(lq, lk_long, d=128, short_kv=False, **kw)  # 64-row tiled forward and dQ, dK/dV pass
         _check(lq, lq, d=128, causal=True, **kw)
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
