@@ -9,8 +9,10 @@ blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, po
   JFA full causal      gem.ops.jagged_attention(causal=True) + rope op (the O(L^2) baseline)
   JFA window           gem.ops.jagged_attention(window=(block-1, 0)) + rope op (sliding window, same cost order)
   flex block-causal    torch FlexAttention with a document + block-causal mask, RoPE in PyTorch, compiled
-bwd_ms is the backward alone; extra holds fwd+bwd ms, ms per 1K tokens (flat in L when cost is linear) and, on the
-fused row, the unfused/fused ratio. TFLOP/s count allowed (block-causal) pairs only: 4*H*D*pairs, bwd 2.5x.
+bwd_ms is the backward alone; extra holds fwd+bwd ms, ms per 1K tokens (flat in L when cost is linear), the
+fwd+bwd's device time (dev_fwd+bwd_ms: its kernels by torch.profiler, without the host gaps event times include)
+and, on the fused row, the unfused/fused and flex/fused ratios by both. TFLOP/s count allowed (block-causal) pairs
+only: 4*H*D*pairs, bwd 2.5x.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, bench_ms, env, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, bench_ms, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "block"
 H, D = 4, 128
@@ -133,6 +135,7 @@ def _measure(case, impl, make, inputs, flops, extra) -> Row:
         row.bwd_tflops = 2.5 * flops / row.bwd_ms / 1e9
         row.extra["fwd+bwd_ms"] = round(total, 3)
         row.extra["ms_per_1k_tok"] = round(total / (row.extra["tokens"] / 1024), 4)
+        row.extra["dev_fwd+bwd_ms"] = round(device_ms(fwd_bwd), 3)  # kernels only: host gaps excluded
     except Exception as e:  # noqa: BLE001 -- one failing competitor must not sink the section
         msg = str(e).splitlines()[0][:120] if str(e) else ""
         row.extra["error"] = f"{type(e).__name__}: {msg}"
@@ -175,6 +178,11 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
         fused.extra["flex/fused fwd"] = round(flex[0].fwd_ms / fused.fwd_ms, 2)
         if "fwd+bwd_ms" in flex[0].extra and "fwd+bwd_ms" in fused.extra:
             fused.extra["flex/fused fwd+bwd"] = round(flex[0].extra["fwd+bwd_ms"] / fused.extra["fwd+bwd_ms"], 2)
+    for key, other in (("flex/fused dev fwd+bwd", flex[0] if flex else None), ("unfused/fused dev fwd+bwd", unfused)):
+        a = other.extra.get("dev_fwd+bwd_ms", math.nan) if other else math.nan
+        b = fused.extra.get("dev_fwd+bwd_ms", math.nan)
+        if math.isfinite(a) and math.isfinite(b) and b > 0:
+            fused.extra[key] = round(a / b, 2)
     return rows
 
 

@@ -53,6 +53,27 @@ def bench_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def device_ms(fn, iters: int = 10) -> float:
+    """Milliseconds of GPU work per call: the CUDA kernels (and copies) torch.profiler records over `iters` calls.
+    Event times also count the gaps where the GPU waits for the host; this does not, so where the two differ the
+    call is host-bound. No L2 flush between calls (do_bench flushes); nan when the profiler records nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        us = sum(ev.device_time for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot run must not cost the row its event times
+        print(f"device_ms: profiler failed ({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})")
+        return math.nan
+    return us / iters / 1e3 if us > 0 else math.nan
+
+
 def peak_mem_mb(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -13,7 +13,8 @@ forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default 
 up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
 forward and backward alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's
 offsets: after the first call a timed call launches only its kernels.
-Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them); the cross
+Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them), and each row
+also carries its kernels' device time (dev_fwd_ms, dev_bwd_ms; torch.profiler) with the speedups by it; the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
 """
@@ -25,7 +26,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, attn_flops, bench_ms, env, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, attn_flops, bench_ms, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "gdpa"
 H, D = 4, 128
@@ -84,6 +85,10 @@ def _measure(section, case, impl, make, inputs, flops, extra=None) -> Row:
         row.fwd_tflops = flops / row.fwd_ms / 1e9
         row.bwd_tflops = 2.5 * flops / row.bwd_ms / 1e9
         row.mem_mb = peak_mem_mb(fn)
+        # kernels only (torch.profiler): where these sit below the event times, the call is host-bound
+        dev_fwd = device_ms(fn)
+        row.extra["dev_fwd_ms"] = round(dev_fwd, 3)
+        row.extra["dev_bwd_ms"] = round(device_ms(step) - dev_fwd, 3)
     except Exception as e:  # noqa: BLE001 - one failing competitor must not sink the section
         row.extra["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         traceback.print_exc()
@@ -142,6 +147,10 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
             ours.extra["fwd_speedup"] = round(row.fwd_ms / ours.fwd_ms, 2)
         if math.isfinite(row.bwd_ms) and math.isfinite(ours.bwd_ms):
             ours.extra["bwd_speedup"] = round(row.bwd_ms / ours.bwd_ms, 2)
+        for part in ("fwd", "bwd"):  # the same ratios by device time
+            a, b = row.extra.get(f"dev_{part}_ms", math.nan), ours.extra.get(f"dev_{part}_ms", math.nan)
+            if math.isfinite(a) and math.isfinite(b) and b > 0:
+                ours.extra[f"dev_{part}_speedup"] = round(a / b, 2)
     torch.cuda.empty_cache()
     return rows
 
