@@ -86,11 +86,11 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
 
 
 @pytest.mark.parametrize("narrow", ["1", "0"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_short_kv_narrow_tiles(monkeypatch, narrow, causal):
+@pytest.mark.parametrize("causal,tile", [(False, 64), (True, 64), (False, 128)])
+def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
     """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
-    a quarter of it that holds its keys: lengths at and one past each width's edge (16, 32 of a 64-key tile), 0
-    and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
+    a quarter of it that holds its keys: lengths at and one past each width's edge (16 and 32 of a 64-key tile,
+    32 and 64 of a 128-key one), 0 and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
     from gem.ops import triton_gdpa
 
     monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
@@ -106,7 +106,8 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal):
 
     monkeypatch.setattr(triton_gdpa, "_fwd_short", Spy(triton_gdpa._fwd_short))
     monkeypatch.setattr(triton_gdpa, "_bwd_short", Spy(triton_gdpa._bwd_short))
-    lk = [1, 16, 17, 32, 33, 64, 0, 9]
+    q4, q2 = tile // 4, tile // 2
+    lk = [1, q4, q4 + 1, q2, q2 + 1, tile, 0, 9]
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
     assert seen == [narrow == "1"] * 2
