@@ -861,7 +861,11 @@ else:  # a small space: each config costs a compile per key
     _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
     _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
-    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (64, 8, 2), (64, 8, 1), (32, 4, 2), (16, 4, 2), (32, 8, 3)])
+    # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
+    # M64, tuner ms: (32, 4, 3) 0.773, (32, 4, 4) 0.776 (dropped: a tie that spills), (32, 4, 2) 0.891, (32, 8, 2)
+    # 1.561; session 18)
+    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 4, 3), (16, 4, 3), (32, 4, 2), (16, 4, 2), (32, 8, 3), (64, 8, 2),
+                                             (32, 8, 2)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}

@@ -146,7 +146,7 @@ def _measure(case, impl, make, inputs, flops, extra) -> Row:
     return row
 
 
-def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> list[Row]:
+def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only: tuple[str, ...] = ()) -> list[Row]:
     lengths = jagged_lengths(length, tokens, low=max(1, length // 2), seed=length)
     off = offsets_of(lengths)
     t, max_len = int(lengths.sum()), int(lengths.max())
@@ -163,13 +163,16 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool) -> li
         impls += [("JFA full causal", lambda: _jfa(q, k, v, off, max_len, block, window=False)),
                   ("JFA window", lambda: _jfa(q, k, v, off, max_len, block, window=True)),
                   ("flex block-causal", lambda: _flex(q, k, v, off, max_len, block))]
+    if only:  # --block-impls: the rows whose name holds one of these (the fused row always, for the ratios)
+        impls = [(name, make) for name, make in impls if name == "block fused RoPE" or any(o in name for o in only)]
     rows = []
     for name, make in impls:
         with env({"GEM_BLOCK_ROPE_STREAM": "inkernel"} if name == "block RoPE in-kernel" else None):
             rows.append(_measure(case, name, make, (q, k, v), flops, info))
-    fused, unfused = rows[0], rows[1]
-    for key, a, b in (("unfused/fused fwd", unfused.fwd_ms, fused.fwd_ms),
-                      ("unfused/fused fwd+bwd", unfused.extra.get("fwd+bwd_ms", math.nan),
+    by_name = {r.impl: r for r in rows}
+    fused, unfused = rows[0], by_name.get("block + rope op")
+    for key, a, b in (("unfused/fused fwd", unfused.fwd_ms if unfused else math.nan, fused.fwd_ms),
+                      ("unfused/fused fwd+bwd", unfused.extra.get("fwd+bwd_ms", math.nan) if unfused else math.nan,
                        fused.extra.get("fwd+bwd_ms", math.nan))):
         if math.isfinite(a) and math.isfinite(b):
             fused.extra[key] = round(a / b, 2)
@@ -193,9 +196,10 @@ def run(args) -> list[Row]:
     chosen = getattr(args, "block_lengths", None)
     if chosen:
         lengths = tuple(int(x) for x in chosen.split(",") if x.strip())
+    only = tuple(x.strip() for x in (getattr(args, "block_impls", None) or "").split(",") if x.strip())
     rows: list[Row] = []
     for n in lengths:
-        rows += _case_rows(n, 512, tokens=max(tokens, n), competitors=True)
+        rows += _case_rows(n, 512, tokens=max(tokens, n), competitors=True, only=only)
     for block in () if quick or chosen else (64, 128, 256):  # each block size is a new tuning key (compiles)
         rows += _case_rows(16384, block, tokens=tokens, competitors=True)
     return rows
@@ -209,4 +213,5 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--block-lengths", default=None, help="comma list of lengths at block 512 only")
+    p.add_argument("--block-impls", default=None, help="comma list: only rows whose name holds one (e.g. flex)")
     print_table(run(p.parse_args()), "BlockAttention")
