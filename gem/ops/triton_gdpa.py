@@ -1143,6 +1143,32 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
     return (*tensors, offsets_q, offsets_k, table, *strides, scale, out_scale, left, right, _bucket(max_len), heads)
 
 
+# Triton's Autotuner.run rebuilds its key on every call from every argument, scanning the list of argument names
+# once per argument: ~50 us a launch at GDPA's ~60 arguments (timed on a CPU host; the H200 hosts' whole launches
+# took 90-150 us, session 18). After a key's first call, the config the tuner chose is launched here directly.
+_PICKED: dict = {}
+
+
+def _launch(tuned, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """tuned[grid](*args, **kwargs) for a triton.autotune kernel whose runtime arguments come from _launch_args.
+
+    The key holds what the tuner's key reads (the constexprs, max_len_bucket = args[-2], every tensor's dtype) and
+    more (every constexpr). A hit also needs the tuner's configs list to be the one it was picked from (the
+    every-config test and compile_check swap it) and, with several configs, a non-empty tuner cache (cleared: the
+    kernel tunes again)."""
+    configs = tuned.configs
+    # the tuner itself, not its id: the entry keeps it alive, so no later object can take its id
+    key = (tuned, args[-2], tuple(kwargs.items()), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    hit = _PICKED.get(key)
+    if hit is not None and hit[0] is configs and (len(configs) == 1 or getattr(tuned, "cache", None)):
+        tuned.fn[grid](*args, **kwargs, **hit[1])
+        return
+    tuned[grid](*args, **kwargs)
+    best = getattr(tuned, "best_config", None)
+    if best is not None:
+        _PICKED[key] = (configs, best.all_kwargs())
+
+
 # ------------------------------------------------------------------------------------ custom ops + autograd
 # _gdpa_fwd / _gdpa_bwd do the work; the custom ops wrap them for torch.compile, _GdpaFn for eager calls.
 def _gdpa_fwd(
@@ -1184,11 +1210,11 @@ def _gdpa_fwd(
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
-        _fwd_short[grid](*args, BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow, FWD_SCALE_Q=scale_q,
-                         **common)
+        _launch(_fwd_short, grid, args, dict(BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow,
+                                             FWD_SCALE_Q=scale_q, **common))
     else:
-        (_fwd_long_small if block_m <= 64 else _fwd_long)[grid](*args, SHORT_KV=False, FLAT=flat, NARROW=False,
-                                                                FWD_SCALE_Q=True, **common)
+        _launch(_fwd_long_small if block_m <= 64 else _fwd_long, grid, args,
+                dict(SHORT_KV=False, FLAT=flat, NARROW=False, FWD_SCALE_Q=True, **common))
     return out
 
 
@@ -1244,7 +1270,7 @@ def _gdpa_bwd(
         args = _launch_args(
             (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
         )
-        _bwd_dkdv[(ktab.shape[0] * k.shape[1],)](*args, BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), **common)
+        _launch(_bwd_dkdv, (ktab.shape[0] * k.shape[1],), args, dict(BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), **common))
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)
         # no fused loop unless GEM_GDPA_FLAT asks: with 64-row tiles it was slower (cross M256: 1.307 vs 1.278 ms)
@@ -1252,8 +1278,8 @@ def _gdpa_bwd(
                                                          max_len_k, q.device, False)
         qtab = _table(offsets_q, offsets_k, max_len_q, block_m * max(tiles, 1), left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
-        (_bwd_dq_small if block_m <= 64 else _bwd_dq)[(qtab.shape[0] * h,)](
-            *args, BLOCK_M=block_m, TILES=max(tiles, 1), FLAT=tiles > 0, **common)
+        _launch(_bwd_dq_small if block_m <= 64 else _bwd_dq, (qtab.shape[0] * h,), args,
+                dict(BLOCK_M=block_m, TILES=max(tiles, 1), FLAT=tiles > 0, **common))
     return dq, dk, dv
 
 
@@ -1274,8 +1300,8 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     common = _common(q, k, left, right, activation, approx)
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _bwd_short[(nb * k.shape[1],)](*args, BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(),
-                                   **common)
+    _launch(_bwd_short, (nb * k.shape[1],), args,
+            dict(BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(), **common))
     return dq, dk, dv
 
 

@@ -100,6 +100,9 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
         def __init__(self, kernel):
             self.kernel = kernel
 
+        def __getattr__(self, name):  # configs, cache, best_config, fn: the tuner's own
+            return getattr(self.kernel, name)
+
         def __getitem__(self, grid):
             launch = self.kernel[grid]
             return lambda *a, **kw: seen.append(kw["NARROW"]) or launch(*a, **kw)
@@ -111,6 +114,36 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
     assert seen == [narrow == "1"] * 2
+
+
+def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
+    """After a key's first call (through triton.autotune, which picks the config) the same call launches the picked
+    config directly, with the same outputs; a swapped configs list (as the every-config test does) or another key
+    (here a new constexpr: causal) goes through the tuner again."""
+    from gem.ops import triton_gdpa
+
+    tuned = triton_gdpa._fwd_short
+    through, direct = [], []
+    real_run, real_fn_run = type(tuned).run, tuned.fn.run
+    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
+    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
+    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1], [5, 9, 2], h=2, hk=1)
+    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
+
+    def call(**kw):
+        return gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=True, activation="silu", **kw).detach()
+
+    first = call()
+    assert through.count(tuned) == 1 and len(direct) == 1
+    again = call()
+    assert through.count(tuned) == 1 and len(direct) == 2  # launched without the tuner
+    assert direct[1] == tuned.best_config.num_warps
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    call(causal=True)  # a new key: MASKED changes
+    assert through.count(tuned) == 2
+    monkeypatch.setattr(tuned, "configs", list(tuned.configs))  # a new list object: pick again
+    torch.testing.assert_close(call(), first, rtol=0, atol=0)
+    assert through.count(tuned) == 3
 
 
 @pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
