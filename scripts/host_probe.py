@@ -60,10 +60,14 @@ def _host_us(fn, calls: int, reps: int) -> float:
     for _ in range(reps):
         torch.cuda.synchronize()
         torch.cuda._sleep(1_000_000_000)  # longer than `calls` calls' host time: no call waits for the device
+        woke = torch.cuda.Event()
+        woke.record()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         runs.append((time.perf_counter() - t0) / calls * 1e6)
+        if woke.query():  # the sleep ended inside the loop: later calls may have waited for the device
+            print(f"host_probe: the GPU woke before {calls} calls were queued; lower --calls", flush=True)
         torch.cuda.synchronize()
     return statistics.median(runs)
 

@@ -857,10 +857,12 @@ else:  # a small space: each config costs a compile per key
     # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
     # three programs share an SM and hide each other's load and activation latency
     _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(64, 4, 2), (64, 4, 3), (128, 4, 2)])
-    # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread)
-    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2)])
+    # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread at some
+    # shapes). The 3-stage 4-warp candidates here and in _DQ_CFG_SMALL (no spills at D 128 in compile_check) follow
+    # the one-pass backward's (session 18); not yet timed on a GPU
+    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (16, 4, 3)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
-    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
+    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3)])  # q tiles of <= 64 rows
     # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
     # M64, tuner ms: (32, 4, 3) 0.773, (32, 4, 4) 0.776 (dropped: a tie that spills), (32, 4, 2) 0.891, (32, 8, 2)
     # 1.561; session 18)
@@ -1152,21 +1154,31 @@ _PICKED: dict = {}
 def _launch(tuned, grid: tuple, args: tuple, kwargs: dict) -> None:
     """tuned[grid](*args, **kwargs) for a triton.autotune kernel whose runtime arguments come from _launch_args.
 
-    The key holds what the tuner's key reads (the constexprs, max_len_bucket = args[-2], every tensor's dtype) and
-    more (every constexpr). A hit also needs the tuner's configs list to be the one it was picked from (the
-    every-config test and compile_check swap it) and, with several configs, a non-empty tuner cache (cleared: the
-    kernel tunes again)."""
+    Our key holds what the tuner's key reads (the constexprs, max_len_bucket = args[-2], every tensor's dtype) and
+    more (every constexpr). A hit also needs the tuner's configs list to be the one the pick came from (the
+    every-config test and compile_check swap it) and, with several configs, the tuner's cache to still map the
+    tuner's own key (computed once, on the miss) to that pick: a cleared cache tunes again."""
     configs = tuned.configs
     # the tuner itself, not its id: the entry keeps it alive, so no later object can take its id
     key = (tuned, args[-2], tuple(kwargs.items()), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     hit = _PICKED.get(key)
-    if hit is not None and hit[0] is configs and (len(configs) == 1 or getattr(tuned, "cache", None)):
-        tuned.fn[grid](*args, **kwargs, **hit[1])
+    if hit is not None and hit[0] is configs and (len(configs) == 1 or tuned.cache.get(hit[1]) is hit[2]):
+        tuned.fn[grid](*args, **kwargs, **hit[3])
         return
     tuned[grid](*args, **kwargs)
     best = getattr(tuned, "best_config", None)
-    if best is not None:
-        _PICKED[key] = (configs, best.all_kwargs())
+    if best is not None and best.pre_hook is None:  # a pre_hook would have to run before every launch
+        _PICKED[key] = (configs, _tuner_key(tuned, args, kwargs), best, best.all_kwargs())
+
+
+def _tuner_key(tuned, args: tuple, kwargs: dict) -> tuple:
+    """The key triton's Autotuner.run files its pick under: the key arguments' values, then every tensor argument's
+    dtype as a string, in argument order."""
+    names = tuned.arg_names
+    given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+    key = [given[k] for k in tuned.keys if k in given]
+    key += [str(v.dtype) for v in given.values() if hasattr(v, "dtype")]
+    return tuple(key)
 
 
 # ------------------------------------------------------------------------------------ custom ops + autograd

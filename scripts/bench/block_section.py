@@ -164,7 +164,8 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only:
                   ("JFA window", lambda: _jfa(q, k, v, off, max_len, block, window=True)),
                   ("flex block-causal", lambda: _flex(q, k, v, off, max_len, block))]
     if only:  # --block-impls: the rows whose name holds one of these (the fused row always, for the ratios)
-        impls = [(name, make) for name, make in impls if name == "block fused RoPE" or any(o in name for o in only)]
+        impls = [(name, make) for name, make in impls
+                 if name == "block fused RoPE" or any(o.lower() in name.lower() for o in only)]
     rows = []
     for name, make in impls:
         with env({"GEM_BLOCK_ROPE_STREAM": "inkernel"} if name == "block RoPE in-kernel" else None):
@@ -201,7 +202,7 @@ def run(args) -> list[Row]:
     for n in lengths:
         rows += _case_rows(n, 512, tokens=max(tokens, n), competitors=True, only=only)
     for block in () if quick or chosen else (64, 128, 256):  # each block size is a new tuning key (compiles)
-        rows += _case_rows(16384, block, tokens=tokens, competitors=True)
+        rows += _case_rows(16384, block, tokens=tokens, competitors=True, only=only)
     return rows
 
 

@@ -94,6 +94,7 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
     from gem.ops import triton_gdpa
 
     monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
+    monkeypatch.setattr(triton_gdpa, "_PICKED", {})  # no pick keyed by these spies outlives the test
     seen = []
 
     class Spy:  # the launches' NARROW flag: both short-K/V kernels must get the knob's value
@@ -144,6 +145,43 @@ def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     monkeypatch.setattr(tuned, "configs", list(tuned.configs))  # a new list object: pick again
     torch.testing.assert_close(call(), first, rtol=0, atol=0)
     assert through.count(tuned) == 3
+
+
+def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
+    """With several configs: the config the tuner timed fastest is launched, directly after the first call; a
+    cleared tuner cache tunes again (here to the other config), also after another key has refilled the cache."""
+    import triton
+
+    from gem.ops import triton_gdpa
+
+    tuned = triton_gdpa._bwd_short
+    one, two = triton.Config({"BLOCK_M": 16}, num_warps=1, num_stages=1), triton.Config({"BLOCK_M": 16}, num_warps=2,
+                                                                                         num_stages=1)
+    monkeypatch.setattr(tuned, "configs", [one, two])
+    monkeypatch.setattr(tuned, "cache", {})
+    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
+    fastest = [two]  # the fake timer's pick
+    monkeypatch.setattr(tuned, "_bench", lambda *a, config, **kw: [1.0 if config is fastest[0] else 2.0] * 3)
+    through, direct = [], []
+    real_run, real_fn_run = type(tuned).run, tuned.fn.run
+    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
+    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
+    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1], [5, 9, 2], h=2, hk=1)
+
+    def bwd(**kw):
+        out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=True, activation="silu", **kw)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    first = bwd()
+    assert through.count(tuned) == 1 and direct == [2]
+    torch.testing.assert_close(bwd(), first, rtol=0, atol=0)
+    assert through.count(tuned) == 1 and direct == [2, 2]  # the pick, launched without the tuner
+    tuned.cache.clear()
+    fastest[0] = one
+    bwd(causal=True)  # another key refills the cache
+    assert through.count(tuned) == 2 and direct[-1] == 1
+    torch.testing.assert_close(bwd(), first, rtol=0, atol=0)  # the first key's old pick is gone with the cache
+    assert through.count(tuned) == 3 and direct[-1] == 1
 
 
 @pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
