@@ -860,7 +860,8 @@ else:  # a small space: each config costs a compile per key
     # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread at some
     # shapes). The 3-stage 4-warp candidates here and in _DQ_CFG_SMALL (no spills at D 128 in compile_check) follow
     # the one-pass backward's (session 18); not yet timed on a GPU
-    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (16, 4, 3)])
+    _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3),
+                                        (16, 4, 3)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
     _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3)])  # q tiles of <= 64 rows
     # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
@@ -1146,8 +1147,8 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
 
 
 # Triton's Autotuner.run rebuilds its key on every call from every argument, scanning the list of argument names
-# once per argument: ~50 us a launch at GDPA's ~60 arguments (timed on a CPU host; the H200 hosts' whole launches
-# took 90-150 us, session 18). After a key's first call, the config the tuner chose is launched here directly.
+# once per argument: ~50 us a launch at GDPA's ~60 arguments (timed on a CPU host; a whole GDPA launch took ~150 us
+# on an H200 host, session 18). After a key's first call, the config the tuner chose is launched here directly.
 _PICKED: dict = {}
 
 
@@ -1282,7 +1283,8 @@ def _gdpa_bwd(
         args = _launch_args(
             (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
         )
-        _launch(_bwd_dkdv, (ktab.shape[0] * k.shape[1],), args, dict(BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), **common))
+        _launch(_bwd_dkdv, (ktab.shape[0] * k.shape[1],), args,
+                dict(BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), **common))
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)
         # no fused loop unless GEM_GDPA_FLAT asks: with 64-row tiles it was slower (cross M256: 1.307 vs 1.278 ms)
