@@ -155,8 +155,8 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
     from gem.ops import triton_gdpa
 
     tuned = triton_gdpa._bwd_short
-    one, two = triton.Config({"BLOCK_M": 16}, num_warps=1, num_stages=1), triton.Config({"BLOCK_M": 16}, num_warps=2,
-                                                                                         num_stages=1)
+    one = triton.Config({"BLOCK_M": 16}, num_warps=1, num_stages=1)
+    two = triton.Config({"BLOCK_M": 16}, num_warps=2, num_stages=1)
     monkeypatch.setattr(tuned, "configs", [one, two])
     monkeypatch.setattr(tuned, "cache", {})
     monkeypatch.setattr(triton_gdpa, "_PICKED", {})
