@@ -128,7 +128,7 @@ def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     real_run, real_fn_run = type(tuned).run, tuned.fn.run
     monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
     monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
-    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1], [5, 9, 2], h=2, hk=1)
+    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
     monkeypatch.setattr(triton_gdpa, "_PICKED", {})
 
     def call(**kw):
@@ -140,6 +140,7 @@ def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     assert through.count(tuned) == 1 and len(direct) == 2  # launched without the tuner
     assert direct[1] == tuned.best_config.num_warps
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+    _close(again, gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu"), torch.float32, "direct launch")
     call(causal=True)  # a new key: MASKED changes
     assert through.count(tuned) == 2
     monkeypatch.setattr(tuned, "configs", list(tuned.configs))  # a new list object: pick again
@@ -166,7 +167,7 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
     real_run, real_fn_run = type(tuned).run, tuned.fn.run
     monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
     monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
-    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1], [5, 9, 2], h=2, hk=1)
+    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
 
     def bwd(**kw):
         out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=True, activation="silu", **kw)
@@ -174,8 +175,13 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
 
     first = bwd()
     assert through.count(tuned) == 1 and direct == [2]
-    torch.testing.assert_close(bwd(), first, rtol=0, atol=0)
+    again = bwd()
     assert through.count(tuned) == 1 and direct == [2, 2]  # the pick, launched without the tuner
+    ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
+    refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    for name, got, prev, want in zip(("dq", "dk", "dv"), again, first, refs):
+        torch.testing.assert_close(got, prev, rtol=0, atol=0)
+        _close(got, want, torch.float32, f"direct launch {name}")
     tuned.cache.clear()
     fastest[0] = one
     bwd(causal=True)  # another key refills the cache
