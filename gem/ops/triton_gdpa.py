@@ -211,6 +211,18 @@ def _visible(offs_m, offs_n, doff, LEFT, RIGHT):
 
 
 @triton.jit
+def _visible_t(offs_n, offs_m, doff, LEFT, RIGHT):
+    """_visible transposed, [N, M], built directly (no layout change of a mask)."""
+    diag = offs_m[None, :] + doff
+    vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
+    if LEFT >= 0:
+        vis = vis & (offs_n[:, None] >= diag - LEFT)
+    if RIGHT >= 0:
+        vis = vis & (offs_n[:, None] <= diag + RIGHT)
+    return vis
+
+
+@triton.jit
 def _work_item(WORK, NUM_HEADS):
     """(sequence, tile, head) of this program; one flat grid, head fastest, so the work order holds across heads."""
     pid = tl.program_id(0) // NUM_HEADS
@@ -751,16 +763,40 @@ def _bwd_short_kernel(
     UPCAST: tl.constexpr,
     SCALE_Q: tl.constexpr,
     NARROW: tl.constexpr,
+    KT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PERSIST: tl.constexpr,
 ):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
     5 matmuls per tile pair instead of the two-pass 7, and q/dO are read once. No atomics."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if SPLIT >= 0:
+        # one K/V width class per launch (SPLIT: its index), so the kernel holds only that class's tile and its
+        # registers: ORDER = [4 class bounds, sequences by class, longest q first]. PERSIST: the programs walk the
+        # class's (sequence, kv head) items; else one item per program and the grid holds every item of the batch,
+        # those past the class's count exiting at once (a loop around the item costs the widest tile registers)
+        lo = tl.load(ORDER + SPLIT)
+        n_items = (tl.load(ORDER + SPLIT + 1) - lo) * NUM_KV_HEADS
+        if PERSIST:
+            for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+                _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, w, offs_d, d_ok, stride_qt,
+                                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                                      stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale,
+                                      out_scale, LEFT, RIGHT, NUM_KV_HEADS, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
+                                      ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+        elif tl.program_id(0) < n_items:
+            _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, tl.program_id(0), offs_d, d_ok,
+                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                                  stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                                  scale, out_scale, LEFT, RIGHT, NUM_KV_HEADS, GROUP, BLOCK_D, BLOCK_M, BLOCK_N,
+                                  MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+        return
     b = tl.load(ORDER + tl.program_id(0) // NUM_KV_HEADS)
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
@@ -772,22 +808,43 @@ def _bwd_short_kernel(
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
-                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
                         scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
-                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q)
+                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+
+
+@triton.jit
+def _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, w, offs_d, d_ok, stride_qt, stride_qh,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                          stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, out_scale, LEFT, RIGHT, NUM_KV_HEADS,
+                          GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                          C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                          CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCALE_Q: tl.constexpr,
+                          KT: tl.constexpr):
+    """Item w of a K/V width class (sequence ORDER[4 + lo + w // kv heads], kv head w % kv heads)."""
+    b = tl.load(ORDER + 4 + lo + w // NUM_KV_HEADS)
+    kvh = w % NUM_KV_HEADS
+    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
+    _bwd_short_item(Q, DO, DQ, K + k_start * stride_kt + kvh * stride_kh, V + k_start * stride_vt + kvh * stride_vh,
+                    DK + k_start * stride_dkt + kvh * stride_dkh, DV + k_start * stride_dvt + kvh * stride_dvh,
+                    q_start, lq, lk, lk - lq, kvh, offs_d, d_ok, stride_qt, stride_qh, stride_kt, stride_vt,
+                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt, scale, out_scale, LEFT,
+                    RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                    DOT_PREC, UPCAST, SCALE_Q, KT)
 
 
 @triton.jit
@@ -797,8 +854,12 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
                     POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                     C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr):
-    """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile."""
+                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr, KT: tl.constexpr):
+    """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile.
+
+    KT: scores are computed keys-major, S^T = K Q^T [BLOCK_N, BLOCK_M], so the dV and dK dots take act(S)^T and
+    dS^T as they come (one transpose per tile, for dQ, instead of two) and the keys are the dots' M side: a 64-key
+    tile fills a warpgroup's 64-row MMA whatever the q tile height."""
     offs_n = tl.arange(0, BLOCK_N)
     k, v, kmask = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -816,18 +877,35 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
             do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
             if SCALE_Q:
                 q = _scaled(q, scale)
-                s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)  # [BM, BN]; padded rows / keys give 0 and act(0) = 0
-            else:  # the loaded q feeds both dots as is; dK takes the scale at the end
-                s = _mm(q, tl.trans(k), DOT_PREC, UPCAST) * scale
+            # padded rows / keys give 0 and act(0) = 0; without SCALE_Q the loaded q feeds both dots as is and
+            # dK takes the scale at the end
+            if KT:
+                s = _mm(k, tl.trans(q), DOT_PREC, UPCAST)  # S^T [BN, BM]
+            else:
+                s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)  # [BM, BN]
+            if not SCALE_Q:
+                s = s * scale
             a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-            ds = _mm(do, tl.trans(v), DOT_PREC, UPCAST) * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-            if MASKED:
-                vis = _visible(offs_m, offs_n, doff, LEFT, RIGHT)
+            if KT:
+                ds = _mm(v, tl.trans(do), DOT_PREC, UPCAST)
+            else:
+                ds = _mm(do, tl.trans(v), DOT_PREC, UPCAST)
+            ds = ds * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+            if MASKED:  # act'(0) != 0: drop masked entries explicitly
+                if KT:
+                    vis = _visible_t(offs_n, offs_m, doff, LEFT, RIGHT)
+                else:
+                    vis = _visible(offs_m, offs_n, doff, LEFT, RIGHT)
                 a = tl.where(vis, a, 0.0)
-                ds = tl.where(vis, ds, 0.0)  # act'(0) != 0: drop masked entries explicitly
-            dv = _mma(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC, UPCAST)
-            dk = _mma(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC, UPCAST)
-            dq = _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST)
+                ds = tl.where(vis, ds, 0.0)
+            if KT:
+                dv = _mma(a.to(do.dtype), do, dv, DOT_PREC, UPCAST)
+                dk = _mma(ds.to(q.dtype), q, dk, DOT_PREC, UPCAST)
+                dq = _mm(tl.trans(ds.to(k.dtype)), k, DOT_PREC, UPCAST)
+            else:
+                dv = _mma(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC, UPCAST)
+                dk = _mma(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC, UPCAST)
+                dq = _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST)
             tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
                      mask=qmask)
     dk_scale = out_scale if SCALE_Q else out_scale * scale
@@ -846,7 +924,7 @@ if triton_interpreting():
     _LONG_CFG = _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(16, 1, 1)])
     _DKDV_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
     _DQ_CFG = _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(16, 1, 1)])
-    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(16, 1, 1)])
+    _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(16, False, 1, 1)])
 else:  # a small space: each config costs a compile per key
     # (3- and 4-stage forms of the short-K/V q-tile loop were tried in session 16: cross M64 0.436 -> 0.435 ms; in
     # session 17, register caps (maxnreg 128 / 168 on the 4-warp candidates, 128 on an 8-warp dK/dV one): none won,
@@ -867,8 +945,10 @@ else:  # a small space: each config costs a compile per key
     # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
     # M64, tuner ms: (32, 4, 3) 0.773, (32, 4, 4) 0.776 (dropped: a tie that spills), (32, 4, 2) 0.891, (32, 8, 2)
     # 1.561; session 18)
-    _SHORT_BWD_CFG = _configs(("BLOCK_M",), [(32, 4, 3), (16, 4, 3), (32, 4, 2), (16, 4, 2), (32, 8, 3), (64, 8, 2),
-                                             (32, 8, 2)])
+    _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, False, 4, 3), (16, False, 4, 3), (32, False, 4, 2),
+                                                   (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
+                                                   (32, False, 8, 2), (32, True, 4, 3), (16, True, 4, 3),
+                                                   (64, True, 4, 2), (64, True, 4, 3), (32, True, 8, 3)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
@@ -885,7 +965,9 @@ _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkd
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
-_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW"])(_bwd_short_kernel)
+_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW", "SPLIT",
+                                                          "PERSIST"])(
+    _bwd_short_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -995,6 +1077,21 @@ def _fwd_scale_q() -> bool:
     env = os.environ.get("GEM_GDPA_FWD_SCALE_Q", "")
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_FWD_SCALE_Q={env!r}: expected 0 or 1")
+    return env == "1"
+
+
+# persistent programs per SM of a split one-pass backward launch: more than fit at once (2-4 by registers), so the
+# hardware still fills an SM as programs finish, while each program walks several items
+SPLIT_PROGRAMS_PER_SM = 8
+
+
+def _bwd_split() -> bool:
+    """GEM_GDPA_BWD_SPLIT=1: the one-pass backward (narrow K/V tiles, a tile of >= 64 keys) launches once per K/V
+    width class (a quarter, half or all of the tile), each launch compiled for its class's tile alone; by default
+    one launch holds all three bodies and takes the registers of the widest."""
+    env = os.environ.get("GEM_GDPA_BWD_SPLIT", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"GEM_GDPA_BWD_SPLIT={env!r}: expected 0 or 1")
     return env == "1"
 
 
@@ -1261,6 +1358,7 @@ def _gdpa_bwd(
     _flat_knob()
     _bwd_scale_q()  # knobs are checked on every call, also where no kernel reads them
     _narrow()
+    _bwd_split()
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
@@ -1299,23 +1397,43 @@ def _gdpa_bwd(
 
 def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale,
                     ordered):
-    """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first."""
+    """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first; or, split by
+    K/V width class (_bwd_split), one persistent launch per class."""
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)  # every row is written
     nb = offsets_q.numel() - 1
+    block_n = _bucket(max_len_k)
+    narrow = _narrow()
+    split = narrow and block_n >= 64 and _bwd_split()
 
     def order():
-        if not ordered:
-            return torch.arange(nb, dtype=torch.int32, device=q.device)
         lq = offsets_q[1:] - offsets_q[:-1]
-        return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
+        if not split:
+            if not ordered:
+                return torch.arange(nb, dtype=torch.int32, device=q.device)
+            return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
+        lk = offsets_k[1:] - offsets_k[:-1]
+        cls = (lk > block_n // 4).to(torch.int64) + (lk > block_n // 2).to(torch.int64)  # 0, 1, 2: 1/4, 1/2, full
+        key = cls * (1 << 32) - (lq.to(torch.int64) if ordered else 0)  # by class, then longest q first
+        bounds = torch.zeros(4, dtype=torch.int64, device=q.device)
+        bounds[1:] = torch.bincount(cls, minlength=3).cumsum(0)
+        return torch.cat((bounds, torch.argsort(key, stable=True))).to(torch.int32)
 
-    table = offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_q, offsets_k, ("short bwd", ordered),
-                           order)
+    table = offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_q, offsets_k,
+                           ("short bwd", ordered, split, block_n), order)
     common = _common(q, k, left, right, activation, approx)
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _launch(_bwd_short, (nb * k.shape[1],), args,
-            dict(BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(), **common))
+    items = nb * k.shape[1]
+    if not split:
+        _launch(_bwd_short, (items,), args, dict(BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), NARROW=narrow, SPLIT=-1,
+                                                 PERSIST=False, **common))
+        return dq, dk, dv
+    persistent = min(items, SPLIT_PROGRAMS_PER_SM * _num_sms(q.device))
+    for c, width in enumerate((block_n // 4, block_n // 2, block_n)):
+        # the narrow classes persistent (their registers leave room for the loop); the widest one item a program
+        grid = items if c == 2 else persistent
+        _launch(_bwd_short, (grid,), args, dict(BLOCK_N=width, SCALE_Q=_bwd_scale_q(), NARROW=False, SPLIT=c,
+                                                PERSIST=grid < items, **common))
     return dq, dk, dv
 
 
