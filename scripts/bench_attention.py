@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from scripts.bench.common import dump_json, matmul_peak_tflops, print_table
+from scripts.bench.common import dump_json, log_tunings, matmul_peak_tflops, print_table
 
 # section -> (module under scripts/bench, function returning list[Row])
 SECTIONS = {
@@ -96,6 +96,8 @@ def main(argv=None):
     except ImportError:
         print()
     print(f"measured bf16 matmul peak: {matmul_peak_tflops():.0f} TFLOP/s")
+    if os.environ.get("GEM_TUNE_LOG", "0") == "1":  # also the triton.autotune tuners' timings, per key
+        log_tunings()
 
     rows = []
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:

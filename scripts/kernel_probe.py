@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
+from scripts.bench.common import bench_ms, jagged_lengths, log_tunings, offsets_of
 
 H, D = 4, 128
 
@@ -113,12 +113,12 @@ def _gdpa_short_cases():
 def _gdpa_narrow_cases():
     """The short-K/V kernels with each sequence on the narrowest K/V tile that holds it (default) or all on the
     full tile (GEM_GDPA_NARROW=0); the forward scaling S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1);
-    the one-pass backward in one launch (default) or one per K/V width class (GEM_GDPA_BWD_SPLIT=1)."""
+    q-side loads and stores with evict-first hints (GEM_GDPA_STREAM=1)."""
     from gem.ops.gdpa import gdpa
 
     out = []
     variants = (("default", {}), ("narrow=0", {"GEM_GDPA_NARROW": "0"}),
-                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}), ("bwd split", {"GEM_GDPA_BWD_SPLIT": "1"}))
+                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}), ("stream", {"GEM_GDPA_STREAM": "1"}))
     for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c128")):
         for label, env in variants:
             out.append((f"gdpa {name} {label}", (q, k, v),
@@ -327,7 +327,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("kernel_probe: needs CUDA")
         return 2
-    _log_tunings()
+    log_tunings()
     for group in a.cases.split(","):
         for name, inputs, fwd, *env in CASES[group]():  # env: variables set for the whole case
             if a.match and not any(m in name for m in a.match.split(",")):
@@ -359,27 +359,6 @@ def main() -> int:
                     os.environ[key] = val
             torch.cuda.empty_cache()
     return 0
-
-
-def _log_tunings() -> None:
-    """Print every autotuner's timings as it tunes a key, fastest first, with the key's tile constexprs (a call
-    may tune several keys of one kernel, e.g. one per K/V width class)."""
-    from triton.runtime.autotuner import Autotuner
-
-    real = Autotuner.run
-
-    def run(self, *args, **kwargs):
-        before = getattr(self, "configs_timings", None)
-        out = real(self, *args, **kwargs)
-        timings = getattr(self, "configs_timings", None)
-        if timings and timings is not before:
-            ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
-            cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
-            key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SPLIT", "SHORT_KV") if k in kwargs)
-            print(f"tuned {self.fn.__name__} {key}: " + "; ".join(cells), flush=True)
-        return out
-
-    Autotuner.run = run
 
 
 def _time_case(name, fwd, both, a) -> None:

@@ -246,6 +246,25 @@ def _rows(P, offs, stride, offs_d):
 
 
 @triton.jit
+def _ld(ptrs, mask, STREAM: tl.constexpr):
+    """A masked load (zeros outside); STREAM: data read once per kernel, first out of L2 (evict_first)."""
+    if STREAM:
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _st(ptrs, x, mask, STREAM: tl.constexpr):
+    """A masked store; STREAM: written once and not read back by this kernel (evict_first)."""
+    if STREAM:
+        tl.store(ptrs, x, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
 def _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt):
     """K and V rows offs_n (zeros past lk or D), and their mask."""
     kmask = (offs_n[:, None] < lk) & d_ok[None, :]
@@ -338,15 +357,19 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
                     C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
                     C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    SCALE_Q: tl.constexpr):
+                    SCALE_Q: tl.constexpr, STREAM: tl.constexpr):
     """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles.
     Without SCALE_Q the scale multiplies S, so each loaded q tile feeds the dot as loaded (the pipelined load can
-    go straight to shared memory)."""
+    go straight to shared memory). STREAM: q and O with evict-first hints."""
     offs_n = tl.arange(0, BLOCK_N)
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     for t in range(n_tiles):
         m0 = (first + t) * BLOCK_M
-        q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, SCALE_Q)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        qmask = (offs_m[:, None] < lq) & d_ok[None, :]
+        q = _ld(_rows(Qb, offs_m, stride_qt, offs_d), qmask, STREAM)
+        if SCALE_Q:
+            q = _scaled(q, scale)
         s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
         if not SCALE_Q:
             s = s * scale
@@ -354,7 +377,7 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
         if MASKED:
             a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
         acc = _mm(a.to(v.dtype), v, DOT_PREC, UPCAST)
-        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), mask=qmask)
+        _st(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), qmask, STREAM)
 
 
 @triton.jit
@@ -402,6 +425,7 @@ def _fwd_kernel(
     UPCAST: tl.constexpr,
     NARROW: tl.constexpr,
     FWD_SCALE_Q: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -429,21 +453,21 @@ def _fwd_kernel(
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 4,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q)
+                                FWD_SCALE_Q, STREAM)
             elif lk <= BLOCK_N // 2:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 2,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q)
+                                FWD_SCALE_Q, STREAM)
             else:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q)
+                                FWD_SCALE_Q, STREAM)
         else:
             _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                             stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, FWD_SCALE_Q)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, FWD_SCALE_Q, STREAM)
     elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
@@ -764,35 +788,13 @@ def _bwd_short_kernel(
     SCALE_Q: tl.constexpr,
     NARROW: tl.constexpr,
     KT: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PERSIST: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
     5 matmuls per tile pair instead of the two-pass 7, and q/dO are read once. No atomics."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    if SPLIT >= 0:
-        # one K/V width class per launch (SPLIT: its index), so the kernel holds only that class's tile and its
-        # registers: ORDER = [4 class bounds, sequences by class, longest q first]. PERSIST: the programs walk the
-        # class's (sequence, kv head) items; else one item per program and the grid holds every item of the batch,
-        # those past the class's count exiting at once (a loop around the item costs the widest tile registers)
-        lo = tl.load(ORDER + SPLIT)
-        n_items = (tl.load(ORDER + SPLIT + 1) - lo) * NUM_KV_HEADS
-        if PERSIST:
-            for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-                _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, w, offs_d, d_ok, stride_qt,
-                                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                                      stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale,
-                                      out_scale, LEFT, RIGHT, NUM_KV_HEADS, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
-                                      ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
-        elif tl.program_id(0) < n_items:
-            _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, tl.program_id(0), offs_d, d_ok,
-                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-                                  stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                                  scale, out_scale, LEFT, RIGHT, NUM_KV_HEADS, GROUP, BLOCK_D, BLOCK_M, BLOCK_N,
-                                  MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
-        return
     b = tl.load(ORDER + tl.program_id(0) // NUM_KV_HEADS)
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
@@ -808,43 +810,22 @@ def _bwd_short_kernel(
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
-                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
+                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
                         scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
-                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
-
-
-@triton.jit
-def _bwd_short_class_item(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, lo, w, offs_d, d_ok, stride_qt, stride_qh,
-                          stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-                          stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, out_scale, LEFT, RIGHT, NUM_KV_HEADS,
-                          GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
-                          C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
-                          CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCALE_Q: tl.constexpr,
-                          KT: tl.constexpr):
-    """Item w of a K/V width class (sequence ORDER[4 + lo + w // kv heads], kv head w % kv heads)."""
-    b = tl.load(ORDER + 4 + lo + w // NUM_KV_HEADS)
-    kvh = w % NUM_KV_HEADS
-    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
-    _bwd_short_item(Q, DO, DQ, K + k_start * stride_kt + kvh * stride_kh, V + k_start * stride_vt + kvh * stride_vh,
-                    DK + k_start * stride_dkt + kvh * stride_dkh, DV + k_start * stride_dvt + kvh * stride_dvh,
-                    q_start, lq, lk, lk - lq, kvh, offs_d, d_ok, stride_qt, stride_qh, stride_kt, stride_vt,
-                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt, scale, out_scale, LEFT,
-                    RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                    DOT_PREC, UPCAST, SCALE_Q, KT)
+                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
 
 
 @triton.jit
@@ -854,7 +835,7 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
                     POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                     C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr, KT: tl.constexpr):
+                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr, KT: tl.constexpr, STREAM: tl.constexpr):
     """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile.
 
     KT: scores are computed keys-major, S^T = K Q^T [BLOCK_N, BLOCK_M], so the dV and dK dots take act(S)^T and
@@ -873,8 +854,8 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
         for t in range(n_tiles):
             offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
             qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
-            do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
+            q = _ld(_rows(Qb, offs_m, stride_qt, offs_d), qmask, STREAM)
+            do = _ld(_rows(DOb, offs_m, stride_dot, offs_d), qmask, STREAM)
             if SCALE_Q:
                 q = _scaled(q, scale)
             # padded rows / keys give 0 and act(0) = 0; without SCALE_Q the loaded q feeds both dots as is and
@@ -906,8 +887,8 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                 dv = _mma(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC, UPCAST)
                 dk = _mma(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC, UPCAST)
                 dq = _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST)
-            tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
-                     mask=qmask)
+            _st(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), qmask,
+                STREAM)
     dk_scale = out_scale if SCALE_Q else out_scale * scale
     tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DKb.dtype.element_ty), mask=kmask)
     tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DVb.dtype.element_ty), mask=kmask)
@@ -945,10 +926,13 @@ else:  # a small space: each config costs a compile per key
     # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
     # M64, tuner ms: (32, 4, 3) 0.773, (32, 4, 4) 0.776 (dropped: a tie that spills), (32, 4, 2) 0.891, (32, 8, 2)
     # 1.561; session 18)
-    _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, False, 4, 3), (16, False, 4, 3), (32, False, 4, 2),
+    # keys-major scores (KT) on the 3-stage 4-warp tile first (H200, cross M64, tuner ms: (32, KT, 4, 3) 0.724,
+    # (32, 4, 3) 0.774, (64, KT, 4, 2) 0.827, (16, 4, 3) 0.837, (16, KT, 4, 3) 0.860; (64, KT, 4, 3) 1.190 and
+    # (32, KT, 8, 3) 1.313 were dropped; session 19)
+    _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, True, 4, 3), (32, False, 4, 3), (64, True, 4, 2),
+                                                   (16, False, 4, 3), (16, True, 4, 3), (32, False, 4, 2),
                                                    (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
-                                                   (32, False, 8, 2), (32, True, 4, 3), (16, True, 4, 3),
-                                                   (64, True, 4, 2), (64, True, 4, 3), (32, True, 8, 3)])
+                                                   (32, False, 8, 2)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
@@ -957,7 +941,8 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
     _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
         c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q"])(
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q",
+                                                    "STREAM"])(
     _fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
@@ -965,8 +950,7 @@ _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkd
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
-_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW", "SPLIT",
-                                                          "PERSIST"])(
+_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW", "STREAM"])(
     _bwd_short_kernel)
 
 
@@ -1080,18 +1064,12 @@ def _fwd_scale_q() -> bool:
     return env == "1"
 
 
-# persistent programs per SM of a split one-pass backward launch: more than fit at once (2-4 by registers), so the
-# hardware still fills an SM as programs finish, while each program walks several items
-SPLIT_PROGRAMS_PER_SM = 8
-
-
-def _bwd_split() -> bool:
-    """GEM_GDPA_BWD_SPLIT=1: the one-pass backward (narrow K/V tiles, a tile of >= 64 keys) launches once per K/V
-    width class (a quarter, half or all of the tile), each launch compiled for its class's tile alone; by default
-    one launch holds all three bodies and takes the registers of the widest."""
-    env = os.environ.get("GEM_GDPA_BWD_SPLIT", "")
+def _stream() -> bool:
+    """GEM_GDPA_STREAM=1: the short-K/V forward and the one-pass backward load q (and dO) and store O (and dQ) with
+    evict-first hints, as data each kernel touches once; by default plain loads and stores."""
+    env = os.environ.get("GEM_GDPA_STREAM", "")
     if env not in ("", "0", "1"):
-        raise ValueError(f"GEM_GDPA_BWD_SPLIT={env!r}: expected 0 or 1")
+        raise ValueError(f"GEM_GDPA_STREAM={env!r}: expected 0 or 1")
     return env == "1"
 
 
@@ -1299,7 +1277,7 @@ def _gdpa_fwd(
     short_kv: int,
 ) -> torch.Tensor:
     _flat_knob()  # a bad value fails every call, not only those that would fuse
-    narrow, scale_q = _narrow(), _fwd_scale_q()
+    narrow, scale_q, stream = _narrow(), _fwd_scale_q(), _stream()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -1321,10 +1299,10 @@ def _gdpa_fwd(
     grid = (table.shape[0] * h,)
     if use_short:
         _launch(_fwd_short, grid, args, dict(BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow,
-                                             FWD_SCALE_Q=scale_q, **common))
+                                             FWD_SCALE_Q=scale_q, STREAM=stream, **common))
     else:
         _launch(_fwd_long_small if block_m <= 64 else _fwd_long, grid, args,
-                dict(SHORT_KV=False, FLAT=flat, NARROW=False, FWD_SCALE_Q=True, **common))
+                dict(SHORT_KV=False, FLAT=flat, NARROW=False, FWD_SCALE_Q=True, STREAM=False, **common))
     return out
 
 
@@ -1358,7 +1336,7 @@ def _gdpa_bwd(
     _flat_knob()
     _bwd_scale_q()  # knobs are checked on every call, also where no kernel reads them
     _narrow()
-    _bwd_split()
+    _stream()
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
@@ -1397,43 +1375,23 @@ def _gdpa_bwd(
 
 def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale,
                     ordered):
-    """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first; or, split by
-    K/V width class (_bwd_split), one persistent launch per class."""
+    """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first."""
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)  # every row is written
     nb = offsets_q.numel() - 1
-    block_n = _bucket(max_len_k)
-    narrow = _narrow()
-    split = narrow and block_n >= 64 and _bwd_split()
 
     def order():
+        if not ordered:
+            return torch.arange(nb, dtype=torch.int32, device=q.device)
         lq = offsets_q[1:] - offsets_q[:-1]
-        if not split:
-            if not ordered:
-                return torch.arange(nb, dtype=torch.int32, device=q.device)
-            return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
-        lk = offsets_k[1:] - offsets_k[:-1]
-        cls = (lk > block_n // 4).to(torch.int64) + (lk > block_n // 2).to(torch.int64)  # 0, 1, 2: 1/4, 1/2, full
-        key = cls * (1 << 32) - (lq.to(torch.int64) if ordered else 0)  # by class, then longest q first
-        bounds = torch.zeros(4, dtype=torch.int64, device=q.device)
-        bounds[1:] = torch.bincount(cls, minlength=3).cumsum(0)
-        return torch.cat((bounds, torch.argsort(key, stable=True))).to(torch.int32)
+        return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
 
-    table = offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_q, offsets_k,
-                           ("short bwd", ordered, split, block_n), order)
+    table = offsets_cached("_gem_gdpa_work", "GEM_GDPA_WORK_CACHE", offsets_q, offsets_k, ("short bwd", ordered),
+                           order)
     common = _common(q, k, left, right, activation, approx)
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    items = nb * k.shape[1]
-    if not split:
-        _launch(_bwd_short, (items,), args, dict(BLOCK_N=block_n, SCALE_Q=_bwd_scale_q(), NARROW=narrow, SPLIT=-1,
-                                                 PERSIST=False, **common))
-        return dq, dk, dv
-    persistent = min(items, SPLIT_PROGRAMS_PER_SM * _num_sms(q.device))
-    for c, width in enumerate((block_n // 4, block_n // 2, block_n)):
-        # the narrow classes persistent (their registers leave room for the loop); the widest one item a program
-        grid = items if c == 2 else persistent
-        _launch(_bwd_short, (grid,), args, dict(BLOCK_N=width, SCALE_Q=_bwd_scale_q(), NARROW=False, SPLIT=c,
-                                                PERSIST=grid < items, **common))
+    _launch(_bwd_short, (nb * k.shape[1],), args,
+            dict(BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(), STREAM=_stream(), **common))
     return dq, dk, dv
 
 

@@ -120,3 +120,24 @@ def print_table(rows: list[Row], title: str = "") -> None:
 def dump_json(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([r.__dict__ for r in rows], f, indent=1)
+
+
+def log_tunings() -> None:
+    """From now on, print every triton.autotune tuner's timings as it tunes a key, fastest first, with the key's
+    tile constexprs (kernel_probe; bench_attention under GEM_TUNE_LOG=1)."""
+    from triton.runtime.autotuner import Autotuner
+
+    real = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        before = getattr(self, "configs_timings", None)
+        out = real(self, *args, **kwargs)
+        timings = getattr(self, "configs_timings", None)
+        if timings and timings is not before:
+            ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
+            cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
+            key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SHORT_KV", "TILES") if k in kwargs)
+            print(f"tuned {self.fn.__name__} {key}: " + "; ".join(cells), flush=True)
+        return out
+
+    Autotuner.run = run

@@ -17,6 +17,10 @@ Times are eager (CUDA events around each call, Python launch overhead included, 
 also carries its kernels' device time (dev_fwd_ms, dev_bwd_ms; torch.profiler) with the speedups by it; the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
+Memory roofline: the first row times a device copy of 1 GiB (read + write, torch.profiler), and each of our rows
+carries fwd_TBps / bwd_TBps: the least traffic any implementation moves (each input read once, each output written
+once: q, k, v, o forward; q, k, v, dO, dq, dk, dv backward) over its kernels' device time, and that as a share of
+the copy's rate (fwd_of_copy, bwd_of_copy). Short-K/V cross attention is bound there, not by its FLOPs.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
     q, k, v, oq, mq, ok, mk = _jagged(lq, lk, dtype)
     flops = attn_flops(lq, H, D, causal=causal, lengths_k=None if lk is lq else lk)
     info = {"B": lq.numel(), "tokens": int(lq.sum())}
+    qb, kb = q.numel() * q.element_size(), k.numel() * k.element_size()
+    least = {"fwd": 2 * qb + 2 * kb, "bwd": 3 * qb + 4 * kb}  # bytes: each input read once, each output written once
     rows = []
     impls = [("gdpa", {}), ("gdpa poly6", {"approx": "poly6"}),
              ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}})] + list(extra_impls)
@@ -126,6 +132,13 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
                     info,
                 )
             )
+    for row in rows:  # ours: achieved traffic rate by device time
+        for part in ("fwd", "bwd"):
+            ms = row.extra.get(f"dev_{part}_ms", math.nan)
+            if math.isfinite(ms) and ms > 0:
+                row.extra[f"{part}_TBps"] = round(least[part] / ms / 1e9, 2)
+                if COPY_TBPS.get("rate"):
+                    row.extra[f"{part}_of_copy"] = round(least[part] / ms / 1e9 / COPY_TBPS["rate"], 2)
     if compare:
         holder = {}
 
@@ -165,10 +178,25 @@ def _lognormal_lengths(tokens: int, median: float, sigma: float, cap: int, seed:
     return torch.tensor(out, device="cuda")
 
 
+COPY_TBPS: dict = {}
+
+
+def _copy_row() -> Row:
+    """The memory anchor, measured in this run: a 1 GiB device-to-device copy, TB/s of read + write traffic by
+    device time."""
+    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = device_ms(lambda: dst.copy_(src))
+    rate = 2 * src.numel() * src.element_size() / ms / 1e9
+    COPY_TBPS["rate"] = rate
+    return Row(SECTION, "memory anchor: 1 GiB copy", "torch copy_", fwd_ms=ms, extra={"TBps": round(rate, 2)})
+
+
 def run(args) -> list[Row]:
     quick = bool(getattr(args, "quick", False))
     tokens = TOKENS  # --quick drops shapes, never tokens: smaller batches would time launches
-    rows: list[Row] = []
+    rows: list[Row] = [_copy_row()]
+    torch.cuda.empty_cache()
     for n in (512, 2048) if quick else (512, 1024, 2048, 4096):
         lq = jagged_lengths(n, tokens, seed=n)
         rows += _case_rows(f"self SiLU causal N={n}", lq, lq, activation="silu", causal=True)

@@ -118,14 +118,12 @@ def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
 
 
 @pytest.mark.parametrize("keys_major", [True, False])
-@pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("narrow,scale_q,kw", [("1", "0", {"causal": True}), ("0", "1", {"window": (3, 2)}),
                                                ("1", "1", {"activation": "relu2"}), ("1", "0", {"window": (0, 5)})])
-def test_one_pass_backward_forms(monkeypatch, keys_major, split, narrow, scale_q, kw):
-    """The one-pass backward computing scores keys-major (S^T = K Q^T; KT) or row-major, pinned by its config, in
-    one launch or split by K/V width class (GEM_GDPA_BWD_SPLIT; with narrow tiles only): masks (causal, two-sided
-    windows), narrow and full K/V tiles, q scaled or not, lengths 0 and 1 and at the narrow tiles' edges, GQA 4:2,
-    several q tiles per sequence, more items than persistent programs."""
+def test_one_pass_backward_forms(monkeypatch, keys_major, narrow, scale_q, kw):
+    """The one-pass backward computing scores keys-major (S^T = K Q^T; KT) or row-major, pinned by its config:
+    masks (causal, two-sided windows), narrow and full K/V tiles, q scaled or not, lengths 0 and 1 and at the narrow
+    tiles' edges, GQA 4:2, several q tiles per sequence."""
     import triton
 
     from gem.ops import triton_gdpa
@@ -137,22 +135,17 @@ def test_one_pass_backward_forms(monkeypatch, keys_major, split, narrow, scale_q
     monkeypatch.setattr(triton_gdpa, "_PICKED", {})
     monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
     monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
-    monkeypatch.setenv("GEM_GDPA_BWD_SPLIT", split)
-    monkeypatch.setattr(triton_gdpa, "SPLIT_PROGRAMS_PER_SM", 1)  # 4 programs (4 "SMs" on CPU) for 16 items
     used = []
     real_fn_run = tuned.fn.run
 
     def run(*a, grid, **kw):
-        used.append((kw["KT"], kw["BLOCK_N"], kw["SPLIT"], grid[0]))
+        used.append((kw["KT"], kw["BLOCK_N"], grid[0]))
         return real_fn_run(*a, grid=grid, **kw)
 
     monkeypatch.setattr(tuned.fn, "run", run)
     kw = {"activation": "gelu", **kw}
     _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True, **kw)
-    if split == "1" and narrow == "1":
-        assert used == [(keys_major, 16, 0, 4), (keys_major, 32, 1, 4), (keys_major, 64, 2, 16)]
-    else:
-        assert used == [(keys_major, 64, -1, 16)]
+    assert used == [(keys_major, 64, 16)]  # one program per (sequence, kv head)
 
 
 def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
@@ -228,7 +221,7 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
     assert through.count(tuned) == 3 and direct[-1] == 1
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q", "GEM_GDPA_STREAM"])
 def test_short_kv_knob_bad_value(monkeypatch, knob):
     monkeypatch.setenv(knob, "yes")
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
@@ -236,13 +229,34 @@ def test_short_kv_knob_bad_value(monkeypatch, knob):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_BWD_SPLIT"])
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_STREAM"])
 def test_backward_knob_bad_value(monkeypatch, knob):
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
     out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
     monkeypatch.setenv(knob, "yes")
     with pytest.raises(ValueError, match=f"{knob}='yes'"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("keys_major", [True, False])
+def test_short_kv_stream_hints(monkeypatch, keys_major):
+    """GEM_GDPA_STREAM=1: the short-K/V forward and the one-pass backward with evict-first loads and stores of the
+    q-side tensors; the same results (both score layouts of the backward)."""
+    import triton
+
+    from gem.ops import triton_gdpa
+
+    monkeypatch.setenv("GEM_GDPA_STREAM", "1")
+    tuned = triton_gdpa._bwd_short
+    monkeypatch.setattr(tuned, "configs", [triton.Config({"BLOCK_M": 16, "KT": keys_major}, num_warps=1,
+                                                         num_stages=1)])
+    monkeypatch.setattr(tuned, "cache", {})
+    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
+    seen = []
+    real = triton_gdpa._launch
+    monkeypatch.setattr(triton_gdpa, "_launch", lambda t, g, a, kw: seen.append(kw["STREAM"]) or real(t, g, a, kw))
+    _check([3, 40, 1, 0, 17], [16, 17, 0, 5, 64], h=4, hk=2, activation="gelu", causal=True, short_kv=True)
+    assert seen == [True, True]
 
 
 @pytest.mark.parametrize("scale_q", ["0", "1"])
@@ -597,9 +611,10 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lk_long, d=128, short_kv=False, **kw)  # 64-row tiled forward and dQ, dK/dV pass
         _check(lq, lq, d=128, causal=True, **kw)
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
-        with monkeypatch.context() as m:  # the one-pass backward split by K/V width class
-            m.setenv("GEM_GDPA_BWD_SPLIT", "1")
-            _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)
+        _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)  # the one-pass backward, masked
+        with monkeypatch.context() as m:  # evict-first hints on the short-K/V kernels
+            m.setenv("GEM_GDPA_STREAM", "1")
+            _check(lq, lk_short, d=128, short_kv=True, **kw)
         with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
             m.setenv("GEM_GDPA_FLAT", "4")
             _check(lq, lk_long, d=128, short_kv=False, **kw)
