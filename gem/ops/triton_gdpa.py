@@ -29,6 +29,7 @@ from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
 # one-pass backward while a sequence's whole K/V fits one tile whose fp32 dK and dV stay in registers
+# (GEM_GDPA_ONE_PASS_KEYS=128 doubles it)
 SHORT_BWD_ELEMS = 64 * 128
 # Tests set this to NaN: outputs start as NaN, so a row that no program writes fails the comparison.
 _POISON: float | None = None
@@ -246,25 +247,6 @@ def _rows(P, offs, stride, offs_d):
 
 
 @triton.jit
-def _ld(ptrs, mask, STREAM: tl.constexpr):
-    """A masked load (zeros outside); STREAM: data read once per kernel, first out of L2 (evict_first)."""
-    if STREAM:
-        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _st(ptrs, x, mask, STREAM: tl.constexpr):
-    """A masked store; STREAM: written once and not read back by this kernel (evict_first)."""
-    if STREAM:
-        tl.store(ptrs, x, mask=mask, eviction_policy="evict_first")
-    else:
-        tl.store(ptrs, x, mask=mask)
-
-
-@triton.jit
 def _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt):
     """K and V rows offs_n (zeros past lk or D), and their mask."""
     kmask = (offs_n[:, None] < lk) & d_ok[None, :]
@@ -357,19 +339,15 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
                     C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
                     C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    SCALE_Q: tl.constexpr, STREAM: tl.constexpr):
+                    SCALE_Q: tl.constexpr):
     """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles.
     Without SCALE_Q the scale multiplies S, so each loaded q tile feeds the dot as loaded (the pipelined load can
-    go straight to shared memory). STREAM: q and O with evict-first hints."""
+    go straight to shared memory)."""
     offs_n = tl.arange(0, BLOCK_N)
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     for t in range(n_tiles):
         m0 = (first + t) * BLOCK_M
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-        q = _ld(_rows(Qb, offs_m, stride_qt, offs_d), qmask, STREAM)
-        if SCALE_Q:
-            q = _scaled(q, scale)
+        q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, SCALE_Q)
         s = _mm(q, tl.trans(k), DOT_PREC, UPCAST)
         if not SCALE_Q:
             s = s * scale
@@ -377,7 +355,7 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
         if MASKED:
             a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
         acc = _mm(a.to(v.dtype), v, DOT_PREC, UPCAST)
-        _st(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), qmask, STREAM)
+        tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -425,7 +403,6 @@ def _fwd_kernel(
     UPCAST: tl.constexpr,
     NARROW: tl.constexpr,
     FWD_SCALE_Q: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -453,21 +430,21 @@ def _fwd_kernel(
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 4,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q, STREAM)
+                                FWD_SCALE_Q)
             elif lk <= BLOCK_N // 2:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 2,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q, STREAM)
+                                FWD_SCALE_Q)
             else:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                                 stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N,
                                 MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST,
-                                FWD_SCALE_Q, STREAM)
+                                FWD_SCALE_Q)
         else:
             _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
                             stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, FWD_SCALE_Q, STREAM)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, FWD_SCALE_Q)
     elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
         # into one pipelined stream (the next q tile's first K/V tiles load during this one's last)
@@ -788,7 +765,6 @@ def _bwd_short_kernel(
     SCALE_Q: tl.constexpr,
     NARROW: tl.constexpr,
     KT: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
@@ -810,22 +786,22 @@ def _bwd_short_kernel(
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
+                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
                             stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
-                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
+                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
                         scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
-                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT, STREAM)
+                        C4, C5, C6, CLAMP, DOT_PREC, UPCAST, SCALE_Q, KT)
 
 
 @triton.jit
@@ -835,7 +811,7 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
                     POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                     C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr, KT: tl.constexpr, STREAM: tl.constexpr):
+                    UPCAST: tl.constexpr, SCALE_Q: tl.constexpr, KT: tl.constexpr):
     """The one-pass backward of one (sequence, kv head) with its keys in one BLOCK_N tile.
 
     KT: scores are computed keys-major, S^T = K Q^T [BLOCK_N, BLOCK_M], so the dV and dK dots take act(S)^T and
@@ -854,8 +830,8 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
         for t in range(n_tiles):
             offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
             qmask = (offs_m[:, None] < lq) & d_ok[None, :]
-            q = _ld(_rows(Qb, offs_m, stride_qt, offs_d), qmask, STREAM)
-            do = _ld(_rows(DOb, offs_m, stride_dot, offs_d), qmask, STREAM)
+            q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
+            do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
             if SCALE_Q:
                 q = _scaled(q, scale)
             # padded rows / keys give 0 and act(0) = 0; without SCALE_Q the loaded q feeds both dots as is and
@@ -887,8 +863,8 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                 dv = _mma(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC, UPCAST)
                 dk = _mma(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC, UPCAST)
                 dq = _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST)
-            _st(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), qmask,
-                STREAM)
+            tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
+                     mask=qmask)
     dk_scale = out_scale if SCALE_Q else out_scale * scale
     tl.store(_rows(DKb, offs_n, stride_dkt, offs_d), (dk * dk_scale).to(DKb.dtype.element_ty), mask=kmask)
     tl.store(_rows(DVb, offs_n, stride_dvt, offs_d), (dv * out_scale).to(DVb.dtype.element_ty), mask=kmask)
@@ -917,22 +893,24 @@ else:  # a small space: each config costs a compile per key
     # three programs share an SM and hide each other's load and activation latency
     _LONG_CFG_SMALL = _configs(("BLOCK_N",), [(64, 4, 2), (64, 4, 3), (128, 4, 2)])
     # spill-free first (ptxas: 32-row tiles on 8 warps; the 4-warp ones spill 24-272 bytes per thread at some
-    # shapes). The 3-stage 4-warp candidates here and in _DQ_CFG_SMALL (no spills at D 128 in compile_check) follow
-    # the one-pass backward's (session 18); not yet timed on a GPU
+    # shapes). The 3-stage 4-warp tiles, after the one-pass backward's: H200 cross M128 tuner ms (session 19):
+    # (32, 4, 3) 0.575, (16, 4, 3) 0.684, (64, 4, 2) 0.700, (32, 4, 2) 0.770, (32, 8, 3) 1.192; in the dQ pass a
+    # 3-stage (32, 4, 3) lost, 0.838 vs (32, 4, 2) 0.745, and was dropped
     _DKDV_CFG = _configs(("BLOCK_M",), [(32, 8, 2), (32, 8, 3), (64, 8, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3),
                                         (16, 4, 3)])
     _DQ_CFG = _configs(("BLOCK_N",), [(n, 8, 2) for n in (32, 64)])
-    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3)])  # q tiles of <= 64 rows
+    _DQ_CFG_SMALL = _configs(("BLOCK_N",), [(32, 4, 2), (64, 4, 2), (64, 4, 3)])  # q tiles of <= 64 rows
     # 3-stage 4-warp tiles first: two programs per SM, each with the next tiles' q/dO loads in flight (H200, cross
     # M64, tuner ms: (32, 4, 3) 0.773, (32, 4, 4) 0.776 (dropped: a tie that spills), (32, 4, 2) 0.891, (32, 8, 2)
     # 1.561; session 18)
     # keys-major scores (KT) on the 3-stage 4-warp tile first (H200, cross M64, tuner ms: (32, KT, 4, 3) 0.724,
     # (32, 4, 3) 0.774, (64, KT, 4, 2) 0.827, (16, 4, 3) 0.837, (16, KT, 4, 3) 0.860; (64, KT, 4, 3) 1.190 and
-    # (32, KT, 8, 3) 1.313 were dropped; session 19)
+    # (32, KT, 8, 3) 1.313 were dropped; session 19). The 8-warp keys-major ones for 128-key tiles
+    # (GEM_GDPA_ONE_PASS_KEYS=128: 241 / 214 registers, no spills, at D 128)
     _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, True, 4, 3), (32, False, 4, 3), (64, True, 4, 2),
                                                    (16, False, 4, 3), (16, True, 4, 3), (32, False, 4, 2),
                                                    (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
-                                                   (32, False, 8, 2)])
+                                                   (32, False, 8, 2), (32, True, 8, 2), (16, True, 8, 3)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
@@ -941,8 +919,7 @@ if not triton_interpreting() and os.environ.get("GEM_GDPA_AUTOTUNE", "1") == "0"
     _FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG = (
         c[:1] for c in (_FWD_CFG, _LONG_CFG, _LONG_CFG_SMALL, _DKDV_CFG, _DQ_CFG, _DQ_CFG_SMALL, _SHORT_BWD_CFG))
 
-_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q",
-                                                    "STREAM"])(
+_fwd_short = triton.autotune(_FWD_CFG, key=_KEY + ["SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M", "NARROW", "FWD_SCALE_Q"])(
     _fwd_kernel)
 _fwd_long = triton.autotune(_LONG_CFG, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
 _fwd_long_small = triton.autotune(_LONG_CFG_SMALL, key=_KEY + ["SHORT_KV", "TILES", "BLOCK_M", "FLAT"])(_fwd_kernel)
@@ -950,8 +927,7 @@ _bwd_dkdv = triton.autotune(_DKDV_CFG, key=_KEY + ["GROUP", "SCALE_Q"])(_bwd_dkd
 _bwd_dq = triton.autotune(_DQ_CFG, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 _bwd_dq_small = triton.autotune(_DQ_CFG_SMALL, key=_KEY + ["TILES", "FLAT", "BLOCK_M"])(_bwd_dq_kernel)
 # the kernel writes DQ, DK, DV fully: a timed config cannot corrupt anything the next one reads
-_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW", "STREAM"])(
-    _bwd_short_kernel)
+_bwd_short = triton.autotune(_SHORT_BWD_CFG, key=_KEY + ["GROUP", "BLOCK_N", "SCALE_Q", "NARROW"])(_bwd_short_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -1064,13 +1040,13 @@ def _fwd_scale_q() -> bool:
     return env == "1"
 
 
-def _stream() -> bool:
-    """GEM_GDPA_STREAM=1: the short-K/V forward and the one-pass backward load q (and dO) and store O (and dQ) with
-    evict-first hints, as data each kernel touches once; by default plain loads and stores."""
-    env = os.environ.get("GEM_GDPA_STREAM", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"GEM_GDPA_STREAM={env!r}: expected 0 or 1")
-    return env == "1"
+def _one_pass_elems() -> int:
+    """K/V tile keys x D up to which the backward takes the one-pass kernel: SHORT_BWD_ELEMS (64 keys at D 128), or
+    twice that with GEM_GDPA_ONE_PASS_KEYS=128 (128 keys at D 128, on 8-warp tiles)."""
+    env = os.environ.get("GEM_GDPA_ONE_PASS_KEYS", "")
+    if env not in ("", "64", "128"):
+        raise ValueError(f"GEM_GDPA_ONE_PASS_KEYS={env!r}: expected 64 or 128")
+    return SHORT_BWD_ELEMS * (2 if env == "128" else 1)
 
 
 def _bwd_scale_q() -> bool:
@@ -1277,7 +1253,7 @@ def _gdpa_fwd(
     short_kv: int,
 ) -> torch.Tensor:
     _flat_knob()  # a bad value fails every call, not only those that would fuse
-    narrow, scale_q, stream = _narrow(), _fwd_scale_q(), _stream()
+    narrow, scale_q = _narrow(), _fwd_scale_q()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -1299,10 +1275,10 @@ def _gdpa_fwd(
     grid = (table.shape[0] * h,)
     if use_short:
         _launch(_fwd_short, grid, args, dict(BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, NARROW=narrow,
-                                             FWD_SCALE_Q=scale_q, STREAM=stream, **common))
+                                             FWD_SCALE_Q=scale_q, **common))
     else:
         _launch(_fwd_long_small if block_m <= 64 else _fwd_long, grid, args,
-                dict(SHORT_KV=False, FLAT=flat, NARROW=False, FWD_SCALE_Q=True, STREAM=False, **common))
+                dict(SHORT_KV=False, FLAT=flat, NARROW=False, FWD_SCALE_Q=True, **common))
     return out
 
 
@@ -1336,13 +1312,12 @@ def _gdpa_bwd(
     _flat_knob()
     _bwd_scale_q()  # knobs are checked on every call, also where no kernel reads them
     _narrow()
-    _stream()
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv_tile = _bucket(max_len_k)
-    fits = kv_tile <= 128 and kv_tile * _bucket(d) <= SHORT_BWD_ELEMS
+    fits = kv_tile <= 128 and kv_tile * _bucket(d) <= _one_pass_elems()
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
     wide = (offsets_q.numel() - 1) * k.shape[1] >= _num_sms(q.device)
     if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
@@ -1391,7 +1366,7 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
     _launch(_bwd_short, (nb * k.shape[1],), args,
-            dict(BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(), STREAM=_stream(), **common))
+            dict(BLOCK_N=_bucket(max_len_k), SCALE_Q=_bwd_scale_q(), NARROW=_narrow(), **common))
     return dq, dk, dv
 
 

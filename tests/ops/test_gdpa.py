@@ -221,7 +221,7 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
     assert through.count(tuned) == 3 and direct[-1] == 1
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q", "GEM_GDPA_STREAM"])
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
 def test_short_kv_knob_bad_value(monkeypatch, knob):
     monkeypatch.setenv(knob, "yes")
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
@@ -229,7 +229,7 @@ def test_short_kv_knob_bad_value(monkeypatch, knob):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_STREAM"])
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_ONE_PASS_KEYS"])
 def test_backward_knob_bad_value(monkeypatch, knob):
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
     out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
@@ -238,25 +238,19 @@ def test_backward_knob_bad_value(monkeypatch, knob):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("keys_major", [True, False])
-def test_short_kv_stream_hints(monkeypatch, keys_major):
-    """GEM_GDPA_STREAM=1: the short-K/V forward and the one-pass backward with evict-first loads and stores of the
-    q-side tensors; the same results (both score layouts of the backward)."""
-    import triton
-
+@pytest.mark.parametrize("keys", ["", "128"])
+def test_one_pass_backward_on_128_key_tiles(monkeypatch, keys):
+    """At D 128 a 128-key K/V tile takes the two-pass backward by default and the one-pass kernel with
+    GEM_GDPA_ONE_PASS_KEYS=128; both match the reference (narrow bodies of 32 and 64 keys, an empty K/V)."""
     from gem.ops import triton_gdpa
 
-    monkeypatch.setenv("GEM_GDPA_STREAM", "1")
-    tuned = triton_gdpa._bwd_short
-    monkeypatch.setattr(tuned, "configs", [triton.Config({"BLOCK_M": 16, "KT": keys_major}, num_warps=1,
-                                                         num_stages=1)])
-    monkeypatch.setattr(tuned, "cache", {})
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
-    seen = []
-    real = triton_gdpa._launch
-    monkeypatch.setattr(triton_gdpa, "_launch", lambda t, g, a, kw: seen.append(kw["STREAM"]) or real(t, g, a, kw))
-    _check([3, 40, 1, 0, 17], [16, 17, 0, 5, 64], h=4, hk=2, activation="gelu", causal=True, short_kv=True)
-    assert seen == [True, True]
+    monkeypatch.setenv("GEM_GDPA_ONE_PASS_KEYS", keys)
+    one_pass = []
+    real = triton_gdpa._gdpa_bwd_short
+    monkeypatch.setattr(triton_gdpa, "_gdpa_bwd_short", lambda *a: one_pass.append(1) or real(*a))
+    monkeypatch.setattr(triton_gdpa, "_num_sms", lambda device: 1)  # a "wave" of programs at this batch size
+    _check([3, 20, 0, 9], [100, 7, 65, 0], h=2, hk=2, d=128, activation="silu", short_kv=True)
+    assert one_pass == ([1] if keys == "128" else [])
 
 
 @pytest.mark.parametrize("scale_q", ["0", "1"])
@@ -612,9 +606,6 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lq, d=128, causal=True, **kw)
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
         _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)  # the one-pass backward, masked
-        with monkeypatch.context() as m:  # evict-first hints on the short-K/V kernels
-            m.setenv("GEM_GDPA_STREAM", "1")
-            _check(lq, lk_short, d=128, short_kv=True, **kw)
         with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
             m.setenv("GEM_GDPA_FLAT", "4")
             _check(lq, lk_long, d=128, short_kv=False, **kw)
