@@ -112,13 +112,12 @@ def _gdpa_short_cases():
 
 def _gdpa_narrow_cases():
     """The short-K/V kernels with each sequence on the narrowest K/V tile that holds it (default) or all on the
-    full tile (GEM_GDPA_NARROW=0); the forward scaling S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1);
-    the one-pass backward on 128-key tiles too (GEM_GDPA_ONE_PASS_KEYS=128)."""
+    full tile (GEM_GDPA_NARROW=0); the forward scaling S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1)."""
     from gem.ops.gdpa import gdpa
 
     out = []
     variants = (("default", {}), ("narrow=0", {"GEM_GDPA_NARROW": "0"}),
-                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}), ("one-pass 128", {"GEM_GDPA_ONE_PASS_KEYS": "128"}))
+                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}))
     for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c128")):
         for label, env in variants:
             out.append((f"gdpa {name} {label}", (q, k, v),

@@ -29,7 +29,6 @@ from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
 # one-pass backward while a sequence's whole K/V fits one tile whose fp32 dK and dV stay in registers
-# (GEM_GDPA_ONE_PASS_KEYS=128 doubles it)
 SHORT_BWD_ELEMS = 64 * 128
 # Tests set this to NaN: outputs start as NaN, so a row that no program writes fails the comparison.
 _POISON: float | None = None
@@ -905,12 +904,12 @@ else:  # a small space: each config costs a compile per key
     # 1.561; session 18)
     # keys-major scores (KT) on the 3-stage 4-warp tile first (H200, cross M64, tuner ms: (32, KT, 4, 3) 0.724,
     # (32, 4, 3) 0.774, (64, KT, 4, 2) 0.827, (16, 4, 3) 0.837, (16, KT, 4, 3) 0.860; (64, KT, 4, 3) 1.190 and
-    # (32, KT, 8, 3) 1.313 were dropped; session 19). The 8-warp keys-major ones for 128-key tiles
-    # (GEM_GDPA_ONE_PASS_KEYS=128: 241 / 214 registers, no spills, at D 128)
+    # (32, KT, 8, 3) 1.313 were dropped; session 19). 128-key tiles stay two-pass: one pass on 8-warp keys-major
+    # tiles took 1.330-1.649 ms at cross M128 against 0.575 + 0.740 for the two passes (session 19)
     _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, True, 4, 3), (32, False, 4, 3), (64, True, 4, 2),
                                                    (16, False, 4, 3), (16, True, 4, 3), (32, False, 4, 2),
                                                    (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
-                                                   (32, False, 8, 2), (32, True, 8, 2), (16, True, 8, 3)])
+                                                   (32, False, 8, 2)])
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
@@ -1038,15 +1037,6 @@ def _fwd_scale_q() -> bool:
     if env not in ("", "0", "1"):
         raise ValueError(f"GEM_GDPA_FWD_SCALE_Q={env!r}: expected 0 or 1")
     return env == "1"
-
-
-def _one_pass_elems() -> int:
-    """K/V tile keys x D up to which the backward takes the one-pass kernel: SHORT_BWD_ELEMS (64 keys at D 128), or
-    twice that with GEM_GDPA_ONE_PASS_KEYS=128 (128 keys at D 128, on 8-warp tiles)."""
-    env = os.environ.get("GEM_GDPA_ONE_PASS_KEYS", "")
-    if env not in ("", "64", "128"):
-        raise ValueError(f"GEM_GDPA_ONE_PASS_KEYS={env!r}: expected 64 or 128")
-    return SHORT_BWD_ELEMS * (2 if env == "128" else 1)
 
 
 def _bwd_scale_q() -> bool:
@@ -1317,7 +1307,7 @@ def _gdpa_bwd(
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv_tile = _bucket(max_len_k)
-    fits = kv_tile <= 128 and kv_tile * _bucket(d) <= _one_pass_elems()
+    fits = kv_tile <= 128 and kv_tile * _bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
     wide = (offsets_q.numel() - 1) * k.shape[1] >= _num_sms(q.device)
     if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:

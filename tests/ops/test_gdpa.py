@@ -229,28 +229,13 @@ def test_short_kv_knob_bad_value(monkeypatch, knob):
         gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_ONE_PASS_KEYS"])
+@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW"])
 def test_backward_knob_bad_value(monkeypatch, knob):
     q, k, v, oq, mq, ok, mk = _inputs([3], [4])
     out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
     monkeypatch.setenv(knob, "yes")
     with pytest.raises(ValueError, match=f"{knob}='yes'"):
         out.sum().backward()
-
-
-@pytest.mark.parametrize("keys", ["", "128"])
-def test_one_pass_backward_on_128_key_tiles(monkeypatch, keys):
-    """At D 128 a 128-key K/V tile takes the two-pass backward by default and the one-pass kernel with
-    GEM_GDPA_ONE_PASS_KEYS=128; both match the reference (narrow bodies of 32 and 64 keys, an empty K/V)."""
-    from gem.ops import triton_gdpa
-
-    monkeypatch.setenv("GEM_GDPA_ONE_PASS_KEYS", keys)
-    one_pass = []
-    real = triton_gdpa._gdpa_bwd_short
-    monkeypatch.setattr(triton_gdpa, "_gdpa_bwd_short", lambda *a: one_pass.append(1) or real(*a))
-    monkeypatch.setattr(triton_gdpa, "_num_sms", lambda device: 1)  # a "wave" of programs at this batch size
-    _check([3, 20, 0, 9], [100, 7, 65, 0], h=2, hk=2, d=128, activation="silu", short_kv=True)
-    assert one_pass == ([1] if keys == "128" else [])
 
 
 @pytest.mark.parametrize("scale_q", ["0", "1"])
