@@ -137,15 +137,16 @@ def _cases():
 
     cases.append(("gdpa", "gdpa short_kv=1 d=64 keys=200 gelu_tanh", gdpa_short_d64))
 
-    def gdpa_one_pass(longest):  # the one-pass backward alone, its widest K/V tile set by the longest sequence
+    def gdpa_one_pass(longest, d=128):  # the one-pass backward alone, its widest K/V tile set by the longest sequence
         lk = [9, 4, 0, longest, 1]
-        q, k, v = qkv(lens, lk, 4, 4, 128, torch.bfloat16)
+        q, k, v = qkv(lens, lk, 4, 4, d, torch.bfloat16)
         args = (offsets(lens), offsets(lk), 300, max(lk), "gelu_tanh", "", -1, -1, 0.1, 1.0, True)
         triton_gdpa._gdpa_bwd(torch.randn_like(q), q, k, v, *args, 1)
 
     for longest in (14, 30, 50):  # 16-, 32- and 64-key tiles (registers by tile width: docs/PERF.md, session 18)
         cases.append(("gdpa", f"gdpa one-pass bwd d=128 longest key {longest}",
                       lambda longest=longest: gdpa_one_pass(longest)))
+    cases.append(("gdpa", "gdpa one-pass bwd d=64 longest key 100", lambda: gdpa_one_pass(100, 64)))  # 128-key tile
 
     def gdpa_env(settings):  # one unmasked long-K/V forward and backward under kernel knobs
         from scripts.bench.common import env

@@ -1,6 +1,6 @@
 """Where an eager attention call's host time goes, piece by piece, on one GPU.
 
-    python scripts/host_probe.py [--reps 5] [--calls 20] [--profile]
+    python scripts/host_probe.py [--reps 5] [--calls 20] [--profile] [--ops block,gdpa]
 
 Each line is the host microseconds per call of one piece, measured with the GPU asleep (the calls queue behind a
 GPU sleep, so the host never waits for the device): the median of --reps runs of --calls calls. Pieces: torch
@@ -89,7 +89,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ops", default="block,gdpa", help="whose whole calls to time (a comma list of block, gdpa)")
     a = ap.parse_args()
+    ops = set(a.ops.split(","))
+    if not ops <= {"block", "gdpa"}:
+        print(f"host_probe: --ops {a.ops!r}: expected a comma list of block, gdpa")
+        return 2
     if not torch.cuda.is_available():
         print("host_probe: needs CUDA")
         return 2
@@ -135,6 +140,8 @@ def main() -> int:
 
     for name, fwd, go in (("block L32K rope", blk(rope=rope), g), ("block L32K no rope", blk(), g),
                           ("gdpa self N512 causal", gd, gg)):
+        if name.split()[0] not in ops:
+            continue
         fwd()
         o = fwd()
         inputs = (q, k, v) if go is g else (qs, ks, vs)
@@ -149,7 +156,7 @@ def main() -> int:
         print(f"{name}: fwd {f_us:.1f} us ({f0:.1f} no launches), fwd+bwd {fb_us:.1f} us ({fb0:.1f} no launches); "
               f"backward alone ~{fb_us - f_us:.1f} ({fb0 - f0:.1f})", flush=True)
         del o
-    if a.profile:
+    if a.profile and "block" in ops:
         fn = blk(rope=rope)
         torch.cuda.synchronize()
         with _no_launch():

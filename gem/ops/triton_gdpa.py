@@ -886,6 +886,7 @@ else:  # a small space: each config costs a compile per key
     # session 17, register caps (maxnreg 128 / 168 on the 4-warp candidates, 128 on an 8-warp dK/dV one): none won,
     # e.g. cross M64 forward 0.436 / 0.438 ms, one-pass backward 1.277 vs 0.990 ms; TMA loads and stores in the
     # forward: slower)
+    # (a 3-stage 4-warp form again in session 19: cross M64 0.429 vs 0.402 ms)
     _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
     # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
@@ -904,8 +905,8 @@ else:  # a small space: each config costs a compile per key
     # 1.561; session 18)
     # keys-major scores (KT) on the 3-stage 4-warp tile first (H200, cross M64, tuner ms: (32, KT, 4, 3) 0.724,
     # (32, 4, 3) 0.774, (64, KT, 4, 2) 0.827, (16, 4, 3) 0.837, (16, KT, 4, 3) 0.860; (64, KT, 4, 3) 1.190 and
-    # (32, KT, 8, 3) 1.313 were dropped; session 19). 128-key tiles stay two-pass: one pass on 8-warp keys-major
-    # tiles took 1.330-1.649 ms at cross M128 against 0.575 + 0.740 for the two passes (session 19)
+    # (32, KT, 8, 3) 1.313 were dropped; session 19). At D 128, 128-key tiles stay two-pass: one pass on 8-warp
+    # keys-major tiles took 1.330-1.649 ms at cross M128 against 0.575 + 0.740 for the two passes (session 19)
     _SHORT_BWD_CFG = _configs(("BLOCK_M", "KT"), [(32, True, 4, 3), (32, False, 4, 3), (64, True, 4, 2),
                                                    (16, False, 4, 3), (16, True, 4, 3), (32, False, 4, 2),
                                                    (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),

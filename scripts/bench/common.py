@@ -136,8 +136,10 @@ def log_tunings() -> None:
         if timings and timings is not before:
             ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
             cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
-            key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SHORT_KV", "TILES") if k in kwargs)
-            print(f"tuned {self.fn.__name__} {key}: " + "; ".join(cells), flush=True)
+            key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SHORT_KV", "TILES", "FLAT", "MASKED",
+                                                         "GROUP", "NARROW", "SCALE_Q") if k in kwargs)
+            name = getattr(self.base_fn, "__name__", type(self.base_fn).__name__)
+            print(f"tuned {name} {key}: " + "; ".join(cells), flush=True)
         return out
 
     Autotuner.run = run

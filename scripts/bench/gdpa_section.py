@@ -137,7 +137,7 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
             ms = row.extra.get(f"dev_{part}_ms", math.nan)
             if math.isfinite(ms) and ms > 0:
                 row.extra[f"{part}_TBps"] = round(least[part] / ms / 1e9, 2)
-                if COPY_TBPS.get("rate"):
+                if math.isfinite(COPY_TBPS.get("rate", math.nan)):
                     row.extra[f"{part}_of_copy"] = round(least[part] / ms / 1e9 / COPY_TBPS["rate"], 2)
     if compare:
         holder = {}
@@ -189,7 +189,8 @@ def _copy_row() -> Row:
     ms = device_ms(lambda: dst.copy_(src))
     rate = 2 * src.numel() * src.element_size() / ms / 1e9
     COPY_TBPS["rate"] = rate
-    return Row(SECTION, "memory anchor: 1 GiB copy", "torch copy_", fwd_ms=ms, extra={"TBps": round(rate, 2)})
+    return Row(SECTION, "memory anchor: 1 GiB copy", "torch copy_ (device ms)", fwd_ms=ms,
+               extra={"TBps": round(rate, 2)})
 
 
 def run(args) -> list[Row]:

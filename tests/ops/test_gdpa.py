@@ -138,13 +138,13 @@ def test_one_pass_backward_forms(monkeypatch, keys_major, narrow, scale_q, kw):
     used = []
     real_fn_run = tuned.fn.run
 
-    def run(*a, grid, **kw):
-        used.append((kw["KT"], kw["BLOCK_N"], grid[0]))
-        return real_fn_run(*a, grid=grid, **kw)
+    def run(*a, grid, **launch_kw):
+        used.append((launch_kw["KT"], launch_kw["BLOCK_N"], grid[0]))
+        return real_fn_run(*a, grid=grid, **launch_kw)
 
     monkeypatch.setattr(tuned.fn, "run", run)
-    kw = {"activation": "gelu", **kw}
-    _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True, **kw)
+    _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True,
+           **{"activation": "gelu", **kw})
     assert used == [(keys_major, 64, 16)]  # one program per (sequence, kv head)
 
 
@@ -591,6 +591,7 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lq, d=128, causal=True, **kw)
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
         _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)  # the one-pass backward, masked
+        _check(lq, lk_128, d=64, short_kv=True, **kw)  # the one-pass backward on a 128-key tile (D 64)
         with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
             m.setenv("GEM_GDPA_FLAT", "4")
             _check(lq, lk_long, d=128, short_kv=False, **kw)
