@@ -11,8 +11,9 @@ The backward has two forms, neither with atomics. Two-pass (split dQ, as FlashAt
 dQ. One-pass, when a sequence's whole K/V and its fp32 dK/dV fit one program (short K/V, the cross-attention
 case) and the batch fills a wave of programs: one program per (sequence, KV head) streams the sequence's q/dO
 tiles once, stores each tile's dQ and keeps dK/dV in registers: 5 matmuls per tile pair instead of 7, and q/dO
-read once instead of twice. Both short-K/V kernels give each sequence the narrowest of their K/V tile, its half
-and its quarter that holds its keys.
+read once instead of twice; its scores may be computed keys-major (S^T = K Q^T, a config the tuner picks), so the
+dK/dV dots take them untransposed with the K/V tile on their M side. Both short-K/V kernels give each sequence the
+narrowest of their K/V tile, its half and its quarter that holds its keys.
 """
 
 from __future__ import annotations
