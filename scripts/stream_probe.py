@@ -1,0 +1,174 @@
+"""Probe: the memory rate GDPA's short-K/V kernels could reach with their own access pattern and no math.
+
+    python scripts/stream_probe.py [--cases 64,128] [--iters 10]
+
+Two Triton kernels move exactly the least traffic of GDPA's short-K/V forward and one-pass backward, laid out as
+those kernels are: one program per (sequence, head), longest q first; each loads its sequence's K/V tile once,
+then streams its q-side rows in tiles of BLOCK_M rows (forward: read q, write o; backward: read q and dO, write dq),
+and the backward writes dK and dV at the end (reading K/V again from L2 rather than holding them). Nothing is computed but a sum that keeps every load live (scaled by a
+runtime zero, so the outputs are copies of the inputs). Their device times, beside a 1 GiB copy and GDPA's own
+kernels on the same batch (bench shapes: cross N256 x U[1, M], bf16, H 4, D 128, ~512K query tokens), split the
+gap between GDPA and the copy's rate into what the layout costs (rows of D elements at a stride of H*D, sequences
+of ~128 rows, a K/V load before each program's stream) and what the math costs. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+import triton.language as tl
+
+H, D = 4, 128
+
+
+@triton.jit
+def _bounds(OFF_Q, OFF_K, ORDER, NUM_HEADS: tl.constexpr):
+    b = tl.load(ORDER + tl.program_id(0) // NUM_HEADS)
+    q0 = tl.load(OFF_Q + b).to(tl.int64)
+    k0 = tl.load(OFF_K + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q0).to(tl.int32)
+    lk = (tl.load(OFF_K + b + 1) - k0).to(tl.int32)
+    return q0, lq, k0, lk, tl.program_id(0) % NUM_HEADS
+
+
+@triton.jit
+def _kv(K, V, k0, lk, h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = (k0 + offs_n[:, None]) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+    kmask = offs_n[:, None] < lk
+    return tl.load(K + ptrs, mask=kmask, other=0.0), tl.load(V + ptrs, mask=kmask, other=0.0), ptrs, kmask
+
+
+@triton.jit
+def _fwd_stream(Q, K, V, O, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """o = q (+ 0 x a sum of K and V): the forward's reads and writes."""
+    q0, lq, k0, lk, h = _bounds(OFF_Q, OFF_K, ORDER, NUM_HEADS)
+    k, v, _, _ = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
+    live = (tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0)) * zero
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(tl.cdiv(lq, BLOCK_M)):
+        offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        ptrs = (q0 + offs_m[:, None]) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+        m = offs_m[:, None] < lq
+        x = tl.load(Q + ptrs, mask=m, other=0.0)
+        tl.store(O + ptrs, (x.to(tl.float32) + live[None, :]).to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bwd_stream(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq = q, dk = k, dv = v (+ 0 x sums of everything read): the one-pass backward's reads and writes. K/V are
+    read again for the final store rather than held through the loop (from L2: no DRAM traffic more), so the
+    registers, and the programs per SM, are the layout's best case."""
+    q0, lq, k0, lk, h = _bounds(OFF_Q, OFF_K, ORDER, NUM_HEADS)
+    k, v, _, _ = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
+    live = (tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0)) * zero
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(tl.cdiv(lq, BLOCK_M)):
+        offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        ptrs = (q0 + offs_m[:, None]) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+        m = offs_m[:, None] < lq
+        x = tl.load(Q + ptrs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(DO + ptrs, mask=m, other=0.0).to(tl.float32)
+        tl.store(DQ + ptrs, (x + g * zero + live[None, :]).to(DQ.dtype.element_ty), mask=m)
+        acc += tl.sum(g, 0)
+    acc = acc * zero
+    k, v, kptrs, kmask = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
+    tl.store(DK + kptrs, (k.to(tl.float32) + acc[None, :]).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + kptrs, (v.to(tl.float32) + acc[None, :]).to(DV.dtype.element_ty), mask=kmask)
+
+
+def stream_fwd(q, k, v, offsets_q, offsets_k, order, block_n, block_m=64, num_warps=4, num_stages=2, out=None):
+    """The forward's traffic alone: returns o (a copy of q; into `out` if given). q, k, v contiguous [T, H, D] with
+    the same H."""
+    o = torch.empty_like(q) if out is None else out
+    _fwd_stream[(order.numel() * q.shape[1],)](q, k, v, o, offsets_q, offsets_k, order, 0.0, NUM_HEADS=q.shape[1],
+                                               HEAD_DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+                                               num_warps=num_warps, num_stages=num_stages)
+    return o
+
+
+def stream_bwd(q, k, v, do, offsets_q, offsets_k, order, block_n, block_m=32, num_warps=4, num_stages=3, out=None):
+    """The one-pass backward's traffic alone: returns (dq, dk, dv), copies of (q, k, v) (into `out` if given)."""
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
+    _bwd_stream[(order.numel() * q.shape[1],)](q, k, v, do, dq, dk, dv, offsets_q, offsets_k, order, 0.0,
+                                               NUM_HEADS=q.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
+                                               BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return dq, dk, dv
+
+
+def _copy_rate(iters: int) -> tuple[float, float]:
+    """(ms, TB/s of read + write traffic) of a 1 GiB device copy, by device time."""
+    from scripts.bench.common import device_ms
+
+    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = device_ms(lambda: dst.copy_(src), iters)
+    return ms, 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def _case(m: int, copy: float, iters: int) -> None:
+    from gem.ops.gdpa import gdpa
+    from scripts.bench.common import device_ms, jagged_lengths, offsets_of
+
+    lq = jagged_lengths(256, 8 * 65536, seed=256)  # the bench's cross shapes (scripts/bench/gdpa_section.py)
+    lk = torch.randint(1, m + 1, (lq.numel(),), generator=torch.Generator().manual_seed(m)).to("cuda")
+    oq, ok = offsets_of(lq), offsets_of(lk)
+    q = torch.randn(int(lq.sum()), H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(int(lk.sum()), H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    do = torch.randn_like(q)
+    order = torch.argsort(lq, descending=True, stable=True).to(torch.int32)
+    block_n = max(16, triton.next_power_of_2(int(lk.max())))
+    qb, kb = q.numel() * q.element_size(), k.numel() * k.element_size()
+    fwd_bytes, bwd_bytes = 2 * qb + 2 * kb, 3 * qb + 4 * kb
+    rows = []
+    for bm, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2)):
+        ms = device_ms(lambda bm=bm, w=w, s=s: stream_fwd(q, k, v, oq, ok, order, block_n, bm, w, s), iters)
+        rows.append((f"stream fwd ({bm}, {w}, {s})", ms, fwd_bytes))
+    for bm, w, s in ((32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 8, 2)):
+        ms = device_ms(lambda bm=bm, w=w, s=s: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w, s), iters)
+        rows.append((f"stream bwd ({bm}, {w}, {s})", ms, bwd_bytes))
+
+    def fwd():
+        return gdpa(q, k, v, oq, int(lq.max()), ok, int(lk.max()), activation="gelu_tanh", kernel="triton")
+
+    torch.autograd.grad(fwd(), (q, k, v), do)  # compile and tune outside the timing
+    f_ms = device_ms(fwd, iters)
+    fb_ms = device_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), do), iters)
+    rows += [("gdpa fwd", f_ms, fwd_bytes), ("gdpa bwd", fb_ms - f_ms, bwd_bytes)]
+    for name, ms, nbytes in rows:
+        rate = nbytes / ms / 1e9
+        print(f"| N256 M{m} | {name} | {ms:.3f} | {nbytes / 1e9:.3f} | {rate:.2f} | {rate / copy:.0%} |", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="64,128", help="comma list of M (K/V lengths ~ U[1, M]; N 256 queries)")
+    ap.add_argument("--iters", type=int, default=10)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("stream_probe: needs CUDA")
+        return 2
+    copy_ms, copy = _copy_rate(a.iters)
+    torch.cuda.empty_cache()
+    print(f"1 GiB copy: {copy_ms:.3f} ms, {copy:.2f} TB/s (read + write)")
+    print("| case | kernel | device ms | least traffic GB | TB/s | of copy |")
+    print("|---|---|---|---|---|---|")
+    for m in (int(x) for x in a.cases.split(",")):
+        _case(m, copy, a.iters)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
