@@ -128,6 +128,8 @@ def log_tunings() -> None:
     from triton.runtime.autotuner import Autotuner
 
     real = Autotuner.run
+    if getattr(real, "_gem_logs", False):  # already wrapped
+        return
 
     def run(self, *args, **kwargs):
         before = getattr(self, "configs_timings", None)
@@ -138,8 +140,10 @@ def log_tunings() -> None:
             cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
             key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SHORT_KV", "TILES", "FLAT", "MASKED",
                                                          "GROUP", "NARROW", "SCALE_Q") if k in kwargs)
-            name = getattr(self.base_fn, "__name__", type(self.base_fn).__name__)
+            fn = getattr(self, "base_fn", self.fn)
+            name = getattr(fn, "__name__", type(fn).__name__)
             print(f"tuned {name} {key}: " + "; ".join(cells), flush=True)
         return out
 
+    run._gem_logs = True
     Autotuner.run = run
