@@ -106,16 +106,6 @@ def stream_bwd(q, k, v, do, offsets_q, offsets_k, order, block_n, block_m=32, nu
     return dq, dk, dv
 
 
-def _copy_rate(iters: int) -> tuple[float, float]:
-    """(ms, TB/s of read + write traffic) of a 1 GiB device copy, by device time."""
-    from scripts.bench.common import device_ms
-
-    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
-    dst = torch.empty_like(src)
-    ms = device_ms(lambda: dst.copy_(src), iters)
-    return ms, 2 * src.numel() * src.element_size() / ms / 1e9
-
-
 def _case(m: int, copy: float, iters: int) -> None:
     from gem.ops.gdpa import gdpa
     from scripts.bench.common import device_ms, jagged_lengths, offsets_of
@@ -159,7 +149,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("stream_probe: needs CUDA")
         return 2
-    copy_ms, copy = _copy_rate(a.iters)
+    from scripts.bench.common import copy_rate
+
+    copy_ms, copy = copy_rate(a.iters)
     torch.cuda.empty_cache()
     print(f"1 GiB copy: {copy_ms:.3f} ms, {copy:.2f} TB/s (read + write)")
     print("| case | kernel | device ms | least traffic GB | TB/s | of copy |")

@@ -74,6 +74,14 @@ def device_ms(fn, iters: int = 10) -> float:
     return us / iters / 1e3 if us > 0 else math.nan
 
 
+def copy_rate(iters: int = 10) -> tuple[float, float]:
+    """The memory anchor: (device ms, TB/s of read + write traffic) of a 1 GiB device-to-device copy."""
+    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = device_ms(lambda: dst.copy_(src), iters)
+    return ms, 2 * src.numel() * src.element_size() / ms / 1e9
+
+
 def peak_mem_mb(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -30,7 +30,17 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, attn_flops, bench_ms, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import (
+    Row,
+    attn_flops,
+    bench_ms,
+    copy_rate,
+    device_ms,
+    env,
+    jagged_lengths,
+    offsets_of,
+    peak_mem_mb,
+)
 
 SECTION = "gdpa"
 H, D = 4, 128
@@ -182,12 +192,8 @@ COPY_TBPS: dict = {}
 
 
 def _copy_row() -> Row:
-    """The memory anchor, measured in this run: a 1 GiB device-to-device copy, TB/s of read + write traffic by
-    device time."""
-    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
-    dst = torch.empty_like(src)
-    ms = device_ms(lambda: dst.copy_(src))
-    rate = 2 * src.numel() * src.element_size() / ms / 1e9
+    """The memory anchor, measured in this run (common.copy_rate)."""
+    ms, rate = copy_rate()
     COPY_TBPS["rate"] = rate
     return Row(SECTION, "memory anchor: 1 GiB copy", "torch copy_ (device ms)", fwd_ms=ms,
                extra={"TBps": round(rate, 2)})
