@@ -5,11 +5,14 @@
 Two Triton kernels move exactly the least traffic of GDPA's short-K/V forward and one-pass backward, laid out as
 those kernels are: one program per (sequence, head), longest q first; each loads its sequence's K/V tile once,
 then streams its q-side rows in tiles of BLOCK_M rows (forward: read q, write o; backward: read q and dO, write dq),
-and the backward writes dK and dV at the end (reading K/V again from L2 rather than holding them). Nothing is computed but a sum that keeps every load live (scaled by a
-runtime zero, so the outputs are copies of the inputs). Their device times, beside a 1 GiB copy and GDPA's own
-kernels on the same batch (bench shapes: cross N256 x U[1, M], bf16, H 4, D 128, ~512K query tokens), split the
-gap between GDPA and the copy's rate into what the layout costs (rows of D elements at a stride of H*D, sequences
-of ~128 rows, a K/V load before each program's stream) and what the math costs. Needs CUDA.
+and the backward writes dK and dV at the end (reading K/V again from L2 rather than holding them). Nothing is
+computed but a sum that keeps every load live (scaled by a runtime zero, so the outputs are copies of the inputs).
+Each runs with its q-tile loop software-pipelined (as GDPA's loops are, whose loads feed dots; Triton pipelines
+other loads only when asked) and plain (only other programs hide a load's latency). Their device times, beside a
+1 GiB copy, torch's flat elementwise kernels moving the same byte counts (no layout at all) and GDPA's own kernels
+on the same batch (bench shapes: cross N256 x U[1, M], bf16, H 4, D 128, ~512K query tokens), split the gap
+between GDPA and the copy's rate into what the layout costs (rows of D elements at a stride of H*D, sequences of
+~128 rows, a K/V load before each program's stream) and what the math costs. Needs CUDA.
 """
 
 from __future__ import annotations
