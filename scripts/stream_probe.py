@@ -67,13 +67,17 @@ def _fwd_stream(Q, K, V, O, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr, 
 
 @triton.jit
 def _bwd_stream(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr,
+                KV_IN: tl.constexpr, KV_OUT: tl.constexpr):
     """dq = q, dk = k, dv = v (+ 0 x sums of everything read): the one-pass backward's reads and writes. K/V are
     read again for the final store rather than held through the loop (from L2: no DRAM traffic more), so the
-    registers, and the programs per SM, are the layout's best case."""
+    registers, and the programs per SM, are the layout's best case. KV_IN / KV_OUT off: no K/V load before the
+    stream / no dK/dV store after it (what the program's K side costs)."""
     q0, lq, k0, lk, h = _bounds(OFF_Q, OFF_K, ORDER, NUM_HEADS)
-    k, v, _, _ = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
-    live = (tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0)) * zero
+    live = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if KV_IN:
+        k, v, _, _ = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
+        live = (tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0)) * zero
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
     for t in tl.range(tl.cdiv(lq, BLOCK_M), num_stages=PIPE):
@@ -85,9 +89,27 @@ def _bwd_stream(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: t
         tl.store(DQ + ptrs, (x + g * zero + live[None, :]).to(DQ.dtype.element_ty), mask=m)
         acc += tl.sum(g, 0)
     acc = acc * zero
-    k, v, kptrs, kmask = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
-    tl.store(DK + kptrs, (k.to(tl.float32) + acc[None, :]).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV + kptrs, (v.to(tl.float32) + acc[None, :]).to(DV.dtype.element_ty), mask=kmask)
+    if KV_OUT:
+        k, v, kptrs, kmask = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
+        tl.store(DK + kptrs, (k.to(tl.float32) + acc[None, :]).to(DK.dtype.element_ty), mask=kmask)
+        tl.store(DV + kptrs, (v.to(tl.float32) + acc[None, :]).to(DV.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _bwd_rows(Q, DO, DQ, OFF_Q, ORDER, zero, ROW: tl.constexpr, BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
+    """dq = q (+ 0 x dO) over whole token rows (every head at once), one program per sequence: the backward's
+    q-side streams with each row read and written as one contiguous run."""
+    b = tl.load(ORDER + tl.program_id(0))
+    q0 = tl.load(OFF_Q + b).to(tl.int64)
+    lq = (tl.load(OFF_Q + b + 1) - q0).to(tl.int32)
+    offs_c = tl.arange(0, ROW)
+    for t in tl.range(tl.cdiv(lq, BLOCK_M), num_stages=PIPE):
+        offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        ptrs = (q0 + offs_m[:, None]) * ROW + offs_c[None, :]
+        m = offs_m[:, None] < lq
+        x = tl.load(Q + ptrs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(DO + ptrs, mask=m, other=0.0).to(tl.float32)
+        tl.store(DQ + ptrs, (x + g * zero).to(DQ.dtype.element_ty), mask=m)
 
 
 def stream_fwd(q, k, v, offsets_q, offsets_k, order, block_n, block_m=64, num_warps=4, num_stages=2, out=None,
@@ -104,14 +126,23 @@ def stream_fwd(q, k, v, offsets_q, offsets_k, order, block_n, block_m=64, num_wa
 
 
 def stream_bwd(q, k, v, do, offsets_q, offsets_k, order, block_n, block_m=32, num_warps=4, num_stages=3, out=None,
-               pipe=True):
-    """The one-pass backward's traffic alone: returns (dq, dk, dv), copies of (q, k, v) (into `out` if given)."""
+               pipe=True, kv_in=True, kv_out=True):
+    """The one-pass backward's traffic alone: returns (dq, dk, dv), copies of (q, k, v) (into `out` if given; dk
+    and dv are left unwritten without kv_out)."""
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
     _bwd_stream[(order.numel() * q.shape[1],)](q, k, v, do, dq, dk, dv, offsets_q, offsets_k, order, 0.0,
                                                NUM_HEADS=q.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-                                               BLOCK_N=block_n, PIPE=num_stages if pipe else 1, num_warps=num_warps,
-                                               num_stages=num_stages)
+                                               BLOCK_N=block_n, PIPE=num_stages if pipe else 1, KV_IN=kv_in,
+                                               KV_OUT=kv_out, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv
+
+
+def stream_rows(q, do, offsets_q, order, block_m=16, num_warps=4, num_stages=3, out=None, pipe=True):
+    """The backward's q-side traffic over whole token rows: returns dq, a copy of q (into `out` if given)."""
+    dq = torch.empty_like(q) if out is None else out
+    _bwd_rows[(order.numel(),)](q, do, dq, offsets_q, order, 0.0, ROW=q.shape[1] * q.shape[2], BLOCK_M=block_m,
+                                PIPE=num_stages if pipe else 1, num_warps=num_warps, num_stages=num_stages)
+    return dq
 
 
 def _case(m: int, copy: float, iters: int) -> None:
@@ -140,6 +171,19 @@ def _case(m: int, copy: float, iters: int) -> None:
             ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w,
                                                                           s, pipe=pipe), iters)
             rows.append((f"stream bwd {tag} ({bm}, {w}, {s})", ms, bwd_bytes))
+    # the backward's K side (its K/V load before the stream, its dK/dV store after) and its per-head rows, apart
+    q_bytes = 3 * qb
+    for kv_in, kv_out, nbytes in ((False, True, 3 * qb + 4 * kb), (True, False, 3 * qb + 2 * kb),
+                                  (False, False, q_bytes)):
+        for bm, w, s, pipe in ((64, 4, 3, False), (32, 4, 3, True)):
+            ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe, kv_in=kv_in, kv_out=kv_out: stream_bwd(
+                q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe, kv_in=kv_in, kv_out=kv_out), iters)
+            what = f"K/V load {'on' if kv_in else 'off'}, dK/dV store {'on' if kv_out else 'off'}"
+            rows.append((f"stream bwd {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s}) {what}", ms, nbytes))
+    for bm, w, s, pipe in ((16, 4, 3, True), (16, 4, 2, False), (32, 8, 3, True), (8, 4, 3, False)):
+        ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_rows(q, do, oq, order, bm, w, s, pipe=pipe),
+                       iters)
+        rows.append((f"whole-row q side {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s})", ms, q_bytes))
     # layout-free bounds: torch's flat elementwise kernels moving the same byte counts over whole tensors
     o, scratch, g = torch.empty_like(q), torch.empty_like(k), (torch.empty_like(q), torch.empty_like(k),
                                                                torch.empty_like(v))
@@ -155,6 +199,8 @@ def _case(m: int, copy: float, iters: int) -> None:
 
     rows.append(("torch elementwise fwd traffic", device_ms(flat_fwd, iters), fwd_bytes))
     rows.append(("torch elementwise bwd traffic", device_ms(flat_bwd, iters), bwd_bytes))
+    rows.append(("torch elementwise q side (dq = q + 0 dO)", device_ms(
+        lambda: torch.add(q.detach(), do, alpha=0.0, out=g[0]), iters), q_bytes))
 
     def fwd():
         return gdpa(q, k, v, oq, int(lq.max()), ok, int(lk.max()), activation="gelu_tanh", kernel="triton")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.stream_probe import stream_bwd, stream_fwd
+from scripts.stream_probe import stream_bwd, stream_fwd, stream_rows
 
 
 def _batch(lq, lk, h=2, d=16, dtype=torch.bfloat16):
@@ -32,3 +32,11 @@ def test_stream_kernels_copy_every_row(block_m):
                             out=tuple(nan[1:]))
     assert torch.equal(dq, q) and torch.equal(dk, k) and torch.equal(dv, v)
 
+    for kv_in, kv_out in ((False, True), (True, False), (False, False)):  # the K side switched off in parts
+        nan = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        dq, dk, dv = stream_bwd(q, k, v, do, oq, ok, order, block_n=16, block_m=block_m, num_warps=1,
+                                num_stages=1, out=tuple(nan), kv_in=kv_in, kv_out=kv_out)
+        assert torch.equal(dq, q)
+        assert torch.equal(dk, k) if kv_out else dk.isnan().all()
+    dq = stream_rows(q, do, oq, order, block_m=block_m, num_warps=1, num_stages=1, out=torch.full_like(q, float("nan")))
+    assert torch.equal(dq, q)
