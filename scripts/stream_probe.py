@@ -68,11 +68,12 @@ def _fwd_stream(Q, K, V, O, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr, 
 @triton.jit
 def _bwd_stream(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr,
-                KV_IN: tl.constexpr, KV_OUT: tl.constexpr):
+                KV_IN: tl.constexpr, KV_OUT: tl.constexpr, HOLD: tl.constexpr):
     """dq = q, dk = k, dv = v (+ 0 x sums of everything read): the one-pass backward's reads and writes. K/V are
     read again for the final store rather than held through the loop (from L2: no DRAM traffic more), so the
     registers, and the programs per SM, are the layout's best case. KV_IN / KV_OUT off: no K/V load before the
-    stream / no dK/dV store after it (what the program's K side costs)."""
+    stream / no dK/dV store after it (what the program's K side costs). HOLD: the K/V tile loaded first is held
+    in registers through the stream and stored at the end, as GDPA holds its dK/dV accumulators."""
     q0, lq, k0, lk, h = _bounds(OFF_Q, OFF_K, ORDER, NUM_HEADS)
     live = tl.zeros([HEAD_DIM], dtype=tl.float32)
     if KV_IN:
@@ -89,7 +90,13 @@ def _bwd_stream(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, zero, NUM_HEADS: t
         tl.store(DQ + ptrs, (x + g * zero + live[None, :]).to(DQ.dtype.element_ty), mask=m)
         acc += tl.sum(g, 0)
     acc = acc * zero
-    if KV_OUT:
+    if HOLD:
+        tl.static_assert(KV_IN and KV_OUT)
+        kptrs = (k0 + tl.arange(0, BLOCK_N)[:, None]) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+        kmask = tl.arange(0, BLOCK_N)[:, None] < lk
+        tl.store(DK + kptrs, (k.to(tl.float32) + acc[None, :]).to(DK.dtype.element_ty), mask=kmask)
+        tl.store(DV + kptrs, (v.to(tl.float32) + acc[None, :]).to(DV.dtype.element_ty), mask=kmask)
+    elif KV_OUT:
         k, v, kptrs, kmask = _kv(K, V, k0, lk, h, NUM_HEADS, HEAD_DIM, BLOCK_N)
         tl.store(DK + kptrs, (k.to(tl.float32) + acc[None, :]).to(DK.dtype.element_ty), mask=kmask)
         tl.store(DV + kptrs, (v.to(tl.float32) + acc[None, :]).to(DV.dtype.element_ty), mask=kmask)
@@ -126,14 +133,14 @@ def stream_fwd(q, k, v, offsets_q, offsets_k, order, block_n, block_m=64, num_wa
 
 
 def stream_bwd(q, k, v, do, offsets_q, offsets_k, order, block_n, block_m=32, num_warps=4, num_stages=3, out=None,
-               pipe=True, kv_in=True, kv_out=True):
+               pipe=True, kv_in=True, kv_out=True, hold=False):
     """The one-pass backward's traffic alone: returns (dq, dk, dv), copies of (q, k, v) (into `out` if given; dk
     and dv are left unwritten without kv_out)."""
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
     _bwd_stream[(order.numel() * q.shape[1],)](q, k, v, do, dq, dk, dv, offsets_q, offsets_k, order, 0.0,
                                                NUM_HEADS=q.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
                                                BLOCK_N=block_n, PIPE=num_stages if pipe else 1, KV_IN=kv_in,
-                                               KV_OUT=kv_out, num_warps=num_warps, num_stages=num_stages)
+                                               KV_OUT=kv_out, HOLD=hold, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv
 
 
@@ -180,6 +187,11 @@ def _case(m: int, copy: float, iters: int) -> None:
                 q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe, kv_in=kv_in, kv_out=kv_out), iters)
             what = f"K/V load {'on' if kv_in else 'off'}, dK/dV store {'on' if kv_out else 'off'}"
             rows.append((f"stream bwd {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s}) {what}", ms, nbytes))
+    for bm, w, s, pipe in ((64, 4, 3, False), (32, 4, 3, True), (32, 4, 2, True)):
+        ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w, s,
+                                                                      pipe=pipe, hold=True), iters)
+        rows.append((f"stream bwd {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s}) K/V held, stored at the end", ms,
+                     bwd_bytes))
     for bm, w, s, pipe in ((16, 4, 3, True), (16, 4, 2, False), (32, 8, 3, True), (8, 4, 3, False)):
         ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_rows(q, do, oq, order, bm, w, s, pipe=pipe),
                        iters)

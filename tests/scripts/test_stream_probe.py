@@ -38,5 +38,8 @@ def test_stream_kernels_copy_every_row(block_m):
                                 num_stages=1, out=tuple(nan), kv_in=kv_in, kv_out=kv_out)
         assert torch.equal(dq, q)
         assert torch.equal(dk, k) if kv_out else dk.isnan().all()
+    dq, dk, dv = stream_bwd(q, k, v, do, oq, ok, order, block_n=16, block_m=block_m, num_warps=1, num_stages=1,
+                            out=tuple(torch.full_like(x, float("nan")) for x in (q, k, v)), hold=True)
+    assert torch.equal(dq, q) and torch.equal(dk, k) and torch.equal(dv, v)
     dq = stream_rows(q, do, oq, order, block_m=block_m, num_warps=1, num_stages=1, out=torch.full_like(q, float("nan")))
     assert torch.equal(dq, q)
