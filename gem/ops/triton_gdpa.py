@@ -916,12 +916,6 @@ else:  # a small space: each config costs a compile per key
                                                    (16, False, 4, 3), (16, True, 4, 3), (32, False, 4, 2),
                                                    (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
                                                    (32, False, 8, 2)])
-    # register-capped keys-major tiles (maxnreg): at most 168 registers and 74 KB lets three 4-warp programs share
-    # an SM, 128 registers two 8-warp ones (a no-math kernel holding this kernel's state at its two 4-warp programs
-    # per SM took as long as the kernel itself: scripts/stream_probe.py, session 20)
-    _SHORT_BWD_CFG += [triton.Config({"BLOCK_M": 16, "KT": True}, num_warps=4, num_stages=3, maxnreg=168),
-                       triton.Config({"BLOCK_M": 32, "KT": True}, num_warps=8, num_stages=3, maxnreg=128),
-                       triton.Config({"BLOCK_M": 32, "KT": True}, num_warps=8, num_stages=2, maxnreg=128)]
 # every autotuned kernel's full config list (a GPU test runs each config, as autotuning may pick any of them)
 ALL_CONFIGS = {"_fwd_short": _FWD_CFG, "_fwd_long": _LONG_CFG, "_fwd_long_small": _LONG_CFG_SMALL,
                "_bwd_dkdv": _DKDV_CFG, "_bwd_dq": _DQ_CFG, "_bwd_dq_small": _DQ_CFG_SMALL, "_bwd_short": _SHORT_BWD_CFG}
