@@ -5,14 +5,16 @@
 Two Triton kernels move exactly the least traffic of GDPA's short-K/V forward and one-pass backward, laid out as
 those kernels are: one program per (sequence, head), longest q first; each loads its sequence's K/V tile once,
 then streams its q-side rows in tiles of BLOCK_M rows (forward: read q, write o; backward: read q and dO, write dq),
-and the backward writes dK and dV at the end (reading K/V again from L2 rather than holding them). Nothing is
-computed but a sum that keeps every load live (scaled by a runtime zero, so the outputs are copies of the inputs).
-Each runs with its q-tile loop software-pipelined (as GDPA's loops are, whose loads feed dots; Triton pipelines
-other loads only when asked) and plain (only other programs hide a load's latency). Their device times, beside a
-1 GiB copy, torch's flat elementwise kernels moving the same byte counts (no layout at all) and GDPA's own kernels
-on the same batch (bench shapes: cross N256 x U[1, M], bf16, H 4, D 128, ~512K query tokens), split the gap
-between GDPA and the copy's rate into what the layout costs (rows of D elements at a stride of H*D, sequences of
-~128 rows, a K/V load before each program's stream) and what the math costs. Needs CUDA.
+and the backward writes dK and dV at the end. Nothing is computed but a sum that keeps every load live (scaled by a
+runtime zero, so the outputs are copies of the inputs). Each runs with its q-tile loop software-pipelined (as
+GDPA's loops are, whose loads feed dots; Triton pipelines other loads only when asked) and plain (only other
+programs hide a load's latency). The backward also runs in parts: without the K/V load before its stream, without
+the dK/dV store after it, or neither (its K side's cost); with the K/V tile read again from L2 for the store (fewer
+registers) or held in registers through the stream (as GDPA holds dK/dV); and over whole token rows, every head at
+once (what per-head rows cost). Their device times, beside a 1 GiB copy, torch's flat elementwise kernels moving
+the same byte counts (no layout at all) and GDPA's own kernels on the same batch (bench shapes: cross N256 x
+U[1, M], bf16, H 4, D 128, ~512K query tokens), split the gap between GDPA and the copy's rate into what the layout
+costs, what holding state costs and what the math costs. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -133,11 +135,11 @@ def stream_fwd(q, k, v, offsets_q, offsets_k, order, block_n, block_m=64, num_wa
 
 
 def stream_bwd(q, k, v, do, offsets_q, offsets_k, order, block_n, block_m=32, num_warps=4, num_stages=3, out=None,
-               pipe=True, kv_in=True, kv_out=True, hold=False):
+               pipe=True, kv_in=True, kv_out=True, hold=False, zero=0.0):
     """The one-pass backward's traffic alone: returns (dq, dk, dv), copies of (q, k, v) (into `out` if given; dk
-    and dv are left unwritten without kv_out)."""
+    and dv are left unwritten without kv_out). `zero` scales the sums that keep every load live (tests set 1)."""
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
-    _bwd_stream[(order.numel() * q.shape[1],)](q, k, v, do, dq, dk, dv, offsets_q, offsets_k, order, 0.0,
+    _bwd_stream[(order.numel() * q.shape[1],)](q, k, v, do, dq, dk, dv, offsets_q, offsets_k, order, zero,
                                                NUM_HEADS=q.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
                                                BLOCK_N=block_n, PIPE=num_stages if pipe else 1, KV_IN=kv_in,
                                                KV_OUT=kv_out, HOLD=hold, num_warps=num_warps, num_stages=num_stages)
@@ -150,6 +152,11 @@ def stream_rows(q, do, offsets_q, order, block_m=16, num_warps=4, num_stages=3, 
     _bwd_rows[(order.numel(),)](q, do, dq, offsets_q, order, 0.0, ROW=q.shape[1] * q.shape[2], BLOCK_M=block_m,
                                 PIPE=num_stages if pipe else 1, num_warps=num_warps, num_stages=num_stages)
     return dq
+
+
+def _label(what: str, bm: int, w: int, s: int, pipe: bool) -> str:
+    # a plain loop has no stages (the launch's num_stages only shapes pipelined loops)
+    return f"{what} pipelined ({bm}, {w}, {s})" if pipe else f"{what} plain ({bm}, {w})"
 
 
 def _case(m: int, copy: float, iters: int) -> None:
@@ -168,34 +175,33 @@ def _case(m: int, copy: float, iters: int) -> None:
     qb, kb = q.numel() * q.element_size(), k.numel() * k.element_size()
     fwd_bytes, bwd_bytes = 2 * qb + 2 * kb, 3 * qb + 4 * kb
     rows = []
+
+    def row(label, fn, nbytes):
+        if all(r[0] != label for r in rows):  # plain configs that differ only in stages run once
+            rows.append((label, device_ms(fn, iters), nbytes))
+
     for pipe in (False, True):
-        tag = "pipelined" if pipe else "plain"
         for bm, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2)):
-            ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_fwd(q, k, v, oq, ok, order, block_n, bm, w, s,
-                                                                          pipe=pipe), iters)
-            rows.append((f"stream fwd {tag} ({bm}, {w}, {s})", ms, fwd_bytes))
+            row(_label("stream fwd", bm, w, s, pipe), lambda bm=bm, w=w, s=s, pipe=pipe: stream_fwd(
+                q, k, v, oq, ok, order, block_n, bm, w, s, pipe=pipe), fwd_bytes)
         for bm, w, s in ((32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 8, 2)):
-            ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w,
-                                                                          s, pipe=pipe), iters)
-            rows.append((f"stream bwd {tag} ({bm}, {w}, {s})", ms, bwd_bytes))
+            row(_label("stream bwd", bm, w, s, pipe), lambda bm=bm, w=w, s=s, pipe=pipe: stream_bwd(
+                q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe), bwd_bytes)
     # the backward's K side (its K/V load before the stream, its dK/dV store after) and its per-head rows, apart
     q_bytes = 3 * qb
     for kv_in, kv_out, nbytes in ((False, True, 3 * qb + 4 * kb), (True, False, 3 * qb + 2 * kb),
                                   (False, False, q_bytes)):
         for bm, w, s, pipe in ((64, 4, 3, False), (32, 4, 3, True)):
-            ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe, kv_in=kv_in, kv_out=kv_out: stream_bwd(
-                q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe, kv_in=kv_in, kv_out=kv_out), iters)
             what = f"K/V load {'on' if kv_in else 'off'}, dK/dV store {'on' if kv_out else 'off'}"
-            rows.append((f"stream bwd {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s}) {what}", ms, nbytes))
+            row(_label("stream bwd", bm, w, s, pipe) + " " + what, lambda bm=bm, w=w, s=s, pipe=pipe, kv_in=kv_in,
+                kv_out=kv_out: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe, kv_in=kv_in,
+                                          kv_out=kv_out), nbytes)
     for bm, w, s, pipe in ((64, 4, 3, False), (32, 4, 3, True), (32, 4, 2, True)):
-        ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w, s,
-                                                                      pipe=pipe, hold=True), iters)
-        rows.append((f"stream bwd {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s}) K/V held, stored at the end", ms,
-                     bwd_bytes))
+        row(_label("stream bwd", bm, w, s, pipe) + " K/V held, stored at the end", lambda bm=bm, w=w, s=s,
+            pipe=pipe: stream_bwd(q, k, v, do, oq, ok, order, block_n, bm, w, s, pipe=pipe, hold=True), bwd_bytes)
     for bm, w, s, pipe in ((16, 4, 3, True), (16, 4, 2, False), (32, 8, 3, True), (8, 4, 3, False)):
-        ms = device_ms(lambda bm=bm, w=w, s=s, pipe=pipe: stream_rows(q, do, oq, order, bm, w, s, pipe=pipe),
-                       iters)
-        rows.append((f"whole-row q side {'pipelined' if pipe else 'plain'} ({bm}, {w}, {s})", ms, q_bytes))
+        row(_label("whole-row q side", bm, w, s, pipe), lambda bm=bm, w=w, s=s, pipe=pipe: stream_rows(
+            q, do, oq, order, bm, w, s, pipe=pipe), q_bytes)
     # layout-free bounds: torch's flat elementwise kernels moving the same byte counts over whole tensors
     o, scratch, g = torch.empty_like(q), torch.empty_like(k), (torch.empty_like(q), torch.empty_like(k),
                                                                torch.empty_like(v))
