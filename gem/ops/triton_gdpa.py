@@ -888,11 +888,9 @@ else:  # a small space: each config costs a compile per key
     # e.g. cross M64 forward 0.436 / 0.438 ms, one-pass backward 1.277 vs 0.990 ms; TMA loads and stores in the
     # forward: slower)
     # (a 3-stage 4-warp form again in session 19: cross M64 0.429 vs 0.402 ms)
-    # one stage first: at 64-row q tiles and 64 keys, 48 KB of shared memory against 72 (the q tile is not
-    # double-buffered), so four 4-warp programs share an SM instead of three and hide each other's loads, as a
-    # no-math kernel with this layout showed (scripts/stream_probe.py). H200 tuner ms, cross N256 M64 (64-row
-    # tiles) / N512 M128 (128-row tiles), session 20: (4, 1) 0.363 / 0.520, (4, 2) 0.407 / 0.714, (8, 1) 0.443 /
-    # 0.686, (8, 2) 0.538 / 0.646. At M64 with 128-row tiles (GEM_GDPA_FWD_BLOCK_M=128) (8, 1) won: 0.477 / 0.494
+    # one stage first: without a double-buffered q tile the program needs 48 KB of shared memory instead of 72
+    # (64-row tiles, 64 keys), so four programs share an SM and hide each other's loads (cross M64 0.407 -> 0.363
+    # ms; docs/PERF.md, session 20)
     _FWD_CFG = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 1), (4, 2), (8, 1), (8, 2))]
     _LONG_CFG = _configs(("BLOCK_N",), [(n, 8, s) for n in (64, 128) for s in (2, 3)])
     # q tiles of at most 64 rows: one warpgroup (an 8-warp program would split a 64-row wgmma tile), so two or
