@@ -1,6 +1,6 @@
 """Probe: what would GDPA's forward gain from Triton's warp specialization and from a one-instruction tanh?
 
-    python scripts/gdpa_ws_probe.py [--quick]
+    python scripts/gdpa_ws_probe.py [--quick] [--only persist,WS]
 
 A dense micro-kernel with GDPA's forward loop (acc += act(q k^T * scale) v, no softmax), on tensor descriptors (TMA),
 so that `tl.range(..., warp_specialize=True)` can split it into a load partition and an MMA/activation partition.
@@ -97,10 +97,12 @@ def _variants():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", help="comma list: run the variants whose row holds every one (e.g. persist)")
     args = p.parse_args()
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     d = 128
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
     shapes = [(4096, 512, 128), (4096, 512, 256)] + ([] if args.quick else [(256, 2048, 2048)])
     print("| Z x N x M | act | BLOCK_M x N | warps | stages | loop | WS | WS in IR | ms | TFLOP/s | max err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -117,6 +119,8 @@ def main():
             grid = (min(z * (n // bm), 2 * sms),) if persist else (z * (n // bm),)
             loop = "persist" if persist else "tile"
             label = f"| {z}x{n}x{m} | {act} | {bm}x{bn} | {warps} | {stages} | {loop} | {ws} |"
+            if not all(o in label for o in only):
+                continue
             try:
                 fn = functools.partial(_fwd[grid], q, k, v, o, z, n, m, scale, D=d, BLOCK_M=bm, BLOCK_N=bn,
                                        ACT=ACTS[act][0], POLY=ACTS[act][1], WS=ws, STAGES=stages,

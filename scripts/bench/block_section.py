@@ -4,6 +4,8 @@ Cases (bf16, H 4, D 128, about 64K tokens per batch, lengths ~ U[L/2, L], causal
 blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, positions restart per sequence):
   block fused RoPE     gem.ops.block_attention(rope=RopeConfig())
   block + rope op      gem.ops.rope on q and k, then block_attention without rope
+  block + torch rope   RoPE in plain PyTorch (cos/sin gathered once per batch), then block_attention without rope
+  block + compiled rope  the same PyTorch RoPE under torch.compile, then block_attention without rope
   block RoPE in-kernel the fused op with every tile rotated in registers (GEM_BLOCK_ROPE_STREAM=inkernel)
   block no RoPE        block_attention without any RoPE (the floor)
   JFA full causal      gem.ops.jagged_attention(causal=True) + rope op (the O(L^2) baseline)
@@ -11,7 +13,7 @@ blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, po
   flex block-causal    torch FlexAttention with a document + block-causal mask, RoPE in PyTorch, compiled
 bwd_ms is the backward alone; extra holds fwd+bwd ms, ms per 1K tokens (flat in L when cost is linear), the
 fwd+bwd's device time (dev_fwd+bwd_ms: its kernels by torch.profiler, without the host gaps event times include)
-and, on the fused row, the unfused/fused and flex/fused ratios by both. TFLOP/s count allowed (block-causal) pairs
+and, on the fused row, the ratios of each separate-RoPE row and of flex to it, by both. TFLOP/s count allowed (block-causal) pairs
 only: 4*H*D*pairs, bwd 2.5x.
 """
 
@@ -62,6 +64,28 @@ def _ours_unfused(q, k, v, off, max_len, block, rope_op=True):
         qr = rope(q, off, max_len, config=cfg, kernel="triton")
         kr = rope(k, off, max_len, config=cfg, kernel="triton")
         return block_attention(qr, kr, v, off, max_len, block_size=block, kernel="triton")
+
+    return f
+
+
+def _torch_rope_unfused(q, k, v, off, max_len, block, compiled):
+    """RoPE as a user writes it in PyTorch (NeoX halves, fp32 math), then our block kernel without RoPE. The
+    positions and the cos/sin rows are gathered once, outside the timed call, as a model shares them per batch."""
+    from gem.ops.block import block_attention
+    from gem.ops.rotary import cos_sin_table, positions_of
+
+    pos = positions_of(off, q.shape[0])
+    cos, sin = cos_sin_table(max_len, D, 10000.0, q.device)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+
+    def rot(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
+
+    rot_fn = torch.compile(rot) if compiled else rot
+
+    def f():
+        return block_attention(rot_fn(q), rot_fn(k), v, off, max_len, block_size=block, kernel="triton")
 
     return f
 
@@ -156,6 +180,8 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only:
     info = {"B": lengths.numel(), "tokens": t}
     impls = [("block fused RoPE", lambda: _ours_fused(q, k, v, off, max_len, block)),
              ("block + rope op", lambda: _ours_unfused(q, k, v, off, max_len, block)),
+             ("block + torch rope", lambda: _torch_rope_unfused(q, k, v, off, max_len, block, compiled=False)),
+             ("block + compiled rope", lambda: _torch_rope_unfused(q, k, v, off, max_len, block, compiled=True)),
              # every tile rotated in registers, streamed ones too (GEM_BLOCK_ROPE_STREAM=inkernel)
              ("block RoPE in-kernel", lambda: _ours_fused(q, k, v, off, max_len, block)),
              ("block no RoPE", lambda: _ours_unfused(q, k, v, off, max_len, block, rope_op=False))]
@@ -182,7 +208,15 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only:
         fused.extra["flex/fused fwd"] = round(flex[0].fwd_ms / fused.fwd_ms, 2)
         if "fwd+bwd_ms" in flex[0].extra and "fwd+bwd_ms" in fused.extra:
             fused.extra["flex/fused fwd+bwd"] = round(flex[0].extra["fwd+bwd_ms"] / fused.extra["fwd+bwd_ms"], 2)
-    for key, other in (("flex/fused dev fwd+bwd", flex[0] if flex else None), ("unfused/fused dev fwd+bwd", unfused)):
+    for name, tag in (("block + torch rope", "torch rope"), ("block + compiled rope", "compiled rope")):
+        other = by_name.get(name)
+        a = other.extra.get("fwd+bwd_ms", math.nan) if other else math.nan
+        b = fused.extra.get("fwd+bwd_ms", math.nan)
+        if math.isfinite(a) and math.isfinite(b):
+            fused.extra[f"{tag}/fused fwd+bwd"] = round(a / b, 2)
+    for key, other in (("flex/fused dev fwd+bwd", flex[0] if flex else None), ("unfused/fused dev fwd+bwd", unfused),
+                       ("torch rope/fused dev fwd+bwd", by_name.get("block + torch rope")),
+                       ("compiled rope/fused dev fwd+bwd", by_name.get("block + compiled rope"))):
         a = other.extra.get("dev_fwd+bwd_ms", math.nan) if other else math.nan
         b = fused.extra.get("dev_fwd+bwd_ms", math.nan)
         if math.isfinite(a) and math.isfinite(b) and b > 0:
