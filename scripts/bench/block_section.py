@@ -13,8 +13,8 @@ blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, po
   flex block-causal    torch FlexAttention with a document + block-causal mask, RoPE in PyTorch, compiled
 bwd_ms is the backward alone; extra holds fwd+bwd ms, ms per 1K tokens (flat in L when cost is linear), the
 fwd+bwd's device time (dev_fwd+bwd_ms: its kernels by torch.profiler, without the host gaps event times include)
-and, on the fused row, the ratios of each separate-RoPE row and of flex to it, by both. TFLOP/s count allowed (block-causal) pairs
-only: 4*H*D*pairs, bwd 2.5x.
+and, on the fused row, the ratios of each separate-RoPE row and of flex to it, by both. TFLOP/s count allowed
+(block-causal) pairs only: 4*H*D*pairs, bwd 2.5x.
 """
 
 from __future__ import annotations
