@@ -81,6 +81,8 @@ def main(argv=None):
     p.add_argument("--block-lengths", default=None,
                    help="block section: a comma list of sequence lengths at block 512 only (default: 1K-64K, then "
                         "blocks 64/128/256 at 16K)")
+    p.add_argument("--gdpa-cases", default=None,
+                   help="gdpa section: only cases whose name holds one of these (comma list, e.g. 'fixed,M=64')")
     p.add_argument("--block-impls", default=None,
                    help="block section: only the rows whose name holds one of these comma-separated texts (e.g. "
                         "'no RoPE,flex'; the fused row always runs, as the ratios' base)")

@@ -3,6 +3,7 @@
 Cases (bf16, H 4, D 128, about 64K tokens):
   self   SiLU, causal, lengths ~ U[1, N], N 512..4096
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
+  fixed  GELU(tanh) cross, jagged q ~ U[1, 1024] x exactly 256 keys per sequence (a fixed set of feature tokens)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
 Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
 (GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
@@ -201,19 +202,29 @@ def _copy_row() -> Row:
 
 def run(args) -> list[Row]:
     quick = bool(getattr(args, "quick", False))
+    only = tuple(x.strip() for x in (getattr(args, "gdpa_cases", None) or "").split(",") if x.strip())
+
+    def wanted(case: str) -> bool:  # --gdpa-cases
+        return not only or any(o in case for o in only)
+
     tokens = TOKENS  # --quick drops shapes, never tokens: smaller batches would time launches
     rows: list[Row] = [_copy_row()]
     torch.cuda.empty_cache()
     for n in (512, 2048) if quick else (512, 1024, 2048, 4096):
-        lq = jagged_lengths(n, tokens, seed=n)
-        rows += _case_rows(f"self SiLU causal N={n}", lq, lq, activation="silu", causal=True)
+        case = f"self SiLU causal N={n}"
+        if wanted(case):
+            lq = jagged_lengths(n, tokens, seed=n)
+            rows += _case_rows(case, lq, lq, activation="silu", causal=True)
     cross = [(256, 64), (1024, 256)] if quick else [(256, 64), (512, 128), (1024, 128), (1024, 256)]
     for n, m in cross:
+        case = f"cross GELU(tanh) N={n} M={m}"
+        if not wanted(case):
+            continue
         lq = jagged_lengths(n, CROSS_TOKENS, seed=n)  # --quick too: smaller cases only time launches
         g = torch.Generator().manual_seed(m)
         lk = torch.randint(1, m + 1, (lq.numel(),), generator=g).to("cuda")
         rows += _case_rows(
-            f"cross GELU(tanh) N={n} M={m}",
+            case,
             lq,
             lk,
             activation="gelu_tanh",
@@ -224,16 +235,17 @@ def run(args) -> list[Row]:
                          ("gdpa 128-row q tiles",
                           {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})],
         )
-    lq = _lognormal_lengths(tokens, 256, 1.2, 8192)
-    rows += _case_rows(
-        "skew SiLU lognormal",
-        lq,
-        lq,
-        activation="silu",
-        causal=False,
-        extra_impls=[("gdpa unordered", {"ordered": False})],
-        compare=False,
-    )
+    case = "cross GELU(tanh) N=1024 M=256 fixed"
+    if wanted(case):
+        lq = jagged_lengths(1024, CROSS_TOKENS, seed=1024)
+        lk = torch.full_like(lq, 256)
+        rows += _case_rows(case, lq, lk, activation="gelu_tanh", causal=False,
+                           extra_impls=[("gdpa 128-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "128"}})])
+    case = "skew SiLU lognormal"
+    if wanted(case):
+        lq = _lognormal_lengths(tokens, 256, 1.2, 8192)
+        rows += _case_rows(case, lq, lq, activation="silu", causal=False,
+                           extra_impls=[("gdpa unordered", {"ordered": False})], compare=False)
     return rows
 
 
