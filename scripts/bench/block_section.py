@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, bench_ms, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, bench_ms, compile_static, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "block"
 H, D = 4, 128
@@ -82,7 +82,7 @@ def _torch_rope_unfused(q, k, v, off, max_len, block, compiled):
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
 
-    rot_fn = torch.compile(rot) if compiled else rot
+    rot_fn = compile_static(rot) if compiled else rot
 
     def f():
         return block_attention(rot_fn(q), rot_fn(k), v, off, max_len, block_size=block, kernel="triton")
@@ -136,7 +136,7 @@ def _flex(q, k, v, off, max_len, block):
                            block_mask=bm)
         return o[0].transpose(0, 1)
 
-    fc = torch.compile(f)
+    fc = compile_static(f)
     return lambda: fc(q, k, v)
 
 

@@ -46,6 +46,17 @@ def attn_flops(lengths: torch.Tensor, heads: int, dim: int, *, causal: bool, len
     return f / 2 if causal else f
 
 
+def compile_static(fn, **kwargs):
+    """torch.compile for a competitor, specialised to the shapes of its first call.
+
+    Dynamo caches by code object: a competitor built per case from the same nested function would, on its second
+    shape, be recompiled with symbolic sizes (automatic dynamic shapes), slower kernels than a user padding to fixed
+    maxima gets. Clearing the caches and compiling with dynamic=False gives every case its own static graph.
+    """
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False, **kwargs)
+
+
 def bench_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
     import triton.testing
