@@ -1,6 +1,6 @@
 """Probe: what would GDPA's forward gain from Triton's warp specialization and from a one-instruction tanh?
 
-    python scripts/gdpa_ws_probe.py [--quick] [--only persist,WS]
+    python scripts/gdpa_ws_probe.py [--quick] [--only persist,True]
 
 A dense micro-kernel with GDPA's forward loop (acc += act(q k^T * scale) v, no softmax), on tensor descriptors (TMA),
 so that `tl.range(..., warp_specialize=True)` can split it into a load partition and an MMA/activation partition.
@@ -97,7 +97,8 @@ def _variants():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", help="comma list: run the variants whose row holds every one (e.g. persist)")
+    p.add_argument("--only", default="",
+                   help="comma list: run the variants whose row holds every one (persist,True: persistent and WS)")
     args = p.parse_args()
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count

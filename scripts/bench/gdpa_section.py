@@ -207,8 +207,8 @@ def run(args) -> list[Row]:
     quick = bool(getattr(args, "quick", False))
     only = tuple(x.strip() for x in (getattr(args, "gdpa_cases", None) or "").split(",") if x.strip())
 
-    def wanted(case: str) -> bool:  # --gdpa-cases
-        return not only or any(o in case for o in only)
+    def wanted(case: str) -> bool:  # --gdpa-cases, as --block-impls: case-insensitive
+        return not only or any(o.lower() in case.lower() for o in only)
 
     tokens = TOKENS  # --quick drops shapes, never tokens: smaller batches would time launches
     rows: list[Row] = [_copy_row()]
@@ -243,7 +243,8 @@ def run(args) -> list[Row]:
         lq = jagged_lengths(1024, CROSS_TOKENS, seed=1024)
         lk = torch.full_like(lq, 256)
         rows += _case_rows(case, lq, lk, activation="gelu_tanh", causal=False,
-                           extra_impls=[("gdpa 128-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "128"}})])
+                           extra_impls=[("gdpa 128-row q tiles",
+                                         {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})])
     case = "skew SiLU lognormal"
     if wanted(case):
         lq = _lognormal_lengths(tokens, 256, 1.2, 8192)

@@ -6,24 +6,34 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from scripts.bench.common import compile_static
 
 
-def _case(n: int) -> CompileCounterWithBackend:
-    """A competitor built per case from the same nested function, as the bench sections build theirs."""
+def _f(a):
+    return (a @ a.T).relu()
 
-    def f(a):
-        return (a @ a.T).relu()
 
+def _sizes(counter: CompileCounterWithBackend) -> list[str]:
+    """The traced inputs of each graph: a symbolic size shows as a name (s0, ...), a static one as a number."""
+    return [str(p.meta["example_value"]) for g in counter.graphs for p in g.graph.nodes if p.op == "placeholder"]
+
+
+def test_every_case_gets_its_own_static_graph():
+    # more cases than Dynamo's recompile limit (8): without the reset, the later cases would run eagerly
+    for n in range(2, 14):
+
+        def f(a):  # a new closure per case from one code object, as the bench sections build theirs
+            return _f(a)
+
+        counter = CompileCounterWithBackend("eager")
+        assert compile_static(f, backend=counter)(torch.randn(n, 8)).shape == (n, n)
+        assert counter.frame_count == 1, f"case {n}: {counter.frame_count} compiled frames"
+        sizes = _sizes(counter)
+        assert len(sizes) == 1 and f"size=({n}, 8)" in sizes[0], sizes
+
+
+def test_a_second_shape_recompiles_static():
     counter = CompileCounterWithBackend("eager")
-    out = compile_static(f, backend=counter)(torch.randn(n, 8))
-    assert out.shape == (n, n)
-    return counter
-
-
-def _sizes(counter: CompileCounterWithBackend) -> list:
-    return [tuple(p.meta["example_value"].shape) for g in counter.graphs for p in g.graph.nodes if p.op == "placeholder"]
-
-
-def test_every_case_compiles_static_shapes():
-    for n in (4, 6, 9):  # plain torch.compile gives the second and third cases a symbolic row count
-        counter = _case(n)
-        assert counter.frame_count == 1
-        assert _sizes(counter) == [(n, 8)]
+    fn = compile_static(_f, backend=counter)
+    fn(torch.randn(4, 8))
+    fn(torch.randn(6, 8))  # plain torch.compile would trace this one with a symbolic row count
+    assert counter.frame_count == 2
+    sizes = _sizes(counter)
+    assert len(sizes) == 2 and "size=(4, 8)" in sizes[0] and "size=(6, 8)" in sizes[1], sizes
