@@ -52,11 +52,16 @@ class JaggedSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.out = nn.Linear(num_heads * head_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d_model] -> q [T, H, D], k, v [T, H_kv, D]."""
         t = x.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
-        q, k, v = q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
+        return q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int
+               ) -> torch.Tensor:
+        """The attention op (RoPE included) -> [T, H * D]."""
         if self.kind == "block":
             o = ops.block_attention(q, k, v, offsets, max_len, block_size=self.block_size, causal=True,
                                     rope=self.rope, kernel=self.kernel)
@@ -66,11 +71,19 @@ class JaggedSelfAttention(nn.Module):
                 k = ops.rope(k, offsets, max_len, config=self.rope, kernel=self.kernel)
             window = self.window if self.kind == "swa" else None
             o = ops.jagged_attention(q, k, v, offsets, max_len, causal=True, window=window, kernel=self.kernel)
-        return self.out(o.reshape(t, h * d))
+        return o.reshape(o.shape[0], -1)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        return self.out(self.attend(*self.project(x), offsets, max_len))
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)); x + ffn(norm(x)). forward -> (x, aux_loss); one FSDP unit."""
+    """x + attn(norm(x)); x + ffn(norm(x)). forward -> (x, aux_loss); one FSDP unit.
+
+    The block runs in three parts: `_qkv` (norm + QKV projection), the attention kernels, `_finish` (output
+    projection, residual, norm, FFN or MoE, residual). `compile_regions` compiles the two dense parts, so the
+    elementwise chains around the GEMMs fuse while the attention stays on its own Triton kernels.
+    """
 
     def __init__(self, d_model: int, attn: JaggedSelfAttention, ffn: nn.Module, norm: str = "rmsnorm"):
         super().__init__()
@@ -79,14 +92,26 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = make_norm(norm, d_model)
         self.ffn = ffn
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x), offsets, max_len)
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attn.project(self.attn_norm(x))
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn.out(o)
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoE):
             y, aux = self.ffn(h)
         else:
             y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
         return x + y, aux
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self._qkv(x)
+        return self._finish(x, self.attn.attend(q, k, v, offsets, max_len))
+
+    def compile_regions(self) -> None:
+        """torch.compile `_qkv` and `_finish` (the token count varies per batch: dynamic after the first)."""
+        self._qkv = torch.compile(self._qkv)
+        self._finish = torch.compile(self._finish)
 
 
 def build_blocks(cfg) -> nn.ModuleList:

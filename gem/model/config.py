@@ -49,9 +49,9 @@ class MoEConfig:
     d_ff: int = 0  # 0: the tower's d_ff
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01
-    # expert FFNs as one torch._grouped_mm per weight on CUDA in bf16 (null: wherever available) instead of a loop
-    # over experts; off until a training run has timed it (its GPU parity test passes)
-    grouped_mm: bool | None = False
+    # expert FFNs as one torch._grouped_mm per weight (None: wherever available, i.e. CUDA in bf16) instead of a
+    # loop over experts
+    grouped_mm: bool | None = None
 
 
 @dataclass

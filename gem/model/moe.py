@@ -104,9 +104,8 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.dispatcher: Dispatcher = LocalDispatcher()
-        # True / None: grouped GEMM when on CUDA in bf16 (None = auto); False: the per-expert loop. Set from
-        # model.moe.grouped_mm (off by default until a training run has timed it).
-        self.use_grouped_mm: bool | None = False
+        # True / None: grouped GEMM when on CUDA in bf16; False: the per-expert loop (model.moe.grouped_mm).
+        self.use_grouped_mm: bool | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -129,7 +128,8 @@ class MoE(nn.Module):
         if n == 0 or self.aux_loss_coef == 0:
             aux = probs.sum() * 0.0  # keeps the router in the graph
         else:
-            counts = torch.bincount(idx.flatten(), minlength=self.num_experts).float()
+            flat = idx.flatten()
+            counts = probs.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
             frac = counts / (n * self.top_k)
             aux = self.aux_loss_coef * self.num_experts * (frac * probs.mean(dim=0)).sum()
         return gates, idx, aux
@@ -186,51 +186,131 @@ class MoE(nn.Module):
     GROUP_ALIGN = 16  # rows per grouped-GEMM group are padded to a multiple of this, and at least this
 
     def _grouped_experts(self, x, counts, w1, w3, w2):
-        """Grouped GEMM on padded groups: every group gets >= GROUP_ALIGN rows, a multiple of it.
-
-        Empty or ragged groups give wrong weight gradients in torch._grouped_mm's backward, so the rows are
-        scattered (on device, no host sync) into a zero buffer of static size m + E_local * GROUP_ALIGN.
-        """
-        a = self.GROUP_ALIGN
+        """Grouped GEMM of rows grouped by expert: scattered (on device, no host sync) into padded groups."""
         m, e = x.shape[0], counts.numel()
-        padded = torch.clamp_min((counts + a - 1) // a * a, a)
-        start = torch.cumsum(counts, 0) - counts
-        start_p = torch.cumsum(padded, 0) - padded
+        starts = torch.cumsum(counts, 0) - counts
+        starts_p, offs = _padded_groups(counts, self.GROUP_ALIGN)
         expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=m)
-        dest = start_p[expert] + torch.arange(m, device=x.device) - start[expert]
-        buf = x.new_zeros((m + e * a, x.shape[1]), dtype=torch.bfloat16).index_copy(0, dest, x.to(torch.bfloat16))
-        offs = torch.cumsum(padded, 0).to(torch.int32)
-        # The weight gradient of a group with only padding rows came back non-zero on the H200 (torch 2.11):
-        # experts without tokens get their gradient masked to zero.
-        used = counts > 0
-        w1, w3, w2 = (_MaskGrad.apply(w.to(torch.bfloat16), used) for w in (w1, w3, w2))
-        h = F.silu(torch._grouped_mm(buf, w1, offs=offs)) * torch._grouped_mm(buf, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs)[dest]
+        dest = starts_p[expert] + torch.arange(m, device=x.device) - starts[expert]
+        buf = x.new_zeros((m + e * self.GROUP_ALIGN, x.shape[1]), dtype=torch.bfloat16)
+        buf = buf.index_copy(0, dest, x.to(torch.bfloat16))
+        return _grouped_swiglu(buf, offs, counts > 0, w1, w3, w2)[dest]
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d_model] -> (y [N, d_model], aux loss scalar (fp32 at least))."""
-        n, k = x.shape[0], self.top_k
+        """x [N, d_model] -> (y [N, d_model], aux loss scalar (fp32 at least)).
+
+        Every (token, slot) assignment gets a row `pos` in the buffer the experts read (rows grouped by expert);
+        tokens are copied there in one scatter and the outputs come back in one gather that sums each token's k
+        rows with their gates. Both are permutations, so their backward passes are a gather and a scatter too:
+        no atomics, no host sync, and static shapes on the local grouped-GEMM path (torch.compile keeps them).
+        """
+        n, k, e = x.shape[0], self.top_k, self.num_experts
         gates, idx, aux = self.route(x)
         flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)  # earlier tokens first within an expert (capacity keeps them)
         expert_sorted = flat[order]
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = _counts_sorted(expert_sorted, e)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(flat.numel(), device=x.device) - starts[expert_sorted]
         cap = self.capacity(n)
+        kept = counts if cap is None else counts.clamp(max=cap)
+        grouped_local = isinstance(self.dispatcher, LocalDispatcher) and self._use_grouped(x)
+        if grouped_local:
+            dest_starts, offs = _padded_groups(kept, self.GROUP_ALIGN)
+            rows = flat.numel() + e * self.GROUP_ALIGN  # static bound on the padded rows
+        else:
+            dest_starts = torch.cumsum(kept, 0) - kept
+            rows = flat.numel() if cap is None else int(kept.sum())  # capacity: the exact kept rows (host sync)
+        pos_sorted = dest_starts[expert_sorted] + rank_in_expert
+        keep = None
         if cap is not None:
-            starts = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(flat.numel(), device=x.device) - starts[expert_sorted]
-            keep = pos < cap
-            order = order[keep]
-            counts = counts.clamp(max=cap)
-        token = order // k
-        x_sorted = x[token]
-        x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, counts)
-        y_local = self.experts(x_local, per_local, self.dispatcher.host_sizes(ctx))
-        y_sorted = self.dispatcher.combine(y_local, ctx)
+            keep_sorted = rank_in_expert < cap
+            pos_sorted = torch.where(keep_sorted, pos_sorted, rows)  # dropped: one spare row past the groups
+            keep = torch.empty_like(keep_sorted).scatter_(0, order, keep_sorted).view(n, k)
+        pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)  # [n * k]: (token, slot) -> row
+        spare = 0 if cap is None else 1
+        if grouped_local:
+            buf = _ScatterRows.apply(x.to(torch.bfloat16), pos, k, rows + spare)
+            w1, w3, w2 = self.local_expert_weights()
+            out = _grouped_swiglu(buf[:rows], offs, kept > 0, w1, w3, w2)
+        else:
+            x_sorted = _ScatterRows.apply(x, pos, k, rows + spare)[:rows]
+            x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, kept)
+            y_local = self.experts(x_local, per_local, self.dispatcher.host_sizes(ctx))
+            out = self.dispatcher.combine(y_local, ctx)
+        if spare:
+            out = torch.cat([out, out.new_zeros(1, out.shape[1])])
         # Sum the k expert outputs per token in fp32 at least (bf16 expert outputs would round each partial sum).
-        acc = torch.promote_types(y_sorted.dtype, torch.float32)
-        gate = gates.flatten()[order].to(acc)
-        y = torch.zeros((n, self.d_model), dtype=acc, device=x.device)
-        y = y.index_add(0, token, y_sorted.to(acc) * gate[:, None])
+        acc = torch.promote_types(out.dtype, torch.float32)
+        g = gates.to(acc) if keep is None else torch.where(keep, gates.to(acc), 0.0)
+        y = _GatherRows.apply(out, pos, g)
         return y.to(x.dtype), aux
+
+
+def _counts_sorted(expert_sorted: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] int64 from the sorted expert ids (no bincount: its output size depends on the data,
+    which torch.compile cannot keep in one graph)."""
+    edges = torch.searchsorted(expert_sorted, torch.arange(num_experts + 1, device=expert_sorted.device))
+    return edges[1:] - edges[:-1]
+
+
+def _padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start row of each group, int32 end offsets) when every group is padded to a multiple of `align`, at least
+    `align`: torch._grouped_mm's backward gave wrong weight gradients for empty or ragged groups."""
+    padded = torch.clamp_min((counts + align - 1) // align * align, align)
+    ends = torch.cumsum(padded, 0)
+    return ends - padded, ends.to(torch.int32)
+
+
+def _grouped_swiglu(buf, offs, used, w1, w3, w2):
+    """SwiGLU experts on padded groups of `buf` (bf16) with torch._grouped_mm."""
+    # The weight gradient of a group with only padding rows came back non-zero on the H200 (torch 2.11):
+    # experts without tokens get their gradient masked to zero.
+    w1, w3, w2 = (_MaskGrad.apply(w.to(torch.bfloat16), used) for w in (w1, w3, w2))
+    h = F.silu(torch._grouped_mm(buf, w1, offs=offs)) * torch._grouped_mm(buf, w3, offs=offs)
+    return torch._grouped_mm(h, w2, offs=offs)
+
+
+class _ScatterRows(torch.autograd.Function):
+    """x [n, d] -> buffer [rows, d] whose row pos[t * k + j] holds x[t]; other rows are zero.
+
+    pos must be unique except on spare rows (never read back with a non-zero gate)."""
+
+    @staticmethod
+    def forward(ctx, x, pos, k, rows):
+        ctx.save_for_backward(pos)
+        ctx.k = k
+        buf = x.new_zeros((rows, x.shape[1]))
+        for pj in pos.view(-1, k).unbind(1):
+            buf.index_copy_(0, pj, x)
+        return buf
+
+    @staticmethod
+    def backward(ctx, g):
+        (pos,) = ctx.saved_tensors
+        gx = None
+        for pj in pos.view(-1, ctx.k).unbind(1):
+            gj = g.index_select(0, pj)
+            gx = gj if gx is None else gx + gj
+        return gx, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """y[t] = sum_j gates[t, j] * out[pos[t * k + j]], accumulated in the gates' dtype."""
+
+    @staticmethod
+    def forward(ctx, out, pos, gates):
+        n, k = gates.shape
+        rows = out[pos].view(n, k, out.shape[1])
+        ctx.save_for_backward(pos, gates, rows)
+        ctx.rows = out.shape[0]
+        return (rows.to(gates.dtype) * gates[..., None]).sum(1)
+
+    @staticmethod
+    def backward(ctx, gy):
+        pos, gates, rows = ctx.saved_tensors
+        g_rows = (gy[:, None, :] * gates[..., None]).to(rows.dtype).flatten(0, 1)
+        g_out = rows.new_zeros((ctx.rows, rows.shape[2])).index_copy_(0, pos, g_rows)
+        g_gates = (gy[:, None, :] * rows.to(gy.dtype)).sum(-1)
+        return g_out, None, g_gates

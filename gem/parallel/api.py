@@ -94,7 +94,7 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
         raise TypeError("gem.parallel: model.blocks must be an nn.ModuleList")
     if blocks is not None:
         apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
-        if cfg.compile:
+        if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
             apply_compile(blocks)
 
     if cfg.dense == "fsdp":

@@ -45,7 +45,7 @@ class ParallelConfig:
     reshard_after_forward: Any = True  # bool or int (reshard to a smaller group)
     activation_checkpoint: str = "none"  # none | full | selective
     ac_every: int = 1  # selective: checkpoint every n-th block
-    compile: bool = False  # torch.compile each transformer block
+    compile: Any = "auto"  # torch.compile the dense parts of each block: auto (on CUDA) | true | false
 
     @classmethod
     def from_any(cls, cfg: Any) -> ParallelConfig:
@@ -121,8 +121,8 @@ def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
         raise ParallelConfigError(
             f"parallel.activation_checkpoint={c.activation_checkpoint!r}: expected none, full or selective"
         )
-    if not isinstance(c.compile, bool):
-        raise ParallelConfigError(f"parallel.compile={c.compile!r}: expected true or false")
+    if not (isinstance(c.compile, bool) or c.compile == "auto"):
+        raise ParallelConfigError(f"parallel.compile={c.compile!r}: expected auto, true or false")
     _check_sharding_types(c.sharding_types)
     c.dp_shard, c.emb_shard_group = dp_shard, g
     return c

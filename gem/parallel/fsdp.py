@@ -30,9 +30,14 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int)
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:
-    """Compile each block on its own: repeated structure, so one graph is reused and FSDP hooks stay outside."""
+    """Compile each block's dense parts on its own (regional compilation): the blocks repeat, so their graphs are
+    shared; the attention kernels and FSDP's hooks stay outside the graphs."""
     for block in blocks:
-        block.compile(fullgraph=False)
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if hasattr(inner, "compile_regions"):
+            inner.compile_regions()
+        else:
+            block.compile(fullgraph=False)
 
 
 def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims,

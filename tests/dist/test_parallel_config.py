@@ -31,7 +31,7 @@ def _v(world: int, **kw) -> ParallelConfig:
     (4, dict(dense="fsdp", param_dtype="fp8"), "parallel.param_dtype='fp8': expected one of"),
     (4, dict(dense="fsdp", reshard_after_forward=0), "parallel.reshard_after_forward=0: expected true, false or an int >= 1"),
     (4, dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some': expected none, full or selective"),
-    (4, dict(compile="yes"), "parallel.compile='yes': expected true or false"),
+    (4, dict(compile="yes"), "parallel.compile='yes': expected auto, true or false"),
     (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: unknown type 'diagonal'"),
     (4, dict(sharding_types={"item": []}), "parallel.sharding_types={'item': []}: expected a non-empty list"),
     (4, dict(sharding_types=["data_parallel"]), "parallel.sharding_types: data_parallel is not offered"),
