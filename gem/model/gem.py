@@ -95,17 +95,32 @@ class TargetInteraction(nn.Module):
             self.__dict__["_offsets_q_cache"] = cached  # not a buffer: never saved, moved or sharded
         return cached[1]
 
-    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
-                ) -> torch.Tensor:
-        """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
+    def _project(self, tokens: torch.Tensor, seq: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, n, d = tokens.shape
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(self.q_norm(tokens.reshape(b * n, d))).reshape(b * n, h, dh)
         k, v = self.kv_proj(seq).reshape(seq.shape[0], 2, hk, dh).unbind(1)
+        return q, k, v
+
+    def _finish(self, tokens: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        b, n, d = tokens.shape
+        return tokens + self.out(o.reshape(b * n, -1)).reshape(b, n, d)
+
+    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
+                ) -> torch.Tensor:
+        """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
+        b, n, _ = tokens.shape
+        q, k, v = self._project(tokens, seq)
         offsets_q = self._offsets_q(b, n, seq_offsets)
         o = ops.gdpa(q, k, v, offsets_q, n, seq_offsets, max_seq_len, activation=self.activation,
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
-        return tokens + self.out(o.reshape(b * n, h * dh)).reshape(b, n, d)
+        return self._finish(tokens, o)
+
+    def compile_regions(self) -> None:
+        """torch.compile the projections around the GDPA kernel."""
+        self._project = torch.compile(self._project)
+        self._finish = torch.compile(self._finish)
 
 
 class GEMModel(nn.Module):
@@ -171,6 +186,14 @@ class GEMModel(nn.Module):
         z = torch.cat([tokens.reshape(b, -1), self.dense_mlp(dense).to(tokens.dtype)], dim=-1)
         logits = self.heads(self.over_arch(z))
         return ModelOutput(logits=logits, aux_loss=aux)
+
+    def compile_regions(self) -> None:
+        """torch.compile the dense parts outside the tower's blocks (the blocks compile their own regions): the final
+        norm, the interaction's projections, the over-arch and the heads. The embedding modules and the kernels
+        stay outside the graphs."""
+        self.interaction.compile_regions()
+        for m in (self.final_norm, self.over_arch, self.heads):
+            m.compile()
 
     # -- FLOP accounting (see gem.model.flops) -------------------------------------------------------------------------
     def dense_flops_per_token(self) -> int:

@@ -94,8 +94,8 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
         raise TypeError("gem.parallel: model.blocks must be an nn.ModuleList")
     if blocks is not None:
         apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
-        if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
-            apply_compile(blocks)
+    if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
+        apply_compile(inner, blocks)
 
     if cfg.dense == "fsdp":
         apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)

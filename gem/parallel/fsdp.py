@@ -29,10 +29,12 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int)
             blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(blocks: nn.ModuleList) -> None:
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None) -> None:
     """Compile each block's dense parts on its own (regional compilation): the blocks repeat, so their graphs are
-    shared; the attention kernels and FSDP's hooks stay outside the graphs."""
-    for block in blocks:
+    shared; the attention kernels and FSDP's hooks stay outside the graphs. The model's own regions too."""
+    if hasattr(model, "compile_regions"):
+        model.compile_regions()
+    for block in blocks or ():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if hasattr(inner, "compile_regions"):
             inner.compile_regions()

@@ -64,9 +64,12 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     total = grad_norm(params)
     if max_norm > 0 and params:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            grads.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), gs in grads.items():
+            torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
     return total
 
 
@@ -107,10 +110,13 @@ class TrainOptimizer:
         self._adamw: torch.optim.AdamW | None = None
         optimizers = []
         if named:
-            # Plain AdamW on DTensor/mixed meshes: foreach groups by device and dtype only, which DTensor handles.
+            # The fused CUDA kernel when every parameter is a plain CUDA tensor (one launch per few tensors); foreach
+            # otherwise, which handles DTensors on several meshes (it groups by device and dtype only).
+            fused = all(p.is_cuda and not isinstance(p, DTensor) for p in named.values())
             self._dense = KeyedOptimizerWrapper(
                 named,
-                lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+                lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                             fused=fused or None),
             )
             self._adamw = self._dense._optimizer
             optimizers.append(("dense", self._dense))
