@@ -1,11 +1,13 @@
-"""Data: feature schema, the Batch type, synthetic and Parquet sources, batch validation."""
+"""Data: feature schema, the Batch type, synthetic and Parquet sources, batch validation, the training stream."""
 
 from gem.data.batch import Batch
+from gem.data.loader import BadBatchError, TrainBatches
 from gem.data.schema import DataConfig, DataSchema, FeatureSpec, HistoryConfig, SparseFeatureSpec
 from gem.data.synthetic import SyntheticDataset
 from gem.data.validate import validate_batch
 
 __all__ = [
+    "BadBatchError",
     "Batch",
     "DataConfig",
     "DataSchema",
@@ -13,6 +15,7 @@ __all__ = [
     "HistoryConfig",
     "SparseFeatureSpec",
     "SyntheticDataset",
+    "TrainBatches",
     "build_dataset",
     "validate_batch",
 ]

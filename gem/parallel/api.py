@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,15 +101,26 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
     if cfg.dense == "fsdp":
         apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)
     elif dims.world_size > 1:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-
-        ignore = set(DistributedModelParallel._sharded_parameter_names(inner))
+        ignore = set(_sharded_param_names(inner))
         dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device, find_unused_parameters=bool(moes))
 
     table_ids = {id(p) for p in table_params}
     dense = [p for p in inner.parameters() if id(p) not in table_ids and p.requires_grad]
     return Parallelized(model=dmp, dims=dims, sparse_optimizer=emb.fused_optimizer, embeddings=emb,
                         inner=inner, _dense_params=dense)
+
+
+def _sharded_param_names(module: nn.Module, prefix: str = "") -> Iterator[str]:
+    """Names of the parameters TorchRec shards (DDP must leave them alone), the way DMP names them."""
+    from torchrec.distributed.model_parallel import get_unwrapped_module
+    from torchrec.distributed.types import ShardedModule
+
+    module = get_unwrapped_module(module)
+    if isinstance(module, ShardedModule):
+        yield from module.sharded_parameter_names(prefix)
+        return
+    for name, child in module.named_children():
+        yield from _sharded_param_names(child, f"{prefix}.{name}" if prefix else name)
 
 
 def _sharded_params(module: nn.Module) -> list[nn.Parameter]:

@@ -133,7 +133,8 @@ def _agree_on_run_id(rank: int, world_size: int, store) -> None:
     os.environ["GEM_RUN_ID"] = run_id[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
+    """`hooks`: run after every training step with the Trainer (see gem.train.trainer.Trainer)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, check_only = _split_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(store=store)  # once per process, outside Hydra's job
     _agree_on_run_id(rank, world_size, store)
     state: dict = {}
-    code = _run_hydra(argv, rank, state)
+    code = _run_hydra(argv, rank, state, hooks)
     if code:
         return code
     if "error" in state:
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_hydra(argv: list[str], rank: int, state: dict | None) -> int:
+def _run_hydra(argv: list[str], rank: int, state: dict | None, hooks: tuple = ()) -> int:
     import hydra
 
     _register_resolvers()
@@ -178,7 +179,7 @@ def _run_hydra(argv: list[str], rank: int, state: dict | None) -> int:
         extra = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
 
     def task(cfg) -> None:
-        _job(cfg, rank, state if state is not None else {})
+        _job(cfg, rank, state if state is not None else {}, hooks)
 
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(task)
     saved = sys.argv
@@ -192,7 +193,7 @@ def _run_hydra(argv: list[str], rank: int, state: dict | None) -> int:
     return 0
 
 
-def _job(cfg, rank: int, state: dict) -> None:
+def _job(cfg, rank: int, state: dict, hooks: tuple = ()) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from gem.train.trainer import BadBatchError, Trainer, summary_line
@@ -202,7 +203,7 @@ def _job(cfg, rank: int, state: dict) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir=run_dir)
+        trainer = Trainer(cfg, run_dir=run_dir, hooks=hooks)
         result = trainer.fit()
         if rank == 0:
             print(summary_line(result, trainer.tasks), flush=True)

@@ -24,14 +24,14 @@ ARGS = [
 ]
 
 
-def _torchrun(tmp_path: Path, args: list[str], extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, args: list[str], entry: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`entry`: what torchrun runs (default `-m gem.train`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     e = env(tmp_path)  # TMPDIR inside tmp_path, OMP_NUM_THREADS=1, gloo on loopback
-    for k in ("GEM_FAULT_AT_STEP", "GEM_FAULT_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+    for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
         e.pop(k, None)
-    e.update(extra_env or {})
     return subprocess.run(
-        [*cmd, "-m", "gem.train", *ARGS, *args],
+        [*cmd, *(entry or ["-m", "gem.train"]), *ARGS, *args],
         cwd=tmp_path,
         env=e,
         capture_output=True,
@@ -53,7 +53,13 @@ def test_killed_rank_restarts_and_resumes_the_same_trajectory(tmp_path):
     assert max(straight.values()) - min(straight.values()) > 1e-3  # the loss moves, so equality means something
 
     # The default run dir (outputs/<GEM_RUN_ID>): the restarted attempt must find the first attempt's.
-    faulted = _torchrun(tmp_path, [], {"GEM_FAULT_AT_STEP": str(FAULT_STEP), "GEM_FAULT_RANK": str(FAULT_RANK)})
+    # gem.train with a hook that kills rank FAULT_RANK after step FAULT_STEP of the first attempt
+    faulty = [
+        str(Path(__file__).with_name("run_faulty_train.py")),
+        f"--fault-step={FAULT_STEP}",
+        f"--fault-rank={FAULT_RANK}",
+    ]
+    faulted = _torchrun(tmp_path, [], faulty)
     out = faulted.stdout + faulted.stderr
     assert faulted.returncode == 0, out[-6000:]
     assert f"rank {FAULT_RANK} exits after step {FAULT_STEP}" in out, out[-6000:]  # the fault did happen

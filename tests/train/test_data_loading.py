@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data import Batch, DataConfig
 from gem.train.checkpoint import list_checkpoints
-from gem.train.trainer import BadBatchError, Trainer, _InOrder
+from gem.train.trainer import BadBatchError, Trainer
 from tests.train._util import SMALL, compose
 
 COMMON = ("train.eval_every=0", "train.seed=5")
@@ -48,7 +49,7 @@ def test_workers_give_the_same_losses_as_the_training_thread():
     assert workers.losses == inline.losses  # bit for bit: same batches, same order
     # the loader's worker seeds do not draw from the training RNG stream (it is checkpointed)
     assert torch.equal(torch.get_rng_state(), rng_inline)
-    assert t._loader_iter is None  # the workers are shut down when fit() returns
+    assert t.batches is None and not multiprocessing.active_children()  # the workers are shut down when fit() returns
 
 
 def test_workers_feed_the_sparse_dist_pipeline():
@@ -153,17 +154,6 @@ def test_a_bad_batch_made_in_a_worker_raises_the_same_error(tmp_path, kind):
             if kind == "id"
             else ("labels" in msg and "nan" in msg)
         )
-
-
-def test_in_order_puts_a_worker_stream_back_in_order():
-    # 3 workers from position 7: worker w makes i = w mod 3, the loader takes turns 0, 1, 2.
-    per_worker = [[i for i in range(7, 20) if i % 3 == w] for w in range(3)]
-    arrivals = [(i, f"b{i}") for turn in zip(*per_worker) for i in turn]
-    assert [i for i, _ in arrivals][:3] == [9, 7, 8]
-    assert list(_InOrder(iter(arrivals), 7)) == [f"b{i}" for i in range(7, 19)]
-    # a finite stream's held tail comes out in order; unindexed items pass straight through
-    assert list(_InOrder(iter([(2, "c"), (1, "b"), (None, "x"), (0, "a")]), 0)) == ["x", "a", "b", "c"]
-    assert list(_InOrder(iter([]), 0)) == []
 
 
 def test_num_workers_config_is_checked():

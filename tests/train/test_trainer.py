@@ -137,11 +137,12 @@ def test_tensorboard_scalars_and_jsonl(tmp_path):
     assert result.eval_metrics["click/auc"] == pytest.approx(acc.Scalars("eval/click/auc")[-1].value, abs=1e-6)
 
 
-def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path, monkeypatch, caplog):
+def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path, monkeypatch):
     """`train.pipeline=sparse_dist` really runs torchrec's TrainPipelineSparseDist (both embedding modules'
-    forwards rewritten for it, not the fallback) and trains the same steps as the plain loop, across an
-    evaluation in the middle (which detaches and re-attaches the pipeline). A model the pipeline cannot trace
-    falls back to the plain loop with a warning naming why, and still trains the same steps."""
+    forwards rewritten for it) and trains the same steps as the plain loop, across an evaluation in the middle
+    (which detaches and re-attaches the pipeline). The loop is chosen at start-up: a model the pipeline cannot
+    trace fails with the pipeline's error, it does not fall back to the plain loop."""
+    from torch.fx.proxy import TraceError
     from torchrec.distributed.train_pipeline.utils import PipelinedForward
 
     from gem.model import GEMModel
@@ -168,8 +169,45 @@ def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path, monkeypatch, capl
         return traceable(self, batch)
 
     monkeypatch.setattr(GEMModel, "forward", untraceable)
-    with caplog.at_level("WARNING", logger="gem.train"):
-        fallback, tf = _fit(tmp_path / "fallback", *common, "train.pipeline=sparse_dist")
-    assert tf.loop == "plain" and "TraceError" in tf.pipeline_fallback
-    assert any("TraceError" in r.getMessage() and "plain loop" in r.getMessage() for r in caplog.records)
-    torch.testing.assert_close(torch.tensor(fallback.losses), torch.tensor(plain.losses), rtol=0, atol=1e-6)
+    tf = _trainer(tmp_path / "untraceable", *common, "train.pipeline=sparse_dist")
+    assert tf.loop == "sparse_dist"  # decided before any step
+    try:
+        with pytest.raises(TraceError):
+            tf.fit()
+    finally:
+        tf.close()
+    assert tf.step == 0
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "device", "loop"),
+    [
+        ("auto", "cpu", "plain"),
+        ("auto", "cuda", "sparse_dist"),
+        ("sparse_dist", "cpu", "sparse_dist"),
+        ("none", "cuda", "plain"),
+    ],
+)
+def test_the_loop_follows_the_config_and_device(pipeline, device, loop):
+    from gem.train.step import choose_loop
+
+    cls, why = choose_loop(pipeline, torch.device(device))
+    assert cls.name == loop and why is None
+
+
+def test_hooks_run_after_every_step_with_its_checkpoint_written(tmp_path):
+    seen = []
+
+    def hook(trainer):
+        seen.append((trainer.step, [s for s, _ in list_checkpoints(tmp_path / "checkpoints")]))
+
+    t = Trainer(
+        compose([*SMALL, "train.steps=4", "train.eval_every=0", "train.checkpoint.every=2"]),
+        run_dir=str(tmp_path),
+        hooks=[hook],
+    )
+    try:
+        t.fit()
+    finally:
+        t.close()
+    assert seen == [(1, []), (2, [2]), (3, [2]), (4, [2, 4])]

@@ -1,0 +1,147 @@
+"""Training metrics over log windows: loss (mean over ranks), throughput, MFU, memory, learning rate; evaluation
+results. Rank 0 writes them to the console, TensorBoard (TrainLogger) and `<run dir>/metrics.jsonl`.
+
+Per step only device tensors are kept; the host syncs once per window (`log_window`). Time spent in evaluation
+and checkpoints is left out of the throughput (`restart_window`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gem.train.logging import TrainLogger
+from gem.train.mfu import device_peak_flops, measure_matmul_peak, mfu_report
+from gem.train.step import StepOutput
+
+
+class MetricsReporter:
+    """One run's training and evaluation metrics. Every rank calls `log_window` (the loss is averaged over ranks)."""
+
+    def __init__(
+        self,
+        logger: TrainLogger,
+        optimizer,
+        tcfg,
+        *,
+        run_dir: str | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        tasks: list[str],
+        global_batch: int,
+    ) -> None:
+        self.logger, self.optimizer, self.tcfg = logger, optimizer, tcfg
+        self.rank, self.world_size, self.device, self.tasks = rank, world_size, device, tasks
+        self.global_batch = global_batch
+        self.is_cuda = device.type == "cuda"
+        # held for the whole run (closed in close()): a context manager cannot span it
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if (run_dir and rank == 0) else None  # noqa: SIM115
+        self.peak_flops = device_peak_flops(device)
+        self.measured_peak = tcfg.mfu.measured_peak_flops
+        if self.is_cuda and tcfg.mfu.measure_peak and self.measured_peak is None:
+            self.measured_peak = measure_matmul_peak(device)
+        self.start()
+
+    def start(self) -> None:
+        """A new run of steps: clears the per-step losses and the clocks."""
+        self.window_t0 = self.run_t0 = time.perf_counter()
+        self.window_steps, self.window_flops, self.run_steps, self.train_time = 0, 0.0, 0, 0.0
+        self._window_losses: list[torch.Tensor] = []
+        self._step_losses: list[torch.Tensor] = []  # kept on device: no host sync per step
+
+    def step_done(self, loss: torch.Tensor, flops: float) -> None:
+        self.window_flops += flops
+        self.window_steps += 1
+        self.run_steps += 1
+        self._window_losses.append(loss)
+        self._step_losses.append(loss)
+
+    def restart_window(self) -> None:
+        self.window_t0 = time.perf_counter()
+
+    def losses(self) -> list[float]:
+        """This rank's loss of every step since `start()` (one host sync)."""
+        return torch.stack(self._step_losses).float().cpu().tolist() if self._step_losses else []
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training throughput since `start()`: evaluation and checkpoint time left out."""
+        return self.run_steps * self.global_batch / self.train_time if self.train_time > 0 else 0.0
+
+    def log_window(self, step: int, out: StepOutput, last_eval: dict[str, float]) -> None:
+        """The window of steps since the last one ended; `out`: its last step's losses."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        dt = max(time.perf_counter() - self.window_t0, 1e-9)
+        self.train_time += dt
+        steps, flops = self.window_steps, self.window_flops
+        loss = float(torch.stack(self._window_losses).mean())
+        if self.world_size > 1:  # mean over ranks for the log
+            t = torch.tensor([loss], device=self.device if self.is_cuda else "cpu")
+            dist.all_reduce(t)
+            loss = float(t) / self.world_size
+        samples_per_s = steps * self.global_batch / dt
+        scalars = {
+            "train/loss": loss,
+            "train/task_loss": float(out.task_loss),
+            "train/aux_loss": float(out.aux_loss),
+            "train/lr": self.optimizer.last_lr,
+            "perf/samples_per_s": samples_per_s,
+            "perf/step_time_s": dt / steps,
+        }
+        if self.optimizer.last_grad_norm is not None:
+            scalars["train/grad_norm"] = float(self.optimizer.last_grad_norm)
+        report = mfu_report(
+            flops / steps, dt / steps, self.peak_flops, self.measured_peak, self.tcfg.mfu.single_device_mfu
+        )
+        scalars.update(report.scalars())
+        if self.is_cuda:
+            scalars["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            scalars["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.logger.scalars(scalars, step)
+        extra = [
+            f"MFU {100 * report.mfu:.1f}%" if report.mfu is not None else f"{report.flops_per_s / 1e9:.2f} GFLOP/s"
+        ]
+        if "memory/peak_allocated_gib" in scalars:
+            extra.append(f"mem {scalars['memory/peak_allocated_gib']:.1f} GiB")
+        total_dt = time.perf_counter() - self.run_t0
+        self.logger.progress(
+            step,
+            self.tcfg.steps,
+            loss,
+            samples_per_s,
+            last_eval,
+            self.tasks[0],
+            extra=" | ".join(extra),
+            steps_per_s=self.run_steps / total_dt if total_dt > 0 else None,
+        )
+        self._write_jsonl({"step": step, **scalars})
+        self._window_losses = []
+        self.window_steps, self.window_flops = 0, 0.0
+        self.restart_window()
+
+    def log_eval(self, step: int, m: dict[str, float]) -> None:
+        self.logger.scalars({f"eval/{k}": v for k, v in m.items()}, step)
+        parts = [
+            f"{t} NE {m[f'{t}/ne']:.4f} AUC {m[f'{t}/auc']:.4f} cal {m[f'{t}/calibration']:.3f}" for t in self.tasks
+        ]
+        self.logger.info(f"eval @ step {step} ({int(m['num_samples'])} samples): " + " | ".join(parts))
+        self._write_jsonl({"step": step, **{f"eval/{k}": v for k, v in m.items()}})
+        self.restart_window()  # evaluation time is not training throughput
+
+    def _write_jsonl(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
