@@ -1,4 +1,4 @@
-"""Attention benchmark: our Triton kernels beside the anchors of shared/PERF.md, on one GPU.
+"""Attention benchmark: our Triton kernels beside the alternatives (docs/PERF.md), on one GPU.
 
     python scripts/bench_attention.py [--sections jfa,swa,gdpa,block] [--quick] [--json out.json] [--plot out.png]
                                       [--jfa-variants all|base,rowmajor,...] [--jfa-anchors all|none|varlen_attn,...]

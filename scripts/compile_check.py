@@ -7,7 +7,7 @@ rules) and shared memory over the H200's 227 KB per block. It cannot catch what 
 
     python scripts/compile_check.py [--ops jfa,gdpa,block]   # a line per op call, then a summary; exit 1 on failure
 
-Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU session on the ops changed.
+Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU run on the ops changed.
 
 Run without TRITON_INTERPRET (it refuses otherwise): the config lists are the GPU's only then.
 """
@@ -143,7 +143,7 @@ def _cases():
         args = (offsets(lens), offsets(lk), 300, max(lk), "gelu_tanh", "", -1, -1, 0.1, 1.0, True)
         triton_gdpa._gdpa_bwd(torch.randn_like(q), q, k, v, *args, 1)
 
-    for longest in (14, 30, 50):  # 16-, 32- and 64-key tiles (registers by tile width: docs/PERF.md, session 18)
+    for longest in (14, 30, 50):  # 16-, 32- and 64-key tiles (registers grow with the tile width)
         cases.append(("gdpa", f"gdpa one-pass bwd d=128 longest key {longest}",
                       lambda longest=longest: gdpa_one_pass(longest)))
     cases.append(("gdpa", "gdpa one-pass bwd d=64 longest key 100", lambda: gdpa_one_pass(100, 64)))  # 128-key tile

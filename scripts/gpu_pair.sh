@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two queues of steps side by side on GPUs 0 and 1 (one device call): gpu_pair.sh "Q0" "Q1", each queue a
+# Two queues of steps side by side on GPUs 0 and 1: gpu_pair.sh "Q0" "Q1", each queue a
 # ";"-separated list of "LIMIT_S NAME CMD..." steps (a CMD cannot contain ";"); each step's output goes to
 # $OUT/NAME.log, and a start line and an "rc=N: <last pytest summary line>" line per step to stdout.
 set -u

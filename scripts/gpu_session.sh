@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One GPU session in a few device calls: each argument is a stage, run in order; "a+b" runs stage a on GPU 0 and
+# GPU tests and benchmarks in timed stages: each argument is a stage, run in order; "a+b" runs stage a on GPU 0 and
 # stage b on GPU 1 at the same time; "a,b" runs a then b. Every step has a time limit inside one overall deadline,
-# so the run ends (and prints its summary table) before the device's 10-minute limit. Full output: $OUT/<stage>.log; stdout: each
+# so the run ends (and prints its summary table) within the deadline. Full output: $OUT/<stage>.log; stdout: each
 # step's status and key lines, then the summary (also kept in $OUT/session.log).
 #
-#   scripts/gpu_session.sh stack1 kernels+jfa-variants    (docs/GPU.md lists the exact calls)
+#   scripts/gpu_session.sh kernels+jfa-variants
 #
 # Stages
-#   stack1..stack4   stage the GPU stack from .gpu-stack/cN (built here by ../shared/tools/gpu-stack; N = 1..4,
-#                    one per call, on the same machine, in order); stack4 installs torchrec/fbgemm/hydra into
+#   stack1..stack4   stage the GPU stack from .gpu-stack/cN (packed by ../shared/tools/gpu-stack; N = 1..4,
+#                    in order, on the same machine); stack4 installs torchrec/fbgemm/hydra into
 #                    /tmp/gpu-site and checks the imports
 #   kernels          pytest -m gpu tests/ops (a time limit per file), then bench_attention.py --quick
 #   kernel-tests     pytest -m gpu tests/ops alone
@@ -201,7 +201,7 @@ kernel_tests() {  # kernel_tests STAGE [NAME...]: tests/ops/test_NAME.py (all wi
         case $f in
             *test_rope.py) budget=50 ;;
             *test_jfa.py) budget=${KERNEL_TEST_BUDGET:-330} ;;  # > 240 s on a machine that compiles afresh
-            *test_block.py) budget=${KERNEL_TEST_BUDGET:-330} ;;  # > 240 s cold since the split loops (session 10)
+            *test_block.py) budget=${KERNEL_TEST_BUDGET:-330} ;;  # > 240 s on a machine that compiles afresh
             *) budget=${KERNEL_TEST_BUDGET:-100} ;;
         esac
         # Correctness runs on each kernel's first config (the tuners compile every config per new shape key; the

@@ -215,7 +215,7 @@ def _block_cases():
                     lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(q, k, v, oq, mq, block_size=512,
                                                                        rope=RopeConfig(), kernel="triton"),
                     {"GEM_BLOCK_HEAD_ORDER": "outer"}))
-        if n >= 32768:  # the kernels without RoPE at the lengths whose event times disagreed (session 16)
+        if n >= 32768:  # the kernels without RoPE at the lengths where event times and device times disagreed
             out.append((f"block L={n} b512 no rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
                 q, k, v, oq, mq, block_size=512, kernel="triton")))
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)

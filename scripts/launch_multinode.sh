@@ -10,7 +10,7 @@
 # for all nodes), NPROC_PER_NODE (GPUs per node). Optional: RDZV_BACKEND (c10d, the default, or static),
 # RDZV_ID (default gem), PYTHON (default python3), and NCCL's own variables (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...).
 # Under c10d the rendezvous picks the node order (NODE_RANK names this node's log only); each node's ranks are
-# consecutive either way, which is what the host-local mesh layouts rely on. docs/GPU.md says which mesh dims to
+# consecutive either way, which is what the host-local mesh layouts rely on. docs/PARALLELISM.md says which mesh dims to
 # keep inside a node.
 set -euo pipefail
 

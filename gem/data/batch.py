@@ -1,4 +1,4 @@
-"""The training batch: jagged histories + multi-hot sparse features + dense + labels (see docs/DESIGN.md)."""
+"""The training batch: jagged histories + multi-hot sparse features + dense + labels (see docs/DATA.md)."""
 
 from __future__ import annotations
 

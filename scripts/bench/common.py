@@ -1,4 +1,4 @@
-"""Shared pieces of the attention benchmarks: jagged batches as in shared/PERF.md, timing, tables."""
+"""Shared pieces of the attention benchmarks: jagged batches (shapes in docs/PERF.md), timing, tables."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ offsets: after the first call a timed call launches only its kernels.
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them), and each row
 also carries its kernels' device time (dev_fwd_ms, dev_bwd_ms; torch.profiler) with the speedups by it; the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
-The padded torch.compile row is compiled per case for that case's shapes (common.compile_static): before session
-21 the cases after the first reused one code object and ran a dynamic-shape recompile, slower than a static graph.
+The padded torch.compile row is compiled per case for that case's shapes (common.compile_static): sharing one code
+object, every case after the first would run a dynamic-shape recompile, slower than a static graph.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
 Memory roofline: the first row times a device copy of 1 GiB (read + write, torch.profiler), and each of our rows
 carries fwd_TBps / bwd_TBps: the least traffic any implementation moves (each input read once, each output written

@@ -1,4 +1,4 @@
-"""JFA and SWA sections of the attention benchmark (shapes of shared/PERF.md).
+"""JFA and SWA sections of the attention benchmark (shapes as in docs/PERF.md).
 
 jfa: lengths ~ U[1, N], about 64K tokens, H 4, D 128, N 512..8192, causal and not; plus N 256 with H 2, D 64.
 swa: lengths ~ U[N/2, N], about 48K tokens, H 4, D 128, causal window (512, 0), N 16384/32768/65536.
@@ -75,7 +75,7 @@ def _sdpa(b):
 def _sdpa_masked(b):
     """Causal padded SDPA as a user with a padding mask writes it: one boolean [B, 1, N, N] mask (causal and key
     padding), so SDPA leaves the flash backend. The "padded SDPA" row is the exact is_causal flash call, which right
-    padding allows; shared/PERF.md's padded causal anchors lie between the two forms' speeds."""
+    padding allows."""
     import torch.nn.functional as F
 
     from gem.ops._common import jagged_to_padded

@@ -1,4 +1,4 @@
-"""scripts/bench_train.py as the GPU session runs it, on CPU: the op profile of its last steps."""
+"""scripts/bench_train.py as a GPU run uses it, on CPU: the op profile of its last steps."""
 
 from __future__ import annotations
 
