@@ -108,10 +108,10 @@ class TransformerBlock(nn.Module):
         q, k, v = self._qkv(x)
         return self._finish(x, self.attn.attend(q, k, v, offsets, max_len))
 
-    def compile_regions(self) -> None:
+    def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile `_qkv` and `_finish` (the token count varies per batch: dynamic after the first)."""
-        self._qkv = torch.compile(self._qkv)
-        self._finish = torch.compile(self._finish)
+        self._qkv = torch.compile(self._qkv, **compile_kwargs)
+        self._finish = torch.compile(self._finish, **compile_kwargs)
 
 
 def build_blocks(cfg) -> nn.ModuleList:

@@ -117,10 +117,10 @@ class TargetInteraction(nn.Module):
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
         return self._finish(tokens, o)
 
-    def compile_regions(self) -> None:
+    def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile the projections around the GDPA kernel."""
-        self._project = torch.compile(self._project)
-        self._finish = torch.compile(self._finish)
+        self._project = torch.compile(self._project, **compile_kwargs)
+        self._finish = torch.compile(self._finish, **compile_kwargs)
 
 
 class GEMModel(nn.Module):
@@ -187,13 +187,13 @@ class GEMModel(nn.Module):
         logits = self.heads(self.over_arch(z))
         return ModelOutput(logits=logits, aux_loss=aux)
 
-    def compile_regions(self) -> None:
+    def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile the dense parts outside the tower's blocks (the blocks compile their own regions): the final
         norm, the interaction's projections, the over-arch and the heads. The embedding modules and the kernels
         stay outside the graphs."""
-        self.interaction.compile_regions()
+        self.interaction.compile_regions(**compile_kwargs)
         for m in (self.final_norm, self.over_arch, self.heads):
-            m.compile()
+            m.compile(**compile_kwargs)
 
     # -- FLOP accounting (see gem.model.flops) -------------------------------------------------------------------------
     def dense_flops_per_token(self) -> int:

@@ -29,17 +29,17 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int)
             blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, blocks: nn.ModuleList | None) -> None:
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, **compile_kwargs) -> None:
     """Compile each block's dense parts on its own (regional compilation): the blocks repeat, so their graphs are
     shared; the attention kernels and FSDP's hooks stay outside the graphs. The model's own regions too."""
     if hasattr(model, "compile_regions"):
-        model.compile_regions()
+        model.compile_regions(**compile_kwargs)
     for block in blocks or ():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if hasattr(inner, "compile_regions"):
-            inner.compile_regions()
+            inner.compile_regions(**compile_kwargs)
         else:
-            block.compile(fullgraph=False)
+            block.compile(**compile_kwargs)
 
 
 def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims,
