@@ -71,7 +71,7 @@ class JaggedSelfAttention(nn.Module):
                 k = ops.rope(k, offsets, max_len, config=self.rope, kernel=self.kernel)
             window = self.window if self.kind == "swa" else None
             o = ops.jagged_attention(q, k, v, offsets, max_len, causal=True, window=window, kernel=self.kernel)
-        return o.reshape(o.shape[0], -1)
+        return o.reshape(o.shape[0], self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         return self.out(self.attend(*self.project(x), offsets, max_len))

@@ -105,7 +105,7 @@ class TargetInteraction(nn.Module):
 
     def _finish(self, tokens: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         b, n, d = tokens.shape
-        return tokens + self.out(o.reshape(b * n, -1)).reshape(b, n, d)
+        return tokens + self.out(o.reshape(b * n, self.num_heads * self.head_dim)).reshape(b, n, d)
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
                 ) -> torch.Tensor:
