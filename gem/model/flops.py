@@ -3,8 +3,10 @@
 Convention (the usual 6N rule): a matmul weight of n parameters applied to one row costs 2n FLOPs forward and
 4n backward, so 6 * (matmul weights touched) per row; biases, norms, activations and embedding lookups are
 excluded. Attention score + value matmuls cost 4 * H * D per visible (query, key) pair forward, x3 for
-fwd + bwd. Visible pairs per sequence of length L: L^2 (non-causal), L^2 / 2 (causal), sliding window W:
-L^2 / 2 while L <= W, else W^2 / 2 + (L - W) * W; block-causal with block S: sum over blocks of size^2 / 2.
+fwd + bwd. Visible pairs per sequence of length L, counting the diagonal half (FlashAttention's L^2 / 2 for causal):
+the exact visible count minus L / 2. Causal: L^2 / 2; sliding window W (a row sees itself and W keys before it):
+L^2 / 2 while L <= W + 1, else (W + 1)(W + 2) / 2 + (L - W - 1)(W + 1) - L / 2; block-causal with block S: the sum
+over blocks of size^2 / 2.
 MoE counts the router and the top_k active experts only.
 """
 
@@ -66,9 +68,9 @@ def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor) -> float:
     t = cfg.tower
     if t.attention == "jfa":
         return float((L * L / 2).sum())
-    if t.attention == "swa":
+    if t.attention == "swa":  # a row sees itself and up to `window` keys before it
         w = float(t.window)
-        return float(torch.where(L <= w, L * L / 2, w * w / 2 + (L - w) * w).sum())
+        return float(torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2).sum())
     s = float(t.block_size)
     full = torch.floor(L / s)
     rest = L - full * s

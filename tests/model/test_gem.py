@@ -188,7 +188,8 @@ def test_flops_equal_a_hand_count():
     assert GEMModel(cfg, embedding_device="meta").dense_flops_per_token() == 6 * per_tok
     # windowed / block-causal pair counts
     swa = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "swa", "window": 4}})
-    assert F.attention_pairs(swa, torch.tensor(lengths)) == 9 / 2 + (16 / 2 + 6 * 4)
+    # length 10: rows see 1, 2, 3, 4 keys, then 5 (itself and 4 before); half the diagonal (10 / 2) off
+    assert F.attention_pairs(swa, torch.tensor(lengths)) == 9 / 2 + (1 + 2 + 3 + 4 + 6 * 5 - 10 / 2)
     blk = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "block", "block_size": 4}})
     assert F.attention_pairs(blk, torch.tensor(lengths)) == 9 / 2 + (2 * 16 / 2 + 4 / 2)
 
