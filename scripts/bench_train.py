@@ -327,6 +327,9 @@ _EMB = ("fbgemm", "embedding", "tbe")
 _ATTN = ("jfa", "gdpa", "block_attention", "blockattention", "attn", "attention", "gem::rope", "ropefn")
 _OP_BUCKETS = (("nccl/comm", _COMM), ("embedding", _EMB), ("attention", _ATTN))  # fbgemm holds "gemm": before mm
 _MM = re.compile(r"gemm|matmul|cutlass|nvjet|sm90|xmma|cublas|(?<![a-z])(?:add|addb|baddb|b|_scaled_)?mm(?![a-z])")
+# Inductor's pointwise / reduction kernels are named after the ops they fuse ("triton_poi_fused__grouped_mm_mul_silu"):
+# never matmul, whatever their names hold.
+_FUSED_ELEMENTWISE = re.compile(r"^triton_(?:poi|per|red)_")
 
 
 def _self_device_us(e) -> float:
@@ -354,6 +357,8 @@ def _bucket(kernel: str | None, op, memo: dict) -> str:
     if kernel is not None and _name_bucket(kernel, _OP_BUCKETS[:1]):
         return "nccl/comm"
     b = _op_bucket(op, memo) if op is not None else None
+    if b is None and any(_FUSED_ELEMENTWISE.match(n) for n in (kernel, getattr(op, "name", None)) if n):
+        return "elementwise/other"
     if b is None and kernel is not None:
         b = _name_bucket(kernel, _OP_BUCKETS[1:]) or ("matmul/gemm" if _MM.search(kernel.lower()) else None)
     if b is None and op is not None and _MM.search(op.name.lower()):

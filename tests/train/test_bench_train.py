@@ -32,3 +32,22 @@ def test_profile_steps_cpu(tmp_path):
     assert "profile" not in res["ranks"][0] and res["ranks"][0]["step_ms_profiled_mean"] > 0
     assert sorted(f.name for f in traces.iterdir()) == ["trace_rank0.json"]  # no temp file left behind
     assert json.loads((traces / "trace_rank0.json").read_text())["traceEvents"]
+
+
+def test_profile_buckets_by_kernel_and_op_name():
+    """Inductor's fused pointwise kernels named after a matmul they follow stay elementwise; GEMMs, attention ops
+    (through the launching op) and collectives land in their buckets."""
+    from types import SimpleNamespace
+
+    from scripts.bench_train import _bucket
+
+    def op(name, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent)
+
+    assert _bucket("triton_poi_fused__grouped_mm_mul_silu_silu_backward_11", None, {}) == "elementwise/other"
+    assert _bucket(None, op("triton_red_fused__to_copy_mm_sum_3"), {}) == "elementwise/other"
+    assert _bucket("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", op("aten::mm"), {}) == "matmul/gemm"
+    assert _bucket("cutlass_kernel", op("aten::_grouped_mm"), {}) == "matmul/gemm"
+    assert _bucket("_fwd_kernel", op("triton_fn", op("_JfaFn")), {}) == "attention"
+    assert _bucket("ncclDevKernel_AllGather", op("aten::mul"), {}) == "nccl/comm"
+    assert _bucket("elementwise_kernel", op("aten::copy_"), {}) == "elementwise/other"
