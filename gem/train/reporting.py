@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gem.train.logging import TrainLogger
 from gem.train.mfu import device_peak_flops, measure_matmul_peak, mfu_report
-from gem.train.step import StepOutput
+from gem.train.step import PhaseTimer, StepOutput
 
 
 class MetricsReporter:
@@ -42,6 +42,7 @@ class MetricsReporter:
         self.is_cuda = device.type == "cuda"
         # held for the whole run (closed in close()): a context manager cannot span it
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if (run_dir and rank == 0) else None  # noqa: SIM115
+        self.timer = PhaseTimer(device)  # the loop marks each step's phases on it
         self.peak_flops = device_peak_flops(device)
         self.measured_peak = tcfg.mfu.measured_peak_flops
         if self.is_cuda and tcfg.mfu.measure_peak and self.measured_peak is None:
@@ -64,6 +65,7 @@ class MetricsReporter:
 
     def restart_window(self) -> None:
         self.window_t0 = time.perf_counter()
+        self.timer.window()  # steps around evaluation or a checkpoint do not count
 
     def losses(self) -> list[float]:
         """This rank's loss of every step since `start()` (one host sync)."""
@@ -101,6 +103,8 @@ class MetricsReporter:
             flops / steps, dt / steps, self.peak_flops, self.measured_peak, self.tcfg.mfu.single_device_mfu
         )
         scalars.update(report.scalars())
+        phases = self.timer.window()
+        scalars.update({f"time/{name}_ms": ms for name, ms in phases.items()})
         if self.is_cuda:
             scalars["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             scalars["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -109,6 +113,8 @@ class MetricsReporter:
         extra = [
             f"MFU {100 * report.mfu:.1f}%" if report.mfu is not None else f"{report.flops_per_s / 1e9:.2f} GFLOP/s"
         ]
+        if phases:
+            extra.append("ms " + " ".join(f"{name[:3]} {ms:.1f}" for name, ms in phases.items()))
         if "memory/peak_allocated_gib" in scalars:
             extra.append(f"mem {scalars['memory/peak_allocated_gib']:.1f} GiB")
         total_dt = time.perf_counter() - self.run_t0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,26 +64,106 @@ def forward_loss(model: nn.Module, batch: Batch, cfg: StepConfig, step: int) -> 
     return total, StepOutput(total.detach(), task_loss.detach(), out.aux_loss.detach())
 
 
-def train_step(model: nn.Module, optimizer, batch: Batch, cfg: StepConfig, step: int) -> StepOutput:
+
+
+class PhaseTimer:
+    """Where each step's time goes, on the device's own timeline (CUDA events; the host clock elsewhere) and without
+    a host sync per step: input (waiting for and copying the batch, the embeddings' input distribution), forward
+    (with the loss), backward, optimizer. `window()` reads and clears the marks; it syncs, so call it where the host
+    syncs anyway (the end of a log window)."""
+
+    PHASES = (("input", "start", "forward_start"), ("forward", "forward_start", "forward_end"),
+              ("backward", "forward_end", "optimizer_start"), ("optimizer", "optimizer_start", "optimizer_end"))
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._steps: list[dict[str, Any]] = []
+
+    def mark(self, name: str) -> None:
+        if name == "start":
+            self._steps.append({})
+        elif not self._steps:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._steps[-1][name] = ev
+        else:
+            self._steps[-1][name] = time.perf_counter()
+
+    def window(self) -> dict[str, float]:
+        """Mean milliseconds per step of each phase over the complete steps marked since the last call."""
+        done = [s for s in self._steps if len(s) == 5]
+        self._steps = []
+        if not done:
+            return {}
+        if self.cuda:
+            done[-1]["optimizer_end"].synchronize()
+        out = {}
+        for phase, a, b in self.PHASES:
+            if self.cuda:
+                total = sum(s[a].elapsed_time(s[b]) for s in done)
+            else:
+                total = 1e3 * sum(s[b] - s[a] for s in done)
+            out[phase] = total / len(done)
+        return out
+
+
+class _TimedOptimizer:
+    """The optimizer with its step marked on a PhaseTimer (torchrec's pipeline calls step() itself)."""
+
+    def __init__(self, optimizer, timer: PhaseTimer | None) -> None:
+        self._optimizer, self._timer = optimizer, timer
+
+    def zero_grad(self, *args, **kwargs):
+        return self._optimizer.zero_grad(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        if self._timer is not None:
+            self._timer.mark("optimizer_start")
+        out = self._optimizer.step(*args, **kwargs)
+        if self._timer is not None:
+            self._timer.mark("optimizer_end")
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._optimizer, name)
+
+
+def _timed_forward(model: nn.Module, batch: Batch, cfg: StepConfig, step: int, timer: PhaseTimer | None):
+    if timer is not None:
+        timer.mark("forward_start")
+    out = forward_loss(model, batch, cfg, step)
+    if timer is not None:
+        timer.mark("forward_end")
+    return out
+
+
+def train_step(model: nn.Module, optimizer, batch: Batch, cfg: StepConfig, step: int,
+               timer: PhaseTimer | None = None) -> StepOutput:
     """One optimizer step on `batch` (on the device). The sparse optimizer is fused into the tables' backward."""
     optimizer.zero_grad()
-    total, out = forward_loss(model, batch, cfg, step)
+    total, out = _timed_forward(model, batch, cfg, step, timer)
     total.backward()
     optimizer.step()
     return out
 
 
 class PlainLoop:
-    """Takes the next batch, copies it to the device and runs `train_step`."""
+    """Takes the next batch, copies it to the device and runs forward, backward and the optimizer step."""
 
     name = "plain"
 
-    def __init__(self, model: nn.Module, optimizer, cfg: StepConfig, device: torch.device) -> None:
-        self.model, self.optimizer, self.cfg, self.device = model, optimizer, cfg, device
+    def __init__(self, model: nn.Module, optimizer, cfg: StepConfig, device: torch.device,
+                 timer: PhaseTimer | None = None) -> None:
+        self.model, self.cfg, self.device, self.timer = model, cfg, device, timer
+        self.optimizer = _TimedOptimizer(optimizer, timer)
 
     def step(self, batches: Iterator[Batch], step: int) -> StepOutput:
+        if self.timer is not None:
+            self.timer.mark("start")
         batch = next(batches).to(self.device, non_blocking=True)
-        return train_step(self.model, self.optimizer, batch, self.cfg, step)
+        return train_step(self.model, self.optimizer, batch, self.cfg, step, self.timer)
 
     @contextlib.contextmanager
     def paused(self):
@@ -95,20 +176,24 @@ class SparseDistLoop:
 
     name = "sparse_dist"
 
-    def __init__(self, model: nn.Module, optimizer, cfg: StepConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, optimizer, cfg: StepConfig, device: torch.device,
+                 timer: PhaseTimer | None = None) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.timer = model, cfg, timer
         self._step = 0
         self._pipeline = TrainPipelineSparseDist(
-            model, optimizer, device, execute_all_batches=True, custom_model_fwd=self._forward
+            model, _TimedOptimizer(optimizer, timer), device, execute_all_batches=True,
+            custom_model_fwd=self._forward,
         )
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, StepOutput]:
-        return forward_loss(self.model, batch, self.cfg, self._step)
+        return _timed_forward(self.model, batch, self.cfg, self._step, self.timer)
 
     def step(self, batches: Iterator[Batch], step: int) -> StepOutput:
         self._step = step
+        if self.timer is not None:
+            self.timer.mark("start")
         return self._pipeline.progress(batches)
 
     @contextlib.contextmanager

@@ -207,7 +207,7 @@ class Trainer:
         end = tc.stop_at_step or tc.steps
         result = TrainResult(steps=self.step, run_dir=self.run_dir)
         self.model.train()
-        loop = self._loop_cls(self.model, self.optimizer, self.step_cfg, self.device)
+        loop = self._loop_cls(self.model, self.optimizer, self.step_cfg, self.device, timer=self.reporter.timer)
         if loop.name == "sparse_dist":
             self.logger.info("pipeline: torchrec TrainPipelineSparseDist")
         self.logger.info(

@@ -53,3 +53,31 @@ def test_a_non_finite_loss_stops_the_step_before_backward():
         train_step(model, opt, batch, step_cfg, step=7)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_phase_timer_splits_the_step_and_sees_a_slow_input():
+    """The loop's marks give input / forward / backward / optimizer times that add up to the step, and a batch
+    that takes long to arrive shows up as input time, not as compute."""
+    import time
+
+    from gem.train.step import PhaseTimer, PlainLoop
+
+    cfg, model, step_cfg = _setup()
+    timer = PhaseTimer(torch.device("cpu"))
+    loop = PlainLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), step_cfg, torch.device("cpu"), timer=timer)
+
+    def slow_batches():
+        for i in range(3):
+            time.sleep(0.05)
+            yield make_batch(cfg, [4, 0, 7], seed=i)
+
+    batches = slow_batches()
+    t0 = time.perf_counter()
+    for i in range(3):
+        loop.step(batches, i + 1)
+    wall_ms = 1e3 * (time.perf_counter() - t0) / 3
+    phases = timer.window()
+    assert list(phases) == ["input", "forward", "backward", "optimizer"]
+    assert phases["input"] >= 50 and min(phases.values()) > 0
+    assert sum(phases.values()) == pytest.approx(wall_ms, rel=0.05)
+    assert timer.window() == {}  # read and cleared
