@@ -62,7 +62,6 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a dead peer ends the job
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export GEM_CONFIG_DIR="${GEM_CONFIG_DIR:-$ROOT/configs}"
 
 if [ "$MODE" = train ]; then
     # Check the config against the whole world once, before the rendezvous: a bad layout gives one line here.
