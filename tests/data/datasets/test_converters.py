@@ -211,17 +211,22 @@ def test_converted_files_fit_the_preset(tmp_path, name, preset, make):
     assert done.schema["tasks"] == list(preset.tasks)
 
 
-def test_cli(tmp_path):
+def test_cli(tmp_path, capsys):
+    from gem.data.datasets.__main__ import main
+
     raw = _ml_1m(tmp_path / "raw")
-    cmd = [sys.executable, "-m", "gem.data.datasets", "movielens-1m", "--raw", str(raw), "--out", str(tmp_path / "o")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    args = ["movielens-1m", "--raw", str(raw), "--out", str(tmp_path / "o")]
+    p = subprocess.run([sys.executable, "-m", "gem.data.datasets", *args], capture_output=True, text=True,
+                       timeout=120, check=False, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == f"movielens-1m: 4 train and 2 eval examples in {tmp_path / 'o'}"
     assert f"gem-train experiment=movielens_1m data.paths='[{tmp_path / 'o'}/train/*.parquet]'" in p.stdout
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
-    assert p.returncode == 2 and p.stderr == f"gem.data.datasets: error: {tmp_path / 'o' / 'train'}: already exists " \
-                                             "(remove it or pick another --out)\n"
     assert np.isfinite(pq.read_table(tmp_path / "o" / "eval" / "part-00000.parquet").column("dense_1").to_numpy()).all()
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"gem.data.datasets: error: {tmp_path / 'o' / 'train'}: already exists " \
+                                      "(remove it or pick another --out)\n"
+    assert main([*args[:3], "--out", str(tmp_path / "p"), "--max-len", "0"]) == 2
+    assert capsys.readouterr().err == "gem.data.datasets: error: --max-len must be >= 1 (got 0)\n"
 
 
 def test_preset_trains_on_converted_files(tmp_path):
