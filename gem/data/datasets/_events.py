@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,18 +111,33 @@ class Vocab:
         return len(self.ids)
 
 
+def _ints() -> array:
+    return array("q")
+
+
+def _floats() -> array:
+    return array("d")
+
+
 @dataclass
 class Events:
-    """The raw events of a dataset, one entry per event in file order (contiguous ids)."""
+    """The raw events of a dataset, one entry per event in file order (contiguous ids). Columns are typed arrays
+    (8 bytes a value, not a Python object each): empty lists given for them become arrays."""
 
-    user: list[int] = field(default_factory=list)
-    time_s: list[float] = field(default_factory=list)
-    item: list[int] = field(default_factory=list)
-    action: list[int] = field(default_factory=list)
-    seq: dict[str, list[int]] = field(default_factory=dict)  # more per-event ids that join the history
-    sparse: dict[str, list[int]] = field(default_factory=dict)  # one-hot candidate features, per event
-    dense: list[list[float]] = field(default_factory=list)  # the dataset's dense features, one list per feature
-    labels: dict[str, list[float]] = field(default_factory=dict)
+    user: array = field(default_factory=_ints)
+    time_s: array = field(default_factory=_floats)
+    item: array = field(default_factory=_ints)
+    action: array = field(default_factory=_ints)
+    seq: dict[str, array] = field(default_factory=dict)  # more per-event ids that join the history
+    sparse: dict[str, array] = field(default_factory=dict)  # one-hot candidate features, per event
+    dense: list[array] = field(default_factory=list)  # the dataset's dense features, one column per feature
+    labels: dict[str, array] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for cols, make in ((self.seq, _ints), (self.sparse, _ints), (self.labels, _floats)):
+            for name in cols:
+                cols[name] = make()
+        self.dense = [_floats() for _ in self.dense]
 
     def __len__(self) -> int:
         return len(self.item)
