@@ -47,6 +47,7 @@ def _run(cmd: list[str], target: Path, cwd: Path) -> subprocess.CompletedProcess
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
 
 
+@pytest.mark.slow
 def test_installed_gem_runs_outside_the_checkout(installed, tmp_path):
     where = _run([sys.executable, "-c", "import gem, gem.train.__main__ as m; print(gem.__file__); print(m.CONFIG_DIR)"],
                  installed, tmp_path)
@@ -63,6 +64,15 @@ def test_installed_gem_runs_outside_the_checkout(installed, tmp_path):
     assert bad.stderr.strip().startswith("gem-train: error: experiment=no_such: no such config (options:")
     assert "tiny_cpu" in bad.stderr  # the options listed are the shipped presets
     assert list(tmp_path.iterdir()) == []  # --check writes nothing
+
+    # A short real run: Hydra finds the packaged configs and writes its run dir under the working directory.
+    small = ["model.kernel=reference", "data.batch_size=16", "data.eval_batches=1", "data.schema.history.max_len=16",
+             "train.steps=2", "train.warmup_steps=1", "train.log_every=1", "train.tensorboard=false"]
+    run = _run([str(installed / "bin" / "gem-train"), *small], installed, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "gem-train summary: steps 2" in run.stdout
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
 
 
 def test_installed_bench_entry_point(installed, tmp_path):
