@@ -26,8 +26,10 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
     for path in files:
         for where, row in read_rows(path, ",", 0, bad, header=COLUMNS):
             try:
-                user, video, t, click, long_view, like, _, rand, tab = (parse_int(v, c) if c != "duration_ms" else 0
-                                                                        for v, c in zip(row, COLUMNS))
+                times = ("time_ms", "duration_ms")  # written as integers or as floats
+                user, video, _, click, long_view, like, _, rand, tab = (
+                    parse_int(v, c) if c not in times else 0 for v, c in zip(row, COLUMNS))
+                t = parse_float(row[2], "time_ms")
                 duration = parse_float(row[6], "duration_ms") if row[6] else 0.0  # an empty duration counts as 0
                 for flag, name in ((click, "is_click"), (long_view, "long_view"), (like, "is_like"),
                                    (rand, "is_rand")):

@@ -125,7 +125,7 @@ def test_kuairand(tmp_path):
     raw = tmp_path / "raw"
     _write(raw / "log_standard_4_08_to_4_21_pure.csv", KUAI_HEADER + "\n" + _kuai_row(0, 5, 3000, 1, 0, 1, 9000, 0, 1)
            + _kuai_row(0, 6, 1000, 0, 0, 0, 15000, 0, 1) + _kuai_row(1, 5, 500, 1, 1, 1, 9000, 0, 2))
-    _write(raw / "log_random_4_22_to_5_08_pure.csv", KUAI_HEADER + "\n" + _kuai_row(0, 7, 9000, 1, 1, 0, "", 1, 4)
+    _write(raw / "log_random_4_22_to_5_08_pure.csv", KUAI_HEADER + "\n" + _kuai_row(0, 7, "9000.0", 1, 1, 0, "", 1, 4)
            + _kuai_row(1, 6, 800, 0, 0, 0, 15000, 1, 1))
     done = convert("kuairand", raw, tmp_path / "out")
     assert (done.train_rows, done.eval_rows) == (3, 2) and done.schema["num_dense"] == 4
