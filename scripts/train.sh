@@ -17,7 +17,6 @@ done
 case "$NPROC" in ''|*[!0-9]*|0) echo "train.sh: --nproc must be a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export GEM_CONFIG_DIR="${GEM_CONFIG_DIR:-$ROOT/configs}"
 
 # Check the config in one process first: a bad key gives one line and exit 2, not one report per rank.
 WORLD_SIZE="$NPROC" python -m gem.train --check "${ARGS[@]+"${ARGS[@]}"}" >/dev/null || exit $?

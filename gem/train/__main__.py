@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[1] / "configs")
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
 

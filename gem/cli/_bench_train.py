@@ -1,0 +1,1 @@
+../../scripts/bench_train.py

@@ -1,0 +1,89 @@
+"""MovieLens ratings (GroupLens): ML-1M (`ratings.dat`, `movies.dat`, `::`-separated, Latin-1) and ML-20M (also
+25M / 32M: `ratings.csv`, `movies.csv` with headers).
+
+Per rating: history item = movie, hist_action = the rating rounded up, minus 1 (0..4; ML-20M's half stars round
+up); candidate features: the movie, the user, the movie's genres (multi-hot); tasks: like (rating >= 4) and
+love (rating = 5).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from gem.data.datasets._events import (
+    BadRows,
+    Events,
+    RawError,
+    Spec,
+    Vocab,
+    parse_float,
+    parse_int,
+    raw_file,
+    read_rows,
+)
+
+TASKS = ["like", "love"]
+
+
+def _movies_1m(path: Path, bad: BadRows) -> dict[str, list[str]]:
+    genres = {}
+    for where, (movie, _title, names) in read_rows(path, "::", 3, bad, encoding="latin-1"):
+        genres[movie] = names.split("|")
+    return genres
+
+
+def _movies_csv(path: Path, bad: BadRows) -> dict[str, list[str]]:
+    genres = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or [h.strip() for h in header[:3]] != ["movieId", "title", "genres"]:
+            raise RawError(f"{path}:1: expected the header movieId,title,genres (got {header})")
+        for row in reader:
+            if len(row) != 3:
+                bad(f"{path}:{reader.line_num}", f"expected 3 fields (movieId,title,genres), got {len(row)}")
+                continue
+            genres[row[0]] = row[2].split("|")
+    return genres
+
+
+def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
+    if variant == "1m":
+        ratings_path, half_stars = raw_file(raw, "ratings.dat"), False
+        movies = _movies_1m(raw_file(raw, "movies.dat"), bad)
+        rows = read_rows(ratings_path, "::", 4, bad)
+    else:
+        ratings_path, half_stars = raw_file(raw, "ratings.csv"), True
+        movies = _movies_csv(raw_file(raw, "movies.csv"), bad)
+        rows = read_rows(ratings_path, ",", 4, bad, header=["userId", "movieId", "rating", "timestamp"])
+    users, items, genre_ids = Vocab(), Vocab(), Vocab()
+    item_genres: list[list[int]] = []
+    ev = Events(sparse={"user_id": []}, labels={t: [] for t in TASKS})
+    for where, (user, movie, rating, ts) in rows:
+        try:
+            r = parse_float(rating, "rating") if half_stars else parse_int(rating, "rating")
+            if not (0.5 <= r <= 5.0 and float(r * 2).is_integer()) or (not half_stars and r < 1):
+                raise ValueError(f"rating out of range ({rating!r})")
+            t = parse_int(ts, "timestamp")
+            parse_int(user, "user id")
+            if movie not in movies:
+                raise ValueError(f"movie {movie} is not in the movies file")
+        except ValueError as e:
+            bad(where, str(e))
+            continue
+        i = items(movie)
+        if i == len(item_genres):
+            item_genres.append([genre_ids(g) for g in movies[movie]])
+        ev.user.append(users(user))
+        ev.sparse["user_id"].append(ev.user[-1])
+        ev.time_s.append(float(t))
+        ev.item.append(i)
+        ev.action.append(math.ceil(r) - 1)
+        ev.labels["like"].append(float(r >= 4))
+        ev.labels["love"].append(float(r >= 5))
+    spec = Spec(name=f"movielens-{variant}", num_items=len(items), num_actions=5, seq_cards={},
+                sparse_cards={"user_id": len(users)}, item_multi={"cand_genres": (item_genres, len(genre_ids))},
+                tasks=TASKS, num_dense_extra=0)
+    return ev, spec
