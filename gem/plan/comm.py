@@ -19,6 +19,7 @@ from gem.plan.topology import ClusterSpec
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_reduce", "all_to_all"
 ID_BYTES = 8  # int64 ids
+KJT_SPLITS = 3  # int64 split sizes every rank sends every other before a KJT all-to-all
 # state elements per table row kept by the fused sparse optimizers (besides the weights)
 _STATE_PER_ROW = {"rowwise_adagrad": lambda d: 1, "adagrad": lambda d: d, "adam": lambda d: 2 * d, "sgd": lambda d: 0}
 
@@ -85,7 +86,7 @@ def dense_collectives(units: Sequence[FsdpUnit], par: ParallelConfig, groups: Ma
         else:
             s, group, tag = par.dp_shard, "dp_shard", "dense"
             shard = u.shard_numel(s)
-        gathers = 2 if u.reshard else 1
+        gathers = 2 if (u.reshard and par.reshard_after_forward) else 1
         add(f"FSDP all-gather ({tag})", ALL_GATHER, group, gathers * s * shard * param_bytes)
         add(f"FSDP reduce-scatter ({tag})", REDUCE_SCATTER, group, s * shard * reduce_bytes)
         add(f"HSDP replica all-reduce ({tag})", ALL_REDUCE, "dp_replicate", shard * reduce_bytes)
@@ -148,13 +149,15 @@ def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tu
     """Embedding all-to-alls over the sharding group of g ranks, per rank and step (batch = examples per rank).
 
     Input dist: every feature's ids (int64) go to the ranks holding its shards (once per column shard; split by
-    row range otherwise), with one length per example for every receiving rank (all g ranks for row-wise).
+    row range otherwise), with one length per example for every receiving rank (all g ranks for row-wise);
+    each (module, sharding type) first exchanges its split sizes (KJT_SPLITS int64 per rank).
     Output: sequence tables return one embedding per id, pooled tables one per example, forward and again as the
     gradient in backward; row-wise pooled tables reduce-scatter the group's partial sums (g x batch rows).
     """
     ranks = groups["emb_shard"]
     g = len(ranks)
     ids = lengths = seq = pooled = rs = 0.0
+    lengths += len({(t.kind, t.sharding_type) for t in tables}) * g * KJT_SPLITS * 8
     for t in tables:
         for f in t.features:
             n = batch * ids_per_example[f]
@@ -168,7 +171,7 @@ def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tu
             else:
                 pooled += 2 * batch * t.dim * emb_bytes
     out = [Collective("embedding input dist (ids)", ALL_TO_ALL, "emb_shard", ranks, ids),
-           Collective("embedding input dist (lengths)", ALL_TO_ALL, "emb_shard", ranks, lengths),
+           Collective("embedding input dist (lengths, splits)", ALL_TO_ALL, "emb_shard", ranks, lengths),
            Collective("sequence embedding all-to-all (fwd+bwd)", ALL_TO_ALL, "emb_shard", ranks, seq),
            Collective("pooled embedding all-to-all (fwd+bwd)", ALL_TO_ALL, "emb_shard", ranks, pooled),
            Collective("pooled embedding reduce-scatter (fwd+bwd)", REDUCE_SCATTER, "emb_shard", ranks, rs)]

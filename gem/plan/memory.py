@@ -24,7 +24,7 @@ class FsdpUnit:
     name: str
     shapes: list[tuple[int, ...]]  # full shapes of the unit's parameters
     expert: bool = False  # an MoE layer: w1/w3/w2 split over ep first, FSDP over the expert mesh
-    reshard: bool = True  # all-gathered again in backward (reshard_after_forward)
+    reshard: bool = True  # all-gathered again in backward when reshard_after_forward is on (not the last block)
 
     def shard_numel(self, shard: int, ep: int = 1, dp_replicate: int = 1) -> int:
         """Elements this unit keeps per rank when FSDP-sharded over `shard` ranks (padding included)."""
@@ -71,8 +71,8 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
         taken.update(id(p) for p in ps)
         units.append(FsdpUnit(f"blocks.{i}", [tuple(p.shape) for p in ps], reshard=i < len(blocks) - 1))
     root = [p for p in model.parameters() if id(p) not in taken]
-    # FSDP2 keeps the root unsharded from forward to backward
-    return [FsdpUnit("root", [tuple(p.shape) for p in root], reshard=False), *units, *inner]
+    # the root's heads run last in forward, yet it is resharded and gathered again when backward starts
+    return [FsdpUnit("root", [tuple(p.shape) for p in root]), *units, *inner]
 
 
 @dataclass
