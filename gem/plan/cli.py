@@ -46,6 +46,7 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from gem._config import to_plain
     from gem.train.__main__ import CONFIG_DIR, _one_line, _register_resolvers
     from gem.train.trainer import build_configs
 
@@ -54,11 +55,14 @@ def compose(overrides: list[str]):
         GlobalHydra.instance().clear()
         with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR, job_name="gem_plan"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
-        return build_configs(cfg)
+        cfgs = build_configs(cfg)
     except Exception as e:  # noqa: BLE001 - any composition problem is a config error
         raise PlanError(_one_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
+    # ParallelConfig.from_any keeps OmegaConf containers inside a DictConfig's values; the validators want lists
+    cfgs.parallel.sharding_types = to_plain(cfgs.parallel.sharding_types)
+    return cfgs
 
 
 def _gb(b: float) -> str:
