@@ -3,7 +3,9 @@
 Layouts: dp_replicate x dp_shard = world, ep | dp_shard (and | num_experts), emb_shard_group from
 `plan.emb_groups` (default: the powers of two from one host to the world that divide it), emb_sync_every from
 `plan.sync_every` (1 when there is one embedding group). The planner runs once per group size, keeping HBM for
-the lightest dense layout; a layout whose dense part then overflows a rank does not fit.
+the lightest dense layout; a layout that overflows a rank with that plan is planned again keeping HBM for its own
+dense part (as `gem plan` does, which may put tables in host memory: UVM caching), unless its estimate on the
+shared plan is already slower than the best `plan.top` layouts.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from gem.parallel.dims import ParallelConfigError
+from gem.parallel.dims import ParallelConfig, ParallelConfigError
 from gem.parallel.dims import validate as validate_parallel
-from gem.plan.estimate import Estimate, PlanOptions, activation_bytes, estimate, workload
+from gem.plan.estimate import Estimate, PlanOptions, activation_bytes, estimate, reserve_for, workload
 from gem.plan.memory import dense_memory, fsdp_units
-from gem.plan.sharding import plan_embeddings
+from gem.plan.sharding import EmbeddingPlan, plan_embeddings
 from gem.plan.topology import ClusterSpec, PlanError
 
 
@@ -49,7 +51,8 @@ def candidate_layouts(cfgs, cluster: ClusterSpec, options: PlanOptions) -> list:
 @dataclass
 class SearchResult:
     fits: list[Estimate]
-    rejected: dict[str, int] = field(default_factory=dict)  # reason -> layouts
+    rejected: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # (layout, why it does not fit)
+    skipped: list[ParallelConfig] = field(default_factory=list)  # overflow the shared plan, slower than the best
     user_overrides: list[str] = field(default_factory=list)
 
 
@@ -60,38 +63,68 @@ def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions
     dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.tokens, activation_bytes(cfgs, p, cluster))
              for p in layouts}
     result = SearchResult(fits=[])
+    plans: dict[tuple[int, int], EmbeddingPlan | None] = {}
 
-    def reject(reason: str) -> None:
-        result.rejected[reason] = result.rejected.get(reason, 0) + 1
+    def plan_for(g: int, dense_bytes: int) -> EmbeddingPlan | None:
+        key = (g, reserve_for(dense_bytes, cluster))
+        if key not in plans:
+            try:
+                plans[key] = plan_embeddings(cfgs.model, cluster, g, work.batch, cfgs.parallel.sharding_types,
+                                             reserve_bytes=key[1])
+            except PlanError:
+                plans[key] = None
+        return plans[key]
 
-    plans = {}
-    for g in sorted({p.emb_shard_group for p in layouts}):
-        fitting = [dense[id(p)].total for p in layouts if p.emb_shard_group == g
-                   and dense[id(p)].total <= cluster.hbm_bytes]
-        if not fitting:
-            continue
-        try:
-            plans[g] = plan_embeddings(cfgs.model, cluster, g, work.batch, cfgs.parallel.sharding_types,
-                                       reserve_bytes=min(fitting))
-        except PlanError:
-            plans[g] = None
+    lightest: dict[int, int] = {}
     for p in layouts:
-        emb = plans.get(p.emb_shard_group)
-        if emb is None:
-            reject("tables or dense part do not fit")
+        if dense[id(p)].total <= cluster.hbm_bytes:
+            g = p.emb_shard_group
+            lightest[g] = min(lightest.get(g, dense[id(p)].total), dense[id(p)].total)
+    # every layout on its group size's shared plan; those that overflow it are planned again (keeping HBM for
+    # their own dense part) only while they could still rank among the best `top`
+    shared = []
+    for p in layouts:
+        g, need = p.emb_shard_group, dense[id(p)].total
+        if need > cluster.hbm_bytes:
+            result.rejected.append((p, f"rank 0 needs {need} bytes of HBM for the dense part alone; it has "
+                                       f"{cluster.hbm_bytes}"))
             continue
-        try:
-            result.fits.append(estimate(cfgs, p, cluster, flops_per_ms, emb=emb, units=units[p.ep > 1], work=work))
-        except PlanError:
-            reject("HBM exceeded")
+        emb = plan_for(g, lightest[g])
+        if emb is None:
+            shared.append((float("inf"), p, None))
+            continue
+        shared.append((estimate(cfgs, p, cluster, flops_per_ms, emb=emb, units=units[p.ep > 1], work=work,
+                                check=False), p, emb))
+    shared.sort(key=lambda x: x[0] if isinstance(x[0], float) else x[0].step_ms)
+    for est, p, emb in shared:
+        if emb is not None and est.overflow() is None:
+            result.fits.append(est)
+            continue
+        bound = est if isinstance(est, float) else est.step_ms
+        if len(result.fits) >= options.top and bound > sorted(e.step_ms for e in result.fits)[options.top - 1]:
+            result.skipped.append(p)
+            continue
+        own = plan_for(p.emb_shard_group, dense[id(p)].total)
+        if own is None:
+            result.rejected.append((p, f"the tables do not fit in groups of {p.emb_shard_group} ranks next to "
+                                       f"{dense[id(p)].total} bytes of dense state per rank"))
+            continue
+        est = estimate(cfgs, p, cluster, flops_per_ms, emb=own, units=units[p.ep > 1], work=work, check=False)
+        problem = est.overflow()
+        if problem:
+            result.rejected.append((p, problem))
+        else:
+            result.fits.append(est)
     result.fits.sort(key=lambda e: (e.step_ms, e.overlapped_ms))
     return result
 
 
 def format_search(result: SearchResult, cfgs, cluster: ClusterSpec, options: PlanOptions) -> str:
-    n = len(result.fits) + sum(result.rejected.values())
-    lines = [f"{n} layouts on {cluster.hosts} x {cluster.gpus_per_host} ranks: {len(result.fits)} fit"
-             + "".join(f", {v} rejected ({k})" for k, v in result.rejected.items())]
+    n = len(result.fits) + len(result.rejected) + len(result.skipped)
+    lines = [f"{n} layouts on {cluster.hosts} x {cluster.gpus_per_host} ranks: {len(result.fits)} fit, "
+             f"{len(result.rejected)} do not"
+             + (f", {len(result.skipped)} not planned again (slower than the best {options.top} even if they fit)"
+                if result.skipped else "")]
     if not result.fits:
         raise PlanError(f"no layout fits on {cluster.world} ranks of {cluster.hbm_bytes} bytes of HBM")
     lines.append(f"{'#':>2} {'step ms':>9} {'compute':>8} {'comm':>8} {'overlap':>8} {'HBM GB':>7}  layout")
