@@ -78,10 +78,10 @@ def format_report(est, cfgs) -> str:
     c, p, d, w = est.cluster, est.par, est.dense, est.work
     n_sparse = sum(t.num_embeddings * t.embedding_dim for t in cfgs.model.tables)
     lines = [
-        f"cluster: {c.hosts} hosts x {c.gpus_per_host} GPUs = {c.world} ranks, HBM {c.hbm_gb:g} GB/GPU, DDR "
-        f"{c.ddr_gb:g} GB/host, links {c.intra_gbps:g} GB/s in a host, {c.inter_gbps:g} GB/s across hosts",
-        f"model: {cfgs.model.name}: {n_sparse / 1e9:.1f}B sparse parameters, {d.detail['total_numel'] / 1e9:.2f}B "
-        f"dense; per rank: batch {w.batch}, {w.tokens} history tokens, {w.flops / 1e12:.1f} TFLOP per step",
+        (f"cluster: {c.hosts} hosts x {c.gpus_per_host} GPUs = {c.world} ranks, HBM {c.hbm_gb:g} GB/GPU, DDR "
+        f"{c.ddr_gb:g} GB/host, links {c.intra_gbps:g} GB/s in a host, {c.inter_gbps:g} GB/s across hosts"),
+        (f"model: {cfgs.model.name}: {n_sparse / 1e9:.1f}B sparse parameters, {d.detail['total_numel'] / 1e9:.2f}B "
+        f"dense; per rank: batch {w.batch}, {w.tokens} history tokens, {w.flops / 1e12:.1f} TFLOP per step"),
         "layout: " + ParallelDims(cfg=p, world_size=c.world, rank=0, local_world_size=c.gpus_per_host,
                                   device=None).describe(),
         "",
@@ -90,22 +90,22 @@ def format_report(est, cfgs) -> str:
     for module_plan in est.emb.plan.plan.values():
         for name, ps in module_plan.items():
             shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []
-            ranks = sorted({int(str(s.placement).split("/")[0].split(":")[1]) for s in shards})
+            ranks = sorted({s.placement.rank() for s in shards})
             span = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}" if ranks else "-"
             lines.append(f"  {name:16s} {ps.sharding_type:18s} {ps.compute_kernel:18s} {len(shards):4d} shards "
                          f"on {span}")
     hbm_e = [v for v in est.emb.hbm.values()]
     ddr_e = [v for v in est.emb.ddr.values()]
     lines += [
-        f"  tables per rank: HBM max {_gb(max(hbm_e))} min {_gb(min(hbm_e))}; DDR max {_gb(max(ddr_e))} "
-        f"min {_gb(min(ddr_e))}",
+        (f"  tables per rank: HBM max {_gb(max(hbm_e))} min {_gb(min(hbm_e))}; DDR max {_gb(max(ddr_e))} "
+        f"min {_gb(min(ddr_e))}"),
         "",
         "dense memory per rank (FSDP shards over dp_shard, experts over ep x dp_shard/ep):",
-        f"  params {_gb(d.params)}  grads {_gb(d.grads)}  AdamW state {_gb(d.optimizer)}  gathered units "
-        f"{_gb(d.gathered)}  activations (estimate) {_gb(d.activations)}  = {_gb(d.total)}",
-        f"HBM per rank: max {_gb(max(est.hbm.values()))} of {_gb(c.hbm_bytes)} (rank "
+        (f"  params {_gb(d.params)}  grads {_gb(d.grads)}  AdamW state {_gb(d.optimizer)}  gathered units "
+        f"{_gb(d.gathered)}  activations (estimate) {_gb(d.activations)}  = {_gb(d.total)}"),
+        (f"HBM per rank: max {_gb(max(est.hbm.values()))} of {_gb(c.hbm_bytes)} (rank "
         f"{max(est.hbm, key=est.hbm.get)}); DDR per rank: max {_gb(max(est.ddr.values()))} of "
-        f"{_gb(c.ddr_bytes_per_rank)}",
+        f"{_gb(c.ddr_bytes_per_rank)}"),
         "",
         "communication per rank per step (buffer bytes; time at the group's per-GPU bandwidth):",
     ]
@@ -115,9 +115,9 @@ def format_report(est, cfgs) -> str:
                      f"{_gb(col.bytes)} {1e3 * col.seconds(c):8.2f} ms")
     lines += [
         "",
-        f"step time (estimate): compute {est.compute_ms:.1f} ms (scaled by FLOPs from the measured reference step) "
+        (f"step time (estimate): compute {est.compute_ms:.1f} ms (scaled by FLOPs from the measured reference step) "
         f"+ communication {est.comm_ms:.1f} ms = {est.step_ms:.1f} ms without overlap, {est.overlapped_ms:.1f} ms "
-        f"if all communication hides behind compute",
+        f"if all communication hides behind compute"),
         f"torchrun overrides: {est.overrides()}",
     ]
     return "\n".join(lines)

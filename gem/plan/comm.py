@@ -136,7 +136,7 @@ def table_shards(plan, model_cfg: ModelConfig) -> list[TableShards]:
     for module_plan in plan.plan.values():
         for name, ps in module_plan.items():
             t = by_name[name]
-            shards = [(int(str(s.placement).split("/")[0].split(":")[1]), s.shard_sizes[0], s.shard_sizes[1])
+            shards = [(s.placement.rank(), s.shard_sizes[0], s.shard_sizes[1])
                       for s in ps.sharding_spec.shards] if ps.sharding_spec is not None else []
             out.append(TableShards(name, t.kind, t.num_embeddings, t.embedding_dim, list(t.features),
                                    ps.sharding_type, shards))

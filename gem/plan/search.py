@@ -86,8 +86,8 @@ def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions
     for p in layouts:
         g, need = p.emb_shard_group, dense[id(p)].total
         if need > cluster.hbm_bytes:
-            result.rejected.append((p, f"rank 0 needs {need} bytes of HBM for the dense part alone; it has "
-                                       f"{cluster.hbm_bytes}"))
+            result.rejected.append((p, (f"rank 0 needs {need} bytes of HBM for the dense part alone; it has "
+                                       f"{cluster.hbm_bytes}")))
             continue
         emb = plan_for(g, lightest[g])
         if emb is None:
@@ -106,8 +106,8 @@ def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions
             continue
         own = plan_for(p.emb_shard_group, dense[id(p)].total)
         if own is None:
-            result.rejected.append((p, f"the tables do not fit in groups of {p.emb_shard_group} ranks next to "
-                                       f"{dense[id(p)].total} bytes of dense state per rank"))
+            result.rejected.append((p, (f"the tables do not fit in groups of {p.emb_shard_group} ranks next to "
+                                       f"{dense[id(p)].total} bytes of dense state per rank")))
             continue
         est = estimate(cfgs, p, cluster, flops_per_ms, emb=own, units=units[p.ep > 1], work=work, check=False)
         problem = est.overflow()

@@ -26,7 +26,8 @@ def _capture_stats():
     from torchrec.distributed.planner.types import Stats
 
     class Capture(Stats):
-        best_plan: list = []
+        def __init__(self) -> None:
+            self.best_plan: list = []
 
         def log(self, *args: Any, **kwargs: Any) -> None:
             self.best_plan = kwargs.get("best_plan", args[7] if len(args) > 7 else []) or []

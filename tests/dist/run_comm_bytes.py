@@ -112,7 +112,7 @@ def main() -> None:
         if counted:
             tokens += int(b.seq_offsets[-1])
             for kjt in (b.sequence, b.sparse):
-                for k in kjt.keys():
+                for k in kjt:
                     ids[k] += int(kjt[k].values().numel())
         with counter if counted else contextlib.nullcontext():
             out = p.model(b)
@@ -126,7 +126,7 @@ def main() -> None:
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     plan = {mod: {t: {"sharding_type": ps.sharding_type,
-                      "shards": [[int(str(s.placement).split("/")[0].split(":")[1]), s.shard_sizes[0],
+                      "shards": [[s.placement.rank(), s.shard_sizes[0],
                                   s.shard_sizes[1]] for s in ps.sharding_spec.shards]}
                   for t, ps in mp.items()} for mod, mp in p.model.plan.plan.items()}
     finish(a.out, {"ranks": every, "plan": plan})
