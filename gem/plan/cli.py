@@ -152,10 +152,26 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def usage() -> str:
+    import dataclasses
+
+    from gem.plan.estimate import PlanOptions
+    from gem.plan.topology import ClusterSpec
+
+    lines = [__doc__.strip(), ""]
+    for prefix, cls in (("topology", ClusterSpec), ("plan", PlanOptions)):
+        for f in dataclasses.fields(cls):
+            v = getattr(cls(), f.name)
+            v = "null" if v is None else f"[{','.join(map(str, v))}]" if isinstance(v, tuple) else v
+            lines.append(f"  {prefix}.{f.name}={v}")
+    lines.append("Units: GB = 1e9 bytes; *_gbps = GB/s per GPU. Guide: docs/PLAN.md")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
+        print(usage())
         return 0
     try:
         return run(argv)

@@ -127,12 +127,14 @@ def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, t
     p_bytes = _BYTES[par.param_dtype]
     # AdamW: fp32 params, fp32 grads, exp_avg + exp_avg_sq
     params, grads, optim = 4 * shard, 4 * shard, 8 * shard
-    if fsdp:
+    if fsdp and par.reshard_after_forward:
         dense_units = [u for u in units if not u.expert]
         root = units[0].numel()
         largest = max((u.numel() for u in dense_units[1:]), default=0)
-        largest_e = max((u.shard_numel(1, ep, 1) * 1 for u in units if u.expert), default=0)
+        largest_e = max((u.shard_numel(1, ep, 1) for u in units if u.expert), default=0)
         gathered = p_bytes * (root + 2 * largest + 2 * largest_e)
+    elif fsdp:  # nothing resharded until backward: every unit stays gathered
+        gathered = p_bytes * sum(u.shard_numel(1, ep, 1) if u.expert else u.numel() for u in units)
     else:
         gathered = 0
     acts = int(tokens * activation_bytes_per_token(cfg, act_bytes, par.activation_checkpoint, par.ac_every))

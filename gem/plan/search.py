@@ -130,7 +130,7 @@ def format_search(result: SearchResult, cfgs, cluster: ClusterSpec, options: Pla
     lines.append(f"{'#':>2} {'step ms':>9} {'compute':>8} {'comm':>8} {'overlap':>8} {'HBM GB':>7}  layout")
     for i, e in enumerate(result.fits[:options.top], 1):
         p = e.par
-        lines.append(f"{i:2d} {e.step_ms:9.1f} {e.compute_ms:8.1f} {e.comm_ms:8.1f} {e.overlapped_ms:8.1f} "
+        lines.append(f"{i:2d} {e.step_ms:9.2f} {e.compute_ms:8.2f} {e.comm_ms:8.2f} {e.overlapped_ms:8.2f} "
                      f"{max(e.hbm.values()) / 1e9:7.1f}  dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
                      f"ep={p.ep} emb_shard_group={p.emb_shard_group} emb_sync_every={p.emb_sync_every}")
     lines.append("")
