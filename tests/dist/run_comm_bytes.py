@@ -112,7 +112,7 @@ def main() -> None:
         if counted:
             tokens += int(b.seq_offsets[-1])
             for kjt in (b.sequence, b.sparse):
-                for k in kjt:
+                for k in kjt.keys():  # noqa: SIM118 - iterating a KJT does not give its keys
                     ids[k] += int(kjt[k].values().numel())
         with counter if counted else contextlib.nullcontext():
             out = p.model(b)
