@@ -152,7 +152,8 @@ def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tu
     row range otherwise), with one length per example for every receiving rank (all g ranks for row-wise);
     each (module, sharding type) first exchanges its split sizes (KJT_SPLITS int64 per rank).
     Output: sequence tables return one embedding per id, pooled tables one per example, forward and again as the
-    gradient in backward; row-wise pooled tables reduce-scatter the group's partial sums (g x batch rows).
+    gradient in backward; row-wise pooled tables reduce-scatter the group's partial sums (g x batch rows) and
+    all-gather the gradients of those rows in backward.
     """
     ranks = groups["emb_shard"]
     g = len(ranks)
@@ -167,14 +168,15 @@ def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tu
             if t.kind == "sequence":
                 seq += 2 * n * t.dim * emb_bytes
             elif t.sharding_type in ("row_wise", "table_row_wise"):
-                rs += 2 * g * batch * t.dim * emb_bytes
+                rs += g * batch * t.dim * emb_bytes
             else:
                 pooled += 2 * batch * t.dim * emb_bytes
     out = [Collective("embedding input dist (ids)", ALL_TO_ALL, "emb_shard", ranks, ids),
            Collective("embedding input dist (lengths, splits)", ALL_TO_ALL, "emb_shard", ranks, lengths),
            Collective("sequence embedding all-to-all (fwd+bwd)", ALL_TO_ALL, "emb_shard", ranks, seq),
            Collective("pooled embedding all-to-all (fwd+bwd)", ALL_TO_ALL, "emb_shard", ranks, pooled),
-           Collective("pooled embedding reduce-scatter (fwd+bwd)", REDUCE_SCATTER, "emb_shard", ranks, rs)]
+           Collective("pooled embedding reduce-scatter (fwd)", REDUCE_SCATTER, "emb_shard", ranks, rs),
+           Collective("pooled embedding all-gather (bwd)", ALL_GATHER, "emb_shard", ranks, rs)]
     return [c for c in out if c.bytes > 0 and g > 1]
 
 
