@@ -132,3 +132,23 @@ def test_production_preset_is_production_size():
     assert sparse >= 10**12 and dense >= 10**9
     assert validate(cfgs.parallel, 512).emb_shard_group == 128
     assert math.prod([cfgs.parallel.dp_replicate, cfgs.parallel.dp_shard]) == 512
+
+
+def test_production_plan_on_512_ranks_runs_on_cpu():
+    import time
+
+    t0 = time.perf_counter()
+    cfgs = compose(["experiment=prod_1t"])
+    cluster = ClusterSpec(hosts=64, gpus_per_host=8, hbm_gb=141, intra_gbps=450, inter_gbps=50)
+    est = estimate(cfgs, validate(cfgs.parallel, 512), cluster, ref_rate(compose(["experiment=gpu_base"]), 166.0))
+    assert time.perf_counter() - t0 < 120
+    # 128 ranks share the tables: at least their fp32 weights and one Adagrad value per row, a little more for
+    # the planner's input / output buffers
+    weights = sum(t.num_embeddings * t.embedding_dim * 4 for t in cfgs.model.tables) / 128
+    state = sum(t.num_embeddings * 4 for t in cfgs.model.tables) / 128
+    assert min(est.emb.hbm.values()) >= 0.99 * (weights + state)
+    assert max(est.emb.hbm.values()) <= 1.1 * (weights + state)
+    # dense params: every parameter once over the 8 ranks of dp_shard (experts: 8-way ep), fp32
+    total = est.dense.detail["total_numel"]
+    assert est.dense.params == pytest.approx(4 * total / 8, rel=1e-3)
+    assert max(est.hbm.values()) <= cluster.hbm_bytes and est.step_ms > est.compute_ms > 0
