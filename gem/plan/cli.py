@@ -126,7 +126,7 @@ def format_report(est, cfgs) -> str:
 def run(argv: list[str]) -> int:
     from gem.parallel.dims import ParallelConfigError
     from gem.parallel.dims import validate as validate_parallel
-    from gem.plan.estimate import PlanOptions, estimate, ref_rate
+    from gem.plan.estimate import LAYOUT_KEYS, PlanOptions, estimate, ref_rate
     from gem.plan.search import format_search, search
     from gem.plan.topology import ClusterSpec
 
@@ -139,7 +139,8 @@ def run(argv: list[str]) -> int:
     rate = ref_rate(ref, options.ref_step_ms, options.seed)
     if do_search:
         ranked = search(cfgs, cluster, rate, options)
-        ranked.user_overrides = [o for o in overrides if not o.startswith("parallel")]
+        layout_keys = {f"parallel.{k}" for k in LAYOUT_KEYS}
+        ranked.user_overrides = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in layout_keys]
         print(format_search(ranked, cfgs, cluster, options), flush=True)
     else:
         try:

@@ -87,6 +87,9 @@ def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
     return 2 if bf16 else 4
 
 
+LAYOUT_KEYS = ("dense", "dp_replicate", "dp_shard", "ep", "emb_shard_group", "emb_sync_every", "emb_group_layout")
+
+
 @dataclass
 class Estimate:
     par: ParallelConfig
@@ -126,8 +129,9 @@ class Estimate:
         return None
 
     def overrides(self) -> str:
+        """The layout as training overrides (the keys of LAYOUT_KEYS)."""
         p = self.par
-        return (f"parallel=full_5d parallel.dp_replicate={p.dp_replicate} parallel.dp_shard={p.dp_shard} "
+        return (f"parallel.dense={p.dense} parallel.dp_replicate={p.dp_replicate} parallel.dp_shard={p.dp_shard} "
                 f"parallel.ep={p.ep} parallel.emb_shard_group={p.emb_shard_group} "
                 f"parallel.emb_sync_every={p.emb_sync_every} parallel.emb_group_layout={p.emb_group_layout}")
 

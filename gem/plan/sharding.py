@@ -67,9 +67,9 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
     except Exception as e:  # noqa: BLE001 - torchrec's PlannerError and its kin: reported in one line below
         need = sum(t.num_embeddings * t.embedding_dim * 4 for t in model_cfg.tables)
         have = group * (cluster.hbm_bytes - reserve_bytes + cluster.ddr_bytes_per_rank)
-        raise PlanError(f"embedding tables do not fit: rank 0's sharding group (ranks 0-{group - 1}) needs "
-                        f"{need} bytes of table weights alone, has {have} bytes of HBM + DDR left after "
-                        f"{reserve_bytes} bytes of dense state per rank ({type(e).__name__})") from None
+        raise PlanError(f"embedding tables do not fit: torchrec's planner found no placement on rank 0's sharding "
+                        f"group (ranks 0-{group - 1}) for {need} bytes of table weights; it has {have} bytes of HBM + "
+                        f"DDR left after {reserve_bytes} bytes of dense state per rank ({type(e).__name__})") from None
     finally:
         quiet.setLevel(level)
     out = EmbeddingPlan(plan=plan, group=group)

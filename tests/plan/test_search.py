@@ -57,15 +57,21 @@ def test_search_ranks_every_layout_that_fits(cfgs):
     assert max(same, key=lambda e: e.step_ms).par.emb_sync_every == 1
 
 
-def test_printed_overrides_give_back_the_layout(cfgs, capsys):
-    args = ["topology.hosts=2", "topology.gpus_per_host=2", "topology.hbm_gb=80", "plan.top=3", *BASE]
+def test_printed_overrides_give_back_the_layout(capsys):
+    # a setting of the user's survives; a layout key the search chooses is replaced
+    user = [*BASE, "parallel.param_dtype=bf16", "parallel.dp_replicate=4"]
+    args = ["topology.hosts=2", "topology.gpus_per_host=2", "topology.hbm_gb=80", "plan.top=3", *user]
     assert main(["--search", *args]) == 0
     out = capsys.readouterr().out
     lines = [ln.split(": ", 1)[1] for ln in out.splitlines() if ln.startswith(("  1: ", "  2: ", "  3: "))]
     assert len(lines) == 3 and "torchrun --nnodes 2 --nproc-per-node 2" in out
+    cfgs = compose(user)
     res = search(cfgs, _cluster(80), ref_rate(cfgs, 100.0), PlanOptions())
     for line, est in zip(lines, res.fits):
-        back = validate(compose(["parallel.sharding_types=[table_wise]", *line.split()]).parallel, 4)
+        assert "parallel.param_dtype=bf16" in line
+        assert sum(w.startswith("parallel.dp_replicate=") for w in line.split()) == 1
+        back = validate(compose(line.split()).parallel, 4)
+        assert back.param_dtype == "bf16"
         assert dataclasses.replace(back, sharding_types=None) == dataclasses.replace(est.par, sharding_types=None)
 
 
