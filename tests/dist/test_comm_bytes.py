@@ -1,6 +1,6 @@
 """4 gloo ranks train the tiny GEM model; the bytes every collective moves per step must equal gem.plan's formulas
-(gem/plan/comm.py), kind by kind. Two layouts: HSDP 2 x 2 + expert parallelism + two host-local embedding groups
-synced every 2 steps; FSDP over 4 + two strided embedding groups with row-, column- and table-wise tables."""
+(gem/plan/comm.py), kind by kind. Two layouts: HSDP 2 x 2 in bf16 + expert parallelism + two host-local embedding
+groups synced every 2 steps; FSDP over 4 + two strided embedding groups with row-, column- and table-wise tables."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from gem.plan import comm
 from gem.plan.memory import fsdp_units
 from tests.dist._common import model_cfg, torchrun
 
-HSDP_EP = {"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 2}
+HSDP_EP = {"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 2,
+           "param_dtype": "bf16"}  # all-gathers and expert rows in bf16, gradients reduced in fp32
 FSDP_MIXED = {"dense": "fsdp", "dp_shard": 4, "emb_shard_group": 2, "emb_group_layout": "strided",
               "sharding_types": {"cand_item": ["row_wise"], "user_segment": ["column_wise"],
                                  "context": ["table_wise"], "item": ["column_wise"], "action": ["table_wise"]}}
@@ -48,7 +49,8 @@ def test_collective_bytes_match_the_plan_formulas(tmp_path, layout):
 
     # FSDP / HSDP / router: the same on every rank, independent of the data
     dense: dict[tuple[str, str], float] = {}
-    for c in comm.dense_collectives(fsdp_units(cfg, par.ep), par, groups, 4, 4):
+    act = 2 if par.param_dtype == "bf16" else 4  # the blocks compute in the all-gathered params' dtype
+    for c in comm.dense_collectives(fsdp_units(cfg, par.ep), par, groups, act, 4):
         dense[(c.op, c.group)] = dense.get((c.op, c.group), 0.0) + c.bytes
     router = _sum(comm.expert_collectives(cfg, par, groups, 0, 4), comm.ALL_REDUCE)
     for r in ranks:
@@ -74,7 +76,7 @@ def test_collective_bytes_match_the_plan_formulas(tmp_path, layout):
     if par.ep > 1:
         for group in ([0, 1], [2, 3]):
             got = sum(_per_step(ranks[r], "all_to_all/ep") for r in group)
-            want_exp = sum(_sum(comm.expert_collectives(cfg, par, groups, ranks[r]["tokens"] / STEPS, 4),
+            want_exp = sum(_sum(comm.expert_collectives(cfg, par, groups, ranks[r]["tokens"] / STEPS, act),
                                 comm.ALL_TO_ALL) for r in group)
             assert got == pytest.approx(want_exp, rel=1e-12)
 
