@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from gem.model.config import ModelConfig
 from gem.parallel.dims import ParallelConfig, ParallelDims
 from gem.plan.memory import FsdpUnit
@@ -48,19 +50,29 @@ class Collective:
 
 
 def layout_groups(par: ParallelConfig, world: int, local_world: int) -> dict[str, tuple[int, ...]]:
-    """Rank 0's group on every mesh dim of a validated layout (the meshes gem.parallel.dims builds)."""
+    """One group of every mesh dim of a validated layout (the meshes gem.parallel.dims builds): rank 0's, unless
+    another group of that dim spans hosts where rank 0's does not (the slowest group sets the pace)."""
     dims = ParallelDims(cfg=par, world_size=world, rank=0, local_world_size=local_world, device=None)
     r, s, ep = par.dp_replicate, par.dp_shard, par.ep
+    ranks = torch.arange(world)
+    dense = ranks.view(r, s)
+    expert = ranks.view(r, s // ep, ep)
     emb = dims.emb_layout()
-    return {
-        "world": tuple(range(world)),
-        "dp_shard": tuple(range(s)),
-        "dp_replicate": tuple(range(0, r * s, s)),
-        "ep": tuple(range(ep)),
-        "dp_shard_mod_ep": tuple(range(0, s, ep)),
-        "emb_shard": tuple(emb[0].tolist()),
-        "emb_replicate": tuple(emb[:, 0].tolist()),
+    all_groups = {
+        "world": ranks.view(1, world),
+        "dp_shard": dense,
+        "dp_replicate": dense.t(),
+        "ep": expert.reshape(-1, ep),
+        "dp_shard_mod_ep": expert.transpose(1, 2).reshape(-1, s // ep),
+        "emb_shard": emb,
+        "emb_replicate": emb.t(),
     }
+
+    def pick(rows: torch.Tensor) -> tuple[int, ...]:
+        groups = [tuple(row.tolist()) for row in rows]
+        return next((g for g in groups if len({x // local_world for x in g}) > 1), groups[0])
+
+    return {name: pick(rows) for name, rows in all_groups.items()}
 
 
 def dense_collectives(units: Sequence[FsdpUnit], par: ParallelConfig, groups: Mapping[str, tuple[int, ...]],

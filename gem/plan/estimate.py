@@ -46,6 +46,8 @@ class PlanOptions:
                         raise ValueError
                 elif k in ("top", "seed"):
                     v = int(v)
+                    if k == "top" and v < 1:
+                        raise ValueError
                 elif k == "ref_step_ms":
                     v = float(v)
                     if v <= 0:

@@ -152,3 +152,15 @@ def test_production_plan_on_512_ranks_runs_on_cpu():
     total = est.dense.detail["total_numel"]
     assert est.dense.params == pytest.approx(4 * total / 8, rel=1e-3)
     assert max(est.hbm.values()) <= cluster.hbm_bytes and est.step_ms > est.compute_ms > 0
+
+
+def test_a_group_that_spans_hosts_sets_the_bandwidth():
+    from gem.parallel.dims import ParallelConfig
+    from gem.plan.comm import layout_groups
+
+    # 3 GPUs per host: FSDP pairs (0,1) and (4,5) stay in a host, (2,3) straddles hosts 0 and 1
+    par = validate(ParallelConfig(dense="fsdp", dp_replicate=3, dp_shard=2, emb_shard_group=3), 6)
+    groups = layout_groups(par, 6, 3)
+    assert groups["dp_shard"] == (2, 3)
+    assert groups["emb_shard"] == (0, 1, 2) and groups["emb_replicate"] == (0, 3)
+    assert groups["dp_replicate"] == (0, 2, 4)
