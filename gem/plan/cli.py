@@ -100,7 +100,8 @@ def format_report(est, cfgs) -> str:
         (f"  tables per rank: HBM max {_gb(max(hbm_e))} min {_gb(min(hbm_e))}; DDR max {_gb(max(ddr_e))} "
         f"min {_gb(min(ddr_e))}"),
         "",
-        "dense memory per rank (FSDP shards over dp_shard, experts over ep x dp_shard/ep):",
+        "dense memory per rank (" + ("FSDP shards over dp_shard, experts over ep x dp_shard/ep):"
+                                     if p.dense == "fsdp" else "DDP: a full copy on every rank):"),
         (f"  params {_gb(d.params)}  grads {_gb(d.grads)}  AdamW state {_gb(d.optimizer)}  gathered units "
         f"{_gb(d.gathered)}  activations (estimate) {_gb(d.activations)}  = {_gb(d.total)}"),
         (f"HBM per rank: max {_gb(max(est.hbm.values()))} of {_gb(c.hbm_bytes)} (rank "
@@ -115,8 +116,8 @@ def format_report(est, cfgs) -> str:
                      f"{_gb(col.bytes)} {1e3 * col.seconds(c):8.2f} ms")
     lines += [
         "",
-        (f"step time (estimate): compute {est.compute_ms:.1f} ms (scaled by FLOPs from the measured reference step) "
-        f"+ communication {est.comm_ms:.1f} ms = {est.step_ms:.1f} ms without overlap, {est.overlapped_ms:.1f} ms "
+        (f"step time (estimate): compute {est.compute_ms:.2f} ms (scaled by FLOPs from the measured reference step) "
+        f"+ communication {est.comm_ms:.2f} ms = {est.step_ms:.2f} ms without overlap, {est.overlapped_ms:.2f} ms "
         f"if all communication hides behind compute"),
         f"torchrun overrides: {est.overrides()}",
     ]
