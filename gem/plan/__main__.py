@@ -1,0 +1,5 @@
+import sys
+
+from gem.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,187 @@
+"""One layout on one cluster: memory per rank, communication per step and an estimated step time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gem.parallel.dims import ParallelConfig
+from gem.plan import comm
+from gem.plan.memory import DenseMemory, dense_memory, fsdp_units
+from gem.plan.sharding import EmbeddingPlan, plan_embeddings
+from gem.plan.topology import ClusterSpec, PlanError
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SEARCH_SYNC_EVERY = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class PlanOptions:
+    """`plan.*` keys of `gem plan`."""
+
+    # measured: the gpu_base step takes 166 ms on one H200 at batch 128 (~65K history tokens); other configs are
+    # scaled by their training FLOPs per rank
+    ref_step_ms: float = 166.0
+    ref_experiment: str = "gpu_base"
+    top: int = 5  # --search: layouts printed
+    sync_every: tuple[int, ...] = SEARCH_SYNC_EVERY  # --search: emb_sync_every choices
+    emb_groups: tuple[int, ...] | None = None  # --search: emb_shard_group choices (default: powers of 2 >= a host)
+    seed: int = 0  # history lengths sampled for the estimate
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanOptions:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if k not in fields:
+                raise PlanError(f"plan.{k}: unknown key (expected one of {', '.join(sorted(fields))})")
+            try:
+                if k in ("sync_every", "emb_groups"):
+                    v = tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+                    if not v or min(v) < 1:
+                        raise ValueError
+                elif k in ("top", "seed"):
+                    v = int(v)
+                    if k == "top" and v < 1:
+                        raise ValueError
+                elif k == "ref_step_ms":
+                    v = float(v)
+                    if v <= 0:
+                        raise ValueError
+                else:
+                    v = str(v)
+            except (TypeError, ValueError):
+                raise PlanError(f"plan.{k}: bad value (got {v!r})") from None
+            out[k] = v
+        return cls(**out)
+
+
+@dataclass
+class Workload:
+    """What one rank processes per step, from the data config (history lengths sampled like the synthetic data)."""
+
+    batch: int
+    tokens: int
+    flops: int
+    ids_per_example: dict[str, float]
+
+
+def workload(cfgs, seed: int = 0) -> Workload:
+    from gem.data.synthetic import sample_lengths
+    from gem.model.flops import train_flops
+
+    b = cfgs.data.batch_size
+    lengths = sample_lengths(cfgs.data.schema, b, torch.Generator().manual_seed(seed))
+    offsets = torch.zeros(b + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    tokens = int(offsets[-1])
+    ids = comm.expected_ids_per_example(cfgs.data.schema, cfgs.model, tokens / b)
+    return Workload(batch=b, tokens=tokens, flops=train_flops(cfgs.model, offsets), ids_per_example=ids)
+
+
+def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
+    a = cfgs.train.autocast
+    bf16 = a == "bf16" or (a == "auto" and cluster.compute_device == "cuda") or par.param_dtype != "fp32"
+    return 2 if bf16 else 4
+
+
+LAYOUT_KEYS = ("dense", "dp_replicate", "dp_shard", "ep", "emb_shard_group", "emb_sync_every", "emb_group_layout")
+
+
+@dataclass
+class Estimate:
+    par: ParallelConfig
+    cluster: ClusterSpec
+    work: Workload
+    dense: DenseMemory
+    emb: EmbeddingPlan
+    collectives: list[comm.Collective]
+    compute_ms: float
+    hbm: dict[int, int] = field(default_factory=dict)  # global rank (of group 0) -> bytes used
+    ddr: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def comm_ms(self) -> float:
+        return 1e3 * comm.total_seconds(self.collectives, self.cluster)
+
+    @property
+    def step_ms(self) -> float:
+        """Compute plus every collective, none overlapped: an upper bound of the step time."""
+        return self.compute_ms + self.comm_ms
+
+    @property
+    def overlapped_ms(self) -> float:
+        """Every collective hidden behind compute: a lower bound."""
+        return max(self.compute_ms, self.comm_ms)
+
+    def overflow(self) -> str | None:
+        """None if every rank fits, else one line naming the first rank that does not and the bytes."""
+        c, dense = self.cluster, self.dense.total
+        worst = max(self.hbm, key=self.hbm.get)
+        if self.hbm[worst] > c.hbm_bytes:
+            return (f"rank {worst} needs {self.hbm[worst]} bytes of HBM (dense {dense} + tables "
+                    f"{self.hbm[worst] - dense}); it has {c.hbm_bytes}")
+        worst = max(self.ddr, key=self.ddr.get)
+        if self.ddr[worst] > c.ddr_bytes_per_rank:
+            return f"rank {worst} needs {self.ddr[worst]} bytes of host memory for tables; it has {c.ddr_bytes_per_rank}"
+        return None
+
+    def overrides(self) -> str:
+        """The layout as training overrides (the keys of LAYOUT_KEYS)."""
+        p = self.par
+        return (f"parallel.dense={p.dense} parallel.dp_replicate={p.dp_replicate} parallel.dp_shard={p.dp_shard} "
+                f"parallel.ep={p.ep} parallel.emb_shard_group={p.emb_shard_group} "
+                f"parallel.emb_sync_every={p.emb_sync_every} parallel.emb_group_layout={p.emb_group_layout}")
+
+
+def reserve_for(dense_bytes: int, cluster: ClusterSpec) -> int:
+    """HBM kept out of the planner's reach for the dense part: rounded up to 1% of HBM, so layouts with nearly the
+    same dense footprint share one embedding plan in --search."""
+    step = cluster.hbm_bytes / 100
+    return min(int(math.ceil(dense_bytes / step) * step), cluster.hbm_bytes)
+
+
+def ref_rate(ref_cfgs, ref_step_ms: float, seed: int = 0) -> float:
+    """Achieved FLOP/ms of the measured reference step."""
+    return workload(ref_cfgs, seed).flops / ref_step_ms
+
+
+def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: float, *, seed: int = 0,
+             emb: EmbeddingPlan | None = None, units=None, work: Workload | None = None, check: bool = True
+             ) -> Estimate:
+    """Memory, communication and step time of the validated layout `par`; raises PlanError (one line) if a rank
+    runs out of HBM (`check=False`: the estimate all the same; `overflow()` says what does not fit)."""
+    work = work or workload(cfgs, seed)
+    units = units if units is not None else fsdp_units(cfgs.model, par.ep)
+    act = activation_bytes(cfgs, par, cluster)
+    dense = dense_memory(units, cfgs.model, par, work.tokens, act)
+    if check and dense.total > cluster.hbm_bytes:
+        raise PlanError(f"rank 0 needs {dense.total} bytes of HBM for the dense part alone (params {dense.params}, "
+                        f"grads {dense.grads}, optimizer {dense.optimizer}, gathered {dense.gathered}, activations "
+                        f"{dense.activations}); it has {cluster.hbm_bytes}")
+    g = par.emb_shard_group
+    if emb is None:
+        emb = plan_embeddings(cfgs.model, cluster, g, work.batch, par.sharding_types,
+                              reserve_bytes=reserve_for(dense.total, cluster))
+    groups = comm.layout_groups(par, cluster.world, cluster.gpus_per_host)
+    out = Estimate(par=par, cluster=cluster, work=work, dense=dense, emb=emb, collectives=[],
+                   compute_ms=work.flops / flops_per_ms)
+    for pos, rank in enumerate(groups["emb_shard"]):
+        out.hbm[rank] = dense.total + emb.hbm.get(pos, 0)
+        out.ddr[rank] = emb.ddr.get(pos, 0)
+    problem = out.overflow()
+    if check and problem:
+        raise PlanError(problem)
+    tables = comm.table_shards(emb.plan, cfgs.model)
+    opt = dict(cfgs.train.sparse_optimizer).get("name", "rowwise_adagrad")
+    out.collectives = [
+        *comm.embedding_collectives(tables, groups, work.batch, work.ids_per_example),
+        *comm.expert_collectives(cfgs.model, par, groups, work.tokens, act),
+        *comm.dense_collectives(units, par, groups, _BYTES[par.param_dtype], _BYTES[par.reduce_dtype]),
+        *comm.replica_sync_collectives(tables, groups, opt, par.emb_sync_every),
+    ]
+    return out

@@ -1,0 +1,142 @@
+"""Dense memory per rank under the HSDP / expert-parallel layout, counted from the model built on the meta device.
+
+FSDP units are those gem.parallel.fsdp makes: each MoE layer (over the expert mesh), each transformer block
+(without its MoE), and the root (every other dense parameter; the tables are TorchRec's). A parameter sharded
+over s ranks keeps ceil(dim/s) slices of its shard dim on every rank (FSDP2 pads the dim to a multiple of s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from gem.model.config import ModelConfig
+from gem.parallel.dims import ParallelConfig
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+@dataclass
+class FsdpUnit:
+    name: str
+    shapes: list[tuple[int, ...]]  # full shapes of the unit's parameters
+    expert: bool = False  # an MoE layer: w1/w3/w2 split over ep first, FSDP over the expert mesh
+    reshard: bool = True  # all-gathered again in backward when reshard_after_forward is on (not the last block)
+
+    def shard_numel(self, shard: int, ep: int = 1, dp_replicate: int = 1) -> int:
+        """Elements this unit keeps per rank when FSDP-sharded over `shard` ranks (padding included)."""
+        n = 0
+        few = False
+        if self.expert:
+            num_experts = self.shapes[-1][0]
+            few = num_experts // ep < dp_replicate * shard  # gem.parallel.fsdp shards the hidden dim then
+        for i, s in enumerate(self.shapes):
+            s = list(s)
+            is_w = self.expert and i >= len(self.shapes) - 3
+            if is_w:
+                s[0] //= ep
+            dim = 1 if (is_w and few) else 0
+            s[dim] = math.ceil(s[dim] / shard)
+            n += math.prod(s)
+        return n
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
+    """FSDP units of the GEM model, root first, then blocks, then (ep > 1) the MoE layers; parameters in
+    registration order. Without expert parallelism an MoE layer belongs to its block's unit."""
+    from gem.model import GEMModel
+    from gem.model.moe import MoE
+
+    with torch.device("meta"):
+        model = GEMModel(cfg, embedding_device="meta")
+    tables = {id(p) for m in (model.ec, model.ebc) for p in m.parameters()}
+    blocks = model.blocks
+    units: list[FsdpUnit] = []
+    taken: set[int] = set(tables)
+    inner: list[FsdpUnit] = []
+    for i, block in enumerate(blocks):
+        moes = [m for m in block.modules() if isinstance(m, MoE)] if ep > 1 else []
+        for m in moes:
+            other = [p for n, p in m.named_parameters() if n.split(".")[-1] not in EXPERT_WEIGHTS]
+            ws = [getattr(m, n) for n in EXPERT_WEIGHTS]
+            inner.append(FsdpUnit(f"blocks.{i}.moe", [tuple(p.shape) for p in other + ws], expert=True))
+            taken.update(id(p) for p in m.parameters())
+        ps = [p for p in block.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in ps)
+        units.append(FsdpUnit(f"blocks.{i}", [tuple(p.shape) for p in ps], reshard=i < len(blocks) - 1))
+    root = [p for p in model.parameters() if id(p) not in taken]
+    # the root's heads run last in forward, yet it is resharded and gathered again when backward starts
+    return [FsdpUnit("root", [tuple(p.shape) for p in root]), *units, *inner]
+
+
+@dataclass
+class DenseMemory:
+    """Bytes per rank of the dense part."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int  # unsharded units alive at once (the current and the prefetched one, plus the root)
+    activations: int  # estimate: tensors saved for backward over the rank's history tokens
+    detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+
+
+def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1
+                               ) -> float:
+    """Estimate of what one history token keeps for backward through the tower.
+
+    Per block: inputs of the two norms and their outputs, q/k/v, the attention output and its projection
+    (4d + (h + 2hk) dh + 2 h dh); SwiGLU FFN 3 d_ff + d; MoE top_k (2d + 3 d_ff_moe). A checkpointed block keeps
+    its input (d) only, and one block is recomputed at a time.
+    """
+    d, t = cfg.d_model, cfg.tower
+    h, hk, dh = t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim
+    per_block = []
+    for i in range(t.num_blocks):
+        ffn = (cfg.moe.top_k * (2 * d + 3 * cfg.moe_d_ff)) if cfg.is_moe_block(i) else 3 * cfg.tower_d_ff + d
+        per_block.append(4 * d + (h + 2 * hk) * dh + 2 * h * dh + ffn)
+    kept = 0
+    for i, b in enumerate(per_block):
+        ckpt = checkpoint == "full" or (checkpoint == "selective" and i % ac_every == 0)
+        kept += d if ckpt else b
+    if checkpoint != "none" and per_block:
+        kept += max(per_block)
+    seq_in = sum(tb.embedding_dim for tb in cfg.sequence_tables for _ in tb.features)
+    return act_bytes * (kept + d) + 4 * seq_in  # + input projection output; embeddings arrive in fp32
+
+
+def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int, act_bytes: int
+                 ) -> DenseMemory:
+    """Per-rank dense bytes for a validated `par` (dp_shard resolved); `tokens`: history tokens per rank."""
+    fsdp = par.dense == "fsdp"
+    s = par.dp_shard if fsdp else 1
+    ep = par.ep
+    s_exp = par.dp_shard // ep if fsdp else 1
+    rep = par.dp_replicate
+    shard = sum(u.shard_numel(s_exp, ep, rep) if u.expert else u.shard_numel(s) for u in units)
+    p_bytes = _BYTES[par.param_dtype]
+    # AdamW: fp32 params, fp32 grads, exp_avg + exp_avg_sq
+    params, grads, optim = 4 * shard, 4 * shard, 8 * shard
+    if fsdp and par.reshard_after_forward:
+        dense_units = [u for u in units if not u.expert]
+        root = units[0].numel()
+        largest = max((u.numel() for u in dense_units[1:]), default=0)
+        largest_e = max((u.shard_numel(1, ep, 1) for u in units if u.expert), default=0)
+        gathered = p_bytes * (root + 2 * largest + 2 * largest_e)
+    elif fsdp:  # nothing resharded until backward: every unit stays gathered
+        gathered = p_bytes * sum(u.shard_numel(1, ep, 1) if u.expert else u.numel() for u in units)
+    else:
+        gathered = 0
+    acts = int(tokens * activation_bytes_per_token(cfg, act_bytes, par.activation_checkpoint, par.ac_every))
+    return DenseMemory(params=params, grads=grads, optimizer=optim, gathered=gathered, activations=acts,
+                       detail={"shard_numel": shard, "total_numel": sum(u.numel() for u in units)})
