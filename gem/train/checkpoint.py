@@ -177,6 +177,28 @@ def read_config(path: str | os.PathLike) -> dict[str, Any] | None:
     return data
 
 
+# Config values a checkpoint may be resumed under freely: DCP reshards across world sizes and degrees, and the kernel
+# choice does not change the state.
+FREE_KEYS = (
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.emb_shard_group",
+    "parallel.emb_sync_every",
+    "parallel.emb_group_layout",
+    "parallel.sharding_types",
+    "parallel.reshard_after_forward",
+    "model.kernel",
+)
+
+
+def run_config(cfgs: Any) -> dict[str, Any]:
+    """The config values saved beside a run's checkpoints: the model and parallel groups and the sparse optimizer
+    (they decide which tensors the state holds and their shapes)."""
+    out = flat_config({"model": cfgs.model, "parallel": cfgs.parallel})
+    out.update(flat_config({"train": {"sparse_optimizer": cfgs.train.sparse_optimizer}}))
+    return out
+
+
 def config_diff(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
     """`key=<checkpoint's> (got <now>)` for every key whose value differs (keys absent on one side included)."""
     if not saved:
@@ -254,7 +276,7 @@ class Checkpointer:
     `config`: flat config values saved beside each checkpoint and compared on load (see `check_fits`)."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, keep: int = 2, config: Mapping[str, Any] | None = None,
-                 ignore: tuple[str, ...] = ()) -> None:
+                 ignore: tuple[str, ...] = FREE_KEYS) -> None:
         if keep < 1:
             raise ValueError(f"train.checkpoint.keep must be >= 1, got {keep}")
         self.dir = Path(ckpt_dir)

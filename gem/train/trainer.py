@@ -31,7 +31,7 @@ from gem.model import GEMModel, ModelConfig, losses, validate_against_schema
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
-from gem.train.checkpoint import Checkpointer, latest_checkpoint
+from gem.train.checkpoint import Checkpointer, latest_checkpoint, no_checkpoint_error, run_config
 from gem.train.config import TrainConfig
 from gem.train.logging import TrainLogger
 from gem.train.metrics import TaskMetrics
@@ -282,7 +282,9 @@ class Trainer:
             self.autocast_dtype = torch.bfloat16
 
         ckpt_dir = tc.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None)
-        self.checkpointer = Checkpointer(ckpt_dir, keep=tc.checkpoint.keep) if ckpt_dir else None
+        self.checkpointer = (
+            Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, config=run_config(self.cfgs)) if ckpt_dir else None
+        )
         if (tc.checkpoint.every > 0 or tc.resume is True) and self.checkpointer is None:
             raise ValueError("train.checkpoint.dir: checkpoints need a directory (no run directory to default to)")
 
@@ -343,6 +345,8 @@ class Trainer:
         if self.world_size > 1:  # every rank must pick the same checkpoint
             dist.broadcast_object_list(steps, src=0)
         if steps[0] < 0:
+            if self.tcfg.resume is True:
+                raise no_checkpoint_error(self.checkpointer.dir)
             if report_none:
                 self.logger.info(f"resume: no checkpoint in {self.checkpointer.dir}, starting from step 0")
             return
@@ -365,6 +369,7 @@ class Trainer:
             torch.set_rng_state(rng["torch"])
             if self.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.logger.resume_at(self.step)  # the redone steps are logged once
         restart = f" (torchrun restart {_restart_count()})" if _restart_count() else ""
         self.logger.info(f"resumed from {path} at step {self.step}{restart}")
 
