@@ -272,7 +272,7 @@ def _feature_cardinalities(entries: Any, where: str) -> dict[str, int | None]:
             else:
                 name = _schema_get(e, "name")
                 if name is None:
-                    raise ConfigError(f"data.schema.{where}: entry {e!r} has no name")
+                    raise ConfigError(f"data.schema.{where}", "an entry has no name", e)
                 items.append((name, e))
     for name, spec in items:
         n = spec if isinstance(spec, int) else (None if spec is None else _schema_get(spec, "num_embeddings"))
@@ -301,21 +301,21 @@ def validate_against_schema(model_cfg: ModelConfig, schema: Any) -> None:
             if f not in pool:
                 hint = f" (it is one of the schema's {'sparse' if f in other else 'sequence'} features)" \
                     if f in other else ""
-                raise ConfigError(f"model.tables[{i}].features: {f!r} (kind {tb.kind!r}) is not in "
-                                  f"data.schema.{kind_name} {sorted(pool)}{hint}")
+                raise ConfigError(f"model.tables[{i}].features", f"a {tb.kind} table's feature must be one of "
+                                  f"data.schema.{kind_name} {sorted(pool)}{hint}", f)
             n = pool[f]
             if n is not None and n > tb.num_embeddings:
-                raise ConfigError(f"model.tables[{i}].num_embeddings: {tb.num_embeddings} < the cardinality "
-                                  f"{n} of feature {f!r} in the data schema")
+                raise ConfigError(f"model.tables[{i}].num_embeddings", f"must be >= the cardinality {n} of feature "
+                                  f"{f!r} in the data schema", tb.num_embeddings)
     missing = [f for f in seq if f not in model_cfg.sequence_features]
     if missing:
-        raise ConfigError(f"model.tables: sequence features {missing} of the data schema have no table")
+        raise ConfigError("model.tables", "the data schema's sequence features need a table", missing)
     missing = [f for f in sparse if f not in model_cfg.sparse_features]
     if missing:
-        raise ConfigError(f"model.tables: sparse features {missing} of the data schema have no table")
+        raise ConfigError("model.tables", "the data schema's sparse features need a table", missing)
     nd = _schema_get(schema, "num_dense")
     if nd is not None and int(nd) != model_cfg.num_dense:
-        raise ConfigError(f"model.num_dense: {model_cfg.num_dense} != data.schema.num_dense {nd}")
+        raise ConfigError("model.num_dense", f"must equal data.schema.num_dense={nd}", model_cfg.num_dense)
     tasks = _schema_get(schema, "tasks")
     if tasks is not None and list(tasks) != list(model_cfg.heads.tasks):
-        raise ConfigError(f"model.heads.tasks: {list(model_cfg.heads.tasks)} != data.schema.tasks {list(tasks)}")
+        raise ConfigError("model.heads.tasks", f"must equal data.schema.tasks={list(tasks)}", model_cfg.heads.tasks)

@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from gem._config import UserError
+
 CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[2] / "configs")
-EXIT_CONFIG = 2
-EXIT_FAILURE = 1
+EXIT_CONFIG = 2  # a problem the user can fix: config, data, checkpoint
 
 
 def _err(msg: str) -> None:
@@ -28,6 +29,9 @@ def _one_line(exc: BaseException) -> str:
     """A one-line message for a config exception, naming the key where the exception knows it."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, UserError):
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
         group, name = exc.missing_cfg_file.rsplit("/", 1)
@@ -85,9 +89,7 @@ def preflight(overrides: list[str], world_size: int | None) -> str | None:
         from gem.train.trainer import build_configs
 
         build_configs(cfg, world_size)
-    except (ValueError, TypeError, KeyError) as e:
-        return _one_line(e)
-    except Exception as e:  # noqa: BLE001 - omegaconf interpolation / missing-value errors
+    except Exception as e:  # noqa: BLE001 - config errors, omegaconf interpolation / missing-value errors
         return _one_line(e)
     return None
 
@@ -156,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     store = _elastic_store()
     init_distributed(store=store)  # once per process, outside Hydra's job
     _agree_on_run_id(rank, world_size, store)
-    state: dict = {}
+    state: dict = {"store": store}
     code = _run_hydra(argv, rank, state)
     if code:
         return code
     if "error" in state:
         err, code = state["error"]
-        if rank == 0 or code != EXIT_CONFIG:
+        if state.get("print", True):
             _err(err)
+        elif world_size > 1:
+            _quiet_exit(code)
         return code
     return 0
 
@@ -195,7 +199,7 @@ def _run_hydra(argv: list[str], rank: int, state: dict | None) -> int:
 def _job(cfg, rank: int, state: dict) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from gem.train.trainer import BadBatchError, Trainer, summary_line
+    from gem.train.trainer import Trainer, summary_line
 
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
@@ -206,18 +210,56 @@ def _job(cfg, rank: int, state: dict) -> None:
         result = trainer.fit()
         if rank == 0:
             print(summary_line(result, trainer.tasks), flush=True)
-    except BadBatchError as e:
-        state["error"] = (str(e), EXIT_FAILURE)
-    except FloatingPointError as e:
-        state["error"] = (str(e), EXIT_FAILURE)
-    except (ValueError, TypeError) as e:
-        if trainer is None:  # raised while building from the config (e.g. the layout on this world)
-            state["error"] = (_one_line(e), EXIT_CONFIG)
-        else:
-            raise
+    except (UserError, FloatingPointError) as e:  # the user can fix it: one line, from one rank
+        state["error"] = (_one_line(e), EXIT_CONFIG)
+        _claim_error(state)
+    except Exception:
+        if _peer_failed(state):  # our collective broke because a peer stopped on a user error: leave quietly
+            _quiet_exit(EXIT_CONFIG)
+        raise  # a real bug: its trace
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _error_key() -> str:
+    return f"gem/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _claim_error(state: dict) -> None:
+    """The first rank to report a user error prints it; the others (which found the same, or whose collectives
+    broke because of it) stay quiet. Through torchrun's store, which outlives a dead rank's sockets."""
+    store = state.get("store")
+    if store is None:
+        state["print"] = True
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        owner = store.compare_set(_error_key(), "", rank)
+        owner = owner.decode() if isinstance(owner, bytes) else owner
+    except Exception:  # noqa: BLE001 - the store is gone: print it ourselves
+        owner = rank
+    state["print"] = owner == rank
+    if state["print"] and os.environ.get("GEM_ERROR_FILE"):  # scripts/train.sh turns it into exit status 2
+        Path(os.environ["GEM_ERROR_FILE"]).write_text(state["error"][0] + "\n")
+
+
+def _peer_failed(state: dict) -> bool:
+    store = state.get("store")
+    if store is None:
+        return False
+    try:
+        return bool(store.check([_error_key()]))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _quiet_exit(code: int) -> None:
+    """Leave without a trace and without waiting on the broken process group (destroying it could block)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from gem._config import ConfigError, UserError
 from gem.data import Batch, DataConfig, build_dataset, validate_batch
 from gem.model import GEMModel, ModelConfig, losses, validate_against_schema
 from gem.parallel import parallelize
@@ -60,7 +61,7 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
 
     for group in ("model", "data", "parallel", "train"):
         if group not in cfg or cfg[group] is None:
-            raise ValueError(f"{group}: missing config group")
+            raise ConfigError(group, "missing config group")
     # Raises MissingMandatoryValue naming the key for any `???` left.
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     data = DataConfig.from_dict(cfg.data)
@@ -107,8 +108,8 @@ class _Failed:
     """What a DataLoader worker sends instead of a batch that failed (a worker's exception would reach the training
     process wrapped in a traceback dump; this carries the one-line message). `invalid`: failed validation."""
 
-    def __init__(self, message: str, invalid: bool) -> None:
-        self.message, self.invalid = message, invalid
+    def __init__(self, message: str, invalid: bool, user: bool = False) -> None:
+        self.message, self.invalid, self.user = message, invalid, user
 
 
 class _WorkerBatches(IterableDataset):
@@ -127,7 +128,7 @@ class _WorkerBatches(IterableDataset):
             except StopIteration:
                 return
             except ValueError as e:
-                yield None, _Failed(str(e), invalid=False)
+                yield None, _Failed(str(e), invalid=False, user=isinstance(e, UserError))
                 return
             # The datasets advance their position to just past the batch they yield.
             index = int(self.dataset.state_dict()["batch_index"]) - 1 if hasattr(self.dataset, "state_dict") else None
@@ -201,7 +202,7 @@ class _ValidatedBatches:
         if isinstance(batch, _Failed):
             if batch.invalid:
                 raise BadBatchError(f"training batch of step {step + 1}: {batch.message}")
-            raise ValueError(batch.message)  # noqa: TRY004 (the dataset raised this ValueError)
+            raise (UserError if batch.user else ValueError)(batch.message)  # what the dataset raised
         if self._validate:
             try:
                 validate_batch(batch, self._schema)
@@ -233,7 +234,7 @@ class _Recording:
         self.recorded = []
 
 
-class BadBatchError(ValueError):
+class BadBatchError(UserError):
     """A training batch failed validation (raised before it reaches forward or any optimizer step)."""
 
 
@@ -286,7 +287,7 @@ class Trainer:
             Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, config=run_config(self.cfgs)) if ckpt_dir else None
         )
         if (tc.checkpoint.every > 0 or tc.resume is True) and self.checkpointer is None:
-            raise ValueError("train.checkpoint.dir: checkpoints need a directory (no run directory to default to)")
+            raise ConfigError("train.checkpoint.dir", "checkpoints need a directory (no run directory to default to)")
 
         if run_dir and self.rank == 0:
             os.makedirs(run_dir, exist_ok=True)

@@ -41,7 +41,15 @@ def test_config_error_exits_2_with_one_line(tmp_path):
     [
         ("train.no_such_key=1", "train.no_such_key"),  # unknown key (struct mode)
         ("+train.extra=1", "train.extra"),  # a key added with + is still unknown to the trainer
-        ("train.warmup_steps=50", "train.warmup_steps"),  # inconsistent with train.steps=20
+        ("train.stop_at_step=50", "train.stop_at_step"),  # inconsistent with train.steps=20
+        ("train.sparse_optimizer.name=lamb", "train.sparse_optimizer.name: must be rowwise_adagrad, adagrad, adam"),
+        ("train.sparse_optimizer.lr=-1", "train.sparse_optimizer.lr: must be > 0 (got -1.0)"),
+        ("+train.sparse_optimizer.momentum=0.9", "train.sparse_optimizer.momentum: only sgd takes momentum"),
+        ("train.lr=-1", "train.lr: must be > 0 (got -1.0)"),
+        ("model.tower.rope_base=-1", "model.tower.rope_base: must be > 0 (got -1.0)"),
+        ("model.tower.attention=flash", "model.tower.attention: must be jfa, swa or block (got flash)"),
+        ("parallel.dense=zero3", "parallel.dense: must be auto, ddp or fsdp (got zero3)"),
+        ("data.schema.history.max_len=0", "data.schema.history.max_len: must be >= 1 (got 0)"),
         ("model.num_dense=3", "model.num_dense"),  # inconsistent with the data schema
         ("data.batch_size=0", "data.batch_size"),
         ("parallel.dp_shard=3", "parallel.dp_shard"),  # cannot lay out on 1 rank
@@ -60,6 +68,24 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch, capsys, override, key
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("gem-train: error: ") and key in lines[0], err
     assert not (tmp_path / "outputs").exists()
+
+
+def test_short_run_clamps_the_warmup_and_says_so_once(tmp_path, monkeypatch, capsys, caplog):
+    """`train.steps=8` with the default (longer) warmup is a valid short run: the warmup is clamped, said once."""
+    import logging
+
+    from gem.train.__main__ import main
+    from gem.train.config import TrainConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.WARNING, logger="gem.train")
+    assert main(["--check", "train.steps=3", "train.warmup_steps=7"]) == 0
+    assert main(["--check", "train.steps=3", "train.warmup_steps=7"]) == 0
+    said = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert said == ["train.warmup_steps=7 is longer than train.steps=3: warming up over all 3 steps"], said
+    assert TrainConfig.from_dict({"steps": 3, "warmup_steps": 7}).warmup_steps == 3
 
 
 def test_check_flag_accepts_a_good_config(tmp_path):
