@@ -4,7 +4,11 @@ Before Hydra runs the job: the config is composed and checked once (a bad value 
 and exits 2), the process group is created (once, outside the job), and rank 0 picks the run name that every
 rank then shares (`GEM_RUN_ID`; Hydra's default `${now:...}` would differ per rank), the same for every attempt of
 one torchrun job, so a restarted job resumes in its run dir (`train.resume=auto`). Only rank 0 writes Hydra's
-files and logs. `--check` validates the config and exits (0 if it is good).
+files and logs. `--check` validates the config and exits (0 if it is good); `--help` explains (gem/train/help.py).
+
+A problem the user can fix (gem._config.UserError: config, data, checkpoint) found on any rank is printed once as
+`gem-train: error: ...` by the first rank to claim it in torchrun's store, with exit status 2; the other ranks
+leave quietly, without the traces of their broken collectives. Any other exception keeps its trace.
 """
 
 from __future__ import annotations
@@ -140,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     argv, check_only = _split_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if any(a in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
+    if "--help" in argv or "-h" in argv:
+        if rank == 0:
+            from gem.train.help import help_text
+
+            sys.stdout.write(help_text(CONFIG_DIR))
+        return 0
+    if any(a in ("--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
         return _run_hydra(argv, rank, None)
 
     problem = preflight(_overrides(argv), world_size)

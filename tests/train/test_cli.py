@@ -148,3 +148,32 @@ def test_train_two_ranks_and_resume(tmp_path):
     assert [r["step"] for r in b] == list(range(11, 21))
     for ra, rb in zip(a[10:], b):
         assert rb["train/loss"] == pytest.approx(ra["train/loss"], abs=1e-6), rb["step"]
+
+
+def test_help_teaches_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    """`scripts/train.sh --help` prints the help once, before any setup and without starting ranks; `python -m
+    gem.train --help` prints the same text."""
+    import os
+    import sys
+
+    from gem.train.__main__ import main
+    from tests.train._util import ROOT
+
+    e = dict(env(tmp_path), PYTHON=sys.executable, NPROC="2")
+    p = subprocess.run(["bash", str(ROOT / "scripts/train.sh"), "--nproc", "2", "--help"], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""  # no environment setup, no torchrun
+    text = p.stdout
+    assert text.count("The two commands") == 1
+    for part in ("scripts/train.sh", "scripts/test.sh", "--check", "--nproc", "torchrun", "launch_multinode.sh",
+                 "gem-train: error:"):
+        assert part in text, part
+    first = (ROOT / "configs/model/gem_tiny.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+    line = next(ln for ln in text.splitlines() if "model=gem_tiny" in ln)
+    assert "(default)" in line and first in line, line
+    for group in ("data", "experiment", "model", "parallel", "train"):
+        assert f"  {group}:" in text, group
+    monkeypatch.setitem(os.environ, "GEM_CONFIG_DIR", str(ROOT / "configs"))
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == text
