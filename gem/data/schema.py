@@ -262,7 +262,7 @@ def _bool(where: str, value: Any) -> bool:
     return value
 
 
-def expand_paths(paths: Any) -> list[str]:
+def expand_paths(paths: Any, key: str = "data.paths") -> list[str]:
     """Files named by `paths` (a path, a glob, or a list of either), in sorted order per entry."""
     if isinstance(paths, str):
         paths = [paths]
@@ -270,6 +270,6 @@ def expand_paths(paths: Any) -> list[str]:
     for p in paths:
         hits = sorted(glob.glob(str(p)))
         if not hits:
-            raise ValueError(f"no file matches '{p}'")
+            raise ConfigError(key, "no file matches", p)
         out.extend(hits)
     return out
