@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         err, code = state["error"]
         if state.get("print", True):
             _err(err)
-        elif world_size > 1:
+        if world_size > 1:  # first out, so torchrun names this rank as the root cause; no waiting on the group
             _quiet_exit(code)
         return code
     return 0
