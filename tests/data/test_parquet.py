@@ -218,7 +218,7 @@ def test_bad_values_are_named_by_file_and_row(tmp_path, files, column, bad, msg)
 
 def test_bad_eval_labels_fail_when_the_eval_set_opens(tmp_path, files):
     """Evaluation reads few rows: all of them are checked on opening, not after the training run."""
-    d, paths = files
+    _, paths = files
     t = pq.read_table(paths[1])
     labels = t.column("conversion").to_pylist()
     labels[40] = -1.0

@@ -159,7 +159,7 @@ def test_mismatched_model_names_the_config_values(tmp_path):
 
     saved_cfg = {"model.d_model": 2, "model.tower.num_blocks": 2, "parallel.dp_shard": 2}
     Checkpointer(tmp_path, config=saved_cfg).save(3, _state(3.0))
-    step, path = latest_checkpoint(tmp_path)
+    _, path = latest_checkpoint(tmp_path)
     assert json.loads((path / "gem_config.json").read_text()) == saved_cfg
 
     now = {"model.d_model": 4, "model.tower.num_blocks": 2, "parallel.dp_shard": 1}
