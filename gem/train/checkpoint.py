@@ -124,7 +124,7 @@ class SafeFileSystemReader(FileSystemReader):
             md = load_metadata(self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = dcp_md.StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        md.storage_meta.load_id = getattr(self, "load_id", None)
         return md
 
 

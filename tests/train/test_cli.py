@@ -180,3 +180,17 @@ def test_help_teaches_and_starts_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(os.environ, "GEM_CONFIG_DIR", str(ROOT / "configs"))
     assert main(["--help"]) == 0
     assert capsys.readouterr().out == text
+
+
+def test_check_on_4_ranks_degrees_imply_hsdp(monkeypatch, capsys):
+    """`--check` against WORLD_SIZE: dp_replicate=2 dp_shard=2 on 4 ranks is HSDP without naming parallel.dense;
+    naming ddp with it is a contradiction, one line."""
+    from gem.train.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--check", "parallel.dp_replicate=2", "parallel.dp_shard=2"]) == 0
+    assert "config ok" in capsys.readouterr().out
+    assert main(["--check", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.dense=ddp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gem-train: error: parallel.dense: HSDP (dp_replicate=2) needs fsdp or auto (got ddp)", err
