@@ -194,3 +194,14 @@ def test_check_on_4_ranks_degrees_imply_hsdp(monkeypatch, capsys):
     assert main(["--check", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.dense=ddp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "gem-train: error: parallel.dense: HSDP (dp_replicate=2) needs fsdp or auto (got ddp)", err
+
+
+def test_run_time_user_error_one_line_exit_2(tmp_path):
+    """Past the pre-flight check (here: resume=true with no checkpoint, found when the trainer starts): one line
+    naming the key, exit status 2, no trace."""
+    p = _run(tmp_path, [*SMALL, "train.steps=2", "train.resume=true", "hydra.run.dir=run"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = _error_lines(p.stderr)
+    want = f"gem-train: error: train.resume: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}"
+    assert len(lines) == 1 and lines[0].startswith(want) and lines[0].endswith("(got true)"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout
