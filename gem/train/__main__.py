@@ -90,9 +90,10 @@ def preflight(overrides: list[str], world_size: int | None) -> str | None:
     finally:
         GlobalHydra.instance().clear()
     try:
+        from gem.train.config import check_device
         from gem.train.trainer import build_configs
 
-        build_configs(cfg, world_size)
+        check_device(build_configs(cfg, world_size))
     except Exception as e:  # noqa: BLE001 - config errors, omegaconf interpolation / missing-value errors
         return _one_line(e)
     return None

@@ -136,3 +136,14 @@ def _say_once(msg: str) -> None:
     if msg not in _said and os.environ.get("RANK", "0") == "0":
         _said.add(msg)
         log.warning(msg)
+
+
+def check_device(cfgs: Any) -> None:
+    """What this machine cannot run, as a config error before any rank starts (the pre-flight check runs on the
+    ranks' own machine)."""
+    import torch
+
+    kernel = cfgs.model.kernel
+    if kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("model.kernel", "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
+                          "them on CPU, slowly)", kernel)

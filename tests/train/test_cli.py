@@ -70,6 +70,23 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch, capsys, override, key
     assert not (tmp_path / "outputs").exists()
 
 
+def test_device_capability_is_checked_up_front(monkeypatch, capsys):
+    import torch
+
+    from gem.train.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only case")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["--check", "model.kernel=triton"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gem-train: error: model.kernel: Triton kernels need a CUDA GPU") and err.endswith(
+        "(got triton)"), err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["--check", "model.kernel=triton"]) == 0
+
+
 def test_short_run_clamps_the_warmup_and_says_so_once(tmp_path, monkeypatch, capsys, caplog):
     """`train.steps=8` with the default (longer) warmup is a valid short run: the warmup is clamped, said once."""
     import logging
