@@ -224,9 +224,14 @@ def _job(cfg, rank: int, state: dict) -> None:
     except (UserError, FloatingPointError) as e:  # the user can fix it: one line, from one rank
         state["error"] = (_one_line(e), EXIT_CONFIG)
         _claim_error(state)
-    except Exception:
-        if _peer_failed(state):  # our collective broke because a peer stopped on a user error: leave quietly
-            _quiet_exit(EXIT_CONFIG)
+    except (ValueError, TypeError) as e:
+        if trainer is not None:
+            _leave_if_a_peer_failed(state, e)
+            raise
+        state["error"] = (_one_line(e), EXIT_CONFIG)  # raised while building from the config (e.g. on this world)
+        _claim_error(state)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        _leave_if_a_peer_failed(state, e)
         raise  # a real bug: its trace
     finally:
         if trainer is not None:
@@ -253,6 +258,12 @@ def _claim_error(state: dict) -> None:
     state["print"] = owner == rank
     if state["print"] and os.environ.get("GEM_ERROR_FILE"):  # scripts/train.sh turns it into exit status 2
         Path(os.environ["GEM_ERROR_FILE"]).write_text(state["error"][0] + "\n")
+
+
+def _leave_if_a_peer_failed(state: dict, exc: BaseException) -> None:
+    """Our collective broke because a peer stopped on a user error (it has printed it): leave quietly."""
+    if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _peer_failed(state):
+        _quiet_exit(EXIT_CONFIG)
 
 
 def _peer_failed(state: dict) -> bool:
