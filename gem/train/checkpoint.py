@@ -233,13 +233,17 @@ def check_fits(path: str | os.PathLike, md: dcp_md.Metadata, tensors: Mapping[st
         if shape is not None and tuple(entry.size) != shape:
             problem = f"'{key}' has shape {list(entry.size)} in the checkpoint, {list(shape)} here"
             break
-    if problem is None:
-        return
-    saved = read_config(path)
-    diff = [d for d in config_diff(saved, config or {}) if not d.startswith(ignore)] if config else []
+    if problem is not None:
+        raise mismatch_error(path, config, ignore, f"does not fit this model: {problem}")
+
+
+def mismatch_error(path: str | os.PathLike, config: Mapping[str, Any] | None, ignore: tuple[str, ...],
+                   fallback: str) -> CheckpointError:
+    """The config values that differ from the checkpoint's, in one line; `fallback` when none is known to differ."""
+    diff = [d for d in config_diff(read_config(path), config) if not d.startswith(ignore)] if config else []
     if diff:
-        raise CheckpointError(str(path), "saved with other config values: " + ", ".join(diff))
-    raise CheckpointError(str(path), f"does not fit this model: {problem}")
+        return CheckpointError(str(path), "saved with other config values: " + ", ".join(diff))
+    return CheckpointError(str(path), fallback)
 
 
 # ---- the checkpointer ---------------------------------------------------------------------------------------------
@@ -322,4 +326,4 @@ class Checkpointer:
             if isinstance(first, CheckpointError):
                 raise first from None
             text = str(first).strip().splitlines()[0] if first is not None and str(first).strip() else repr(e)
-            raise CheckpointError(str(path), "cannot load", text) from None
+            raise mismatch_error(path, self.config, self.ignore, f"cannot load it ({text})") from None

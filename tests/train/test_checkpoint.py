@@ -182,3 +182,21 @@ def test_mismatched_model_names_the_config_values(tmp_path):
     into = _state(0.0)
     c.load(latest_checkpoint(tmp_path / "b")[1], into)
     assert torch.equal(into["model"]["w"], torch.full((3, 2), 1.0))
+
+
+def test_load_failure_past_the_model_check_names_the_config_values(tmp_path):
+    """Optimizer state of another sparse optimizer (the model's tensors match): DCP's failure becomes one line
+    naming the differing value, and without a saved config one line quoting DCP."""
+    from gem.train.checkpoint import CheckpointError
+
+    saved = {"train.sparse_optimizer.name": "rowwise_adagrad"}
+    Checkpointer(tmp_path, config=saved).save(1, _state(1.0))
+    path = latest_checkpoint(tmp_path)[1]
+    into = {**_state(0.0), "optim": {"momentum": torch.zeros(3)}}
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path, config={"train.sparse_optimizer.name": "adam"}).load(path, into)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.sparse_optimizer.name=rowwise_adagrad (got adam)" in msg, msg
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path).load(path, into)
+    assert "\n" not in str(e.value) and "cannot load it (" in str(e.value) and "optim.momentum" in str(e.value)
