@@ -8,6 +8,7 @@ Layout of the `data:` group (configs/data/*.yaml)::
     eval_batches: int         # batches per rank in one evaluation pass
     paths: [..]               # parquet only: training files (globs allowed)
     eval_paths: [..]          # parquet only: held-out files
+    allow_extra_columns: bool # parquet only: columns the schema does not name are not read (default: an error)
     schema:
       num_items: int          # item vocabulary shared by `hist_item` and `cand_item`
       zipf_alpha: float       # item popularity: P(popularity rank k) ~ (k+1)^-alpha (0 = uniform)
