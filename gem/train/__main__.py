@@ -245,16 +245,14 @@ def _error_key() -> str:
 def _claim_error(state: dict) -> None:
     """The first rank to report a user error prints it; the others (which found the same, or whose collectives
     broke because of it) stay quiet. Through torchrun's store, which outlives a dead rank's sockets."""
-    store = state.get("store")
-    if store is None:
-        state["print"] = True
-        return
-    rank = os.environ.get("RANK", "0")
-    try:
-        owner = store.compare_set(_error_key(), "", rank)
-        owner = owner.decode() if isinstance(owner, bytes) else owner
-    except Exception:  # noqa: BLE001 - the store is gone: print it ourselves
-        owner = rank
+    store, rank = state.get("store"), os.environ.get("RANK", "0")
+    owner = rank
+    if store is not None:
+        try:
+            owner = store.compare_set(_error_key(), "", rank)
+            owner = owner.decode() if isinstance(owner, bytes) else owner
+        except Exception:  # noqa: BLE001 - the store is gone: print it ourselves
+            owner = rank
     state["print"] = owner == rank
     if state["print"] and os.environ.get("GEM_ERROR_FILE"):  # scripts/train.sh turns it into exit status 2
         Path(os.environ["GEM_ERROR_FILE"]).write_text(state["error"][0] + "\n")
