@@ -112,7 +112,7 @@ def _coerce(tp: Any, value: Any, key: str, error: type[ConfigError]) -> Any:
     if value is None:
         raise error(key, "must not be null")
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, key, error)
+        return value if isinstance(value, tp) else build(tp, value, key, error)
     if origin in (list, Sequence, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise error(key, "expected a list", value)

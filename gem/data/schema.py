@@ -33,7 +33,7 @@ import glob
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gem._config import Checker, ConfigError, build, to_plain
 
@@ -215,7 +215,7 @@ class DataConfig:
     """The whole `data:` group: where examples come from plus the schema."""
 
     schema: DataSchema
-    source: str = "synthetic"
+    source: Literal["synthetic", "parquet"] = "synthetic"
     seed: int = 0
     batch_size: int = 128
     eval_batches: int = 8
@@ -226,7 +226,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         need = Checker("data").need
-        need(self.source in ("synthetic", "parquet"), "source", "must be synthetic or parquet", self.source)
         need(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
         need(self.eval_batches >= 0, "eval_batches", "must be >= 0", self.eval_batches)
         need(self.num_workers >= 0, "num_workers", "must be >= 0", self.num_workers)
@@ -236,31 +235,11 @@ class DataConfig:
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> DataConfig:
         d = dict(to_plain(cfg))
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        _check_keys("data", d, allowed, {"schema"})
-        return cls(
-            schema=DataSchema.from_dict(d["schema"]),
-            source=str(d.get("source", "synthetic")),
-            seed=_int("data.seed", d.get("seed", 0)),
-            batch_size=_int("data.batch_size", d.get("batch_size", 128)),
-            eval_batches=_int("data.eval_batches", d.get("eval_batches", 8)),
-            paths=tuple(str(p) for p in _paths(d.get("paths"))),
-            eval_paths=tuple(str(p) for p in _paths(d.get("eval_paths"))),
-            num_workers=_int("data.num_workers", d.get("num_workers", 0)),
-            allow_extra_columns=_bool("data.allow_extra_columns", d.get("allow_extra_columns", False)),
-        )
-
-
-def _paths(value: Any) -> list:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def _bool(where: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(where, "expected true or false", value)
-    return value
+        _check_keys("data", d, {f.name for f in dataclasses.fields(cls)}, {"schema"})
+        d["schema"] = DataSchema.from_dict(d["schema"])
+        for key in ("paths", "eval_paths"):  # one path or glob, a list of them, or null
+            d[key] = [d[key]] if isinstance(d.get(key), str) else (d.get(key) or [])
+        return build(cls, d, "data")
 
 
 def expand_paths(paths: Any, key: str = "data.paths") -> list[str]:
