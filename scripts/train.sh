@@ -25,8 +25,14 @@ case "$NPROC" in ''|*[!0-9]*|0) echo "train.sh: --nproc must be a positive integ
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GEM_CONFIG_DIR="${GEM_CONFIG_DIR:-$ROOT/configs}"
 
-# Check the config in one process first: a bad key gives one line and exit 2, not one report per rank.
-WORLD_SIZE="$NPROC" python -m gem.train --check "${ARGS[@]+"${ARGS[@]}"}" >/dev/null || exit $?
+# Check the config in one process first: a bad key gives one line and exit 2, not one report per rank. Its notes
+# (e.g. a clamped warmup) are shown only if it fails: rank 0 says them again when training starts.
+status=0
+notes=$(WORLD_SIZE="$NPROC" python -m gem.train --check "${ARGS[@]+"${ARGS[@]}"}" 2>&1 >/dev/null) || status=$?
+if [ "$status" -ne 0 ]; then
+    printf '%s\n' "$notes" >&2
+    exit "$status"
+fi
 
 if [ "$NPROC" -eq 1 ]; then
     exec python -m gem.train "${ARGS[@]+"${ARGS[@]}"}"
@@ -35,7 +41,6 @@ fi
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/gem-train.XXXXXX")"
 trap 'rm -rf "$SCRATCH"' EXIT
 # A rank that stops on a user error (already printed) leaves this file: exit 2, as a single process does.
-status=0
 GEM_ERROR_FILE="$SCRATCH/error" TMPDIR="$SCRATCH" python -m torch.distributed.run --standalone \
     --nproc_per_node="$NPROC" -m gem.train "${ARGS[@]+"${ARGS[@]}"}" || status=$?
 if [ "$status" -ne 0 ] && [ -s "$SCRATCH/error" ]; then

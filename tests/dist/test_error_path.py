@@ -58,14 +58,15 @@ def test_user_error_on_one_rank_prints_one_line_and_no_traces(tmp_path):
     bad, good, row = _files(tmp_path)
     repo = _checkout_with_this_venv(tmp_path)
     args = [*SMALL, f"data.batch_size={BATCH}", "data.source=parquet", f"+data.paths=[{bad}]",
-            f"+data.eval_paths=[{good}]", "data.eval_batches=1", "train.steps=4", "train.eval_every=0",
-            "hydra.run.dir=run"]
+            f"+data.eval_paths=[{good}]", "data.eval_batches=1", "train.steps=4", "train.warmup_steps=10",
+            "train.eval_every=0", "hydra.run.dir=run"]
     e = env(tmp_path)
     e.pop("GEM_CONFIG_DIR")  # the script's own
     p = subprocess.run(["bash", str(repo / "scripts" / "train.sh"), "--nproc", "2", *args], cwd=tmp_path, env=e,
                        capture_output=True, text=True, timeout=300, check=False)
     out = p.stdout + p.stderr
     assert "setting up" not in out  # the environment was found, nothing installed
+    assert out.count("warming up over all 4 steps") == 1, out[-3000:]  # the clamped warmup (10 > 4), said once
     assert p.returncode == 2, out[-3000:]
     lines = [ln for ln in out.splitlines() if "gem-train: error:" in ln]
     want = f"gem-train: error: {bad}:{row}: label 'click' must be 0 or 1 (got 3.0)"
