@@ -18,10 +18,11 @@ class TrainConfigError(ConfigError):
 
 @dataclass
 class SparseOptimizerConfig:
-    """The fused optimizer of the embedding tables (fbgemm); unset keys take the kernel's defaults."""
+    """The domain of `train.sparse_optimizer` (the embedding tables' fused fbgemm optimizer; gem.parallel builds it
+    from the mapping); unset keys take gem.parallel's defaults."""
 
     name: Literal["rowwise_adagrad", "adagrad", "adam", "sgd"] = "rowwise_adagrad"
-    lr: float = 0.05
+    lr: float | None = None
     eps: float | None = None
     weight_decay: float | None = None
     momentum: float | None = None
@@ -56,7 +57,8 @@ class TrainConfig:
     aux_loss_weight: float = 1.0  # scales the model's aux (MoE load-balancing) loss
     sparse_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "rowwise_adagrad", "lr": 0.05})
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
-    pipeline: Literal["auto", "sparse_dist", "none"] = "auto"  # auto: torchrec TrainPipelineSparseDist on CUDA, plain loop on CPU | sparse_dist | none
+    # auto: torchrec's TrainPipelineSparseDist on CUDA, the plain loop on CPU
+    pipeline: Literal["auto", "sparse_dist", "none"] = "auto"
     log_every: int = 10
     eval_every: int = 100  # 0: evaluate only at the end
     check_finite: bool = True  # raise on a non-finite loss before backward (one host sync per step)
@@ -111,7 +113,8 @@ class TrainConfig:
             need(0 < self.mfu.single_device_mfu <= 1, "mfu.single_device_mfu", "must be in (0, 1]",
                  self.mfu.single_device_mfu)
         so = build(SparseOptimizerConfig, self.sparse_optimizer, "train.sparse_optimizer", TrainConfigError)
-        need(so.lr > 0, "sparse_optimizer.lr", "must be > 0", so.lr)
+        if so.lr is not None:
+            need(so.lr > 0, "sparse_optimizer.lr", "must be > 0", so.lr)
         if so.eps is not None:
             need(so.eps > 0, "sparse_optimizer.eps", "must be > 0", so.eps)
         if so.weight_decay is not None:
