@@ -36,8 +36,12 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
     from gem.data.parquet import ParquetDataset
 
     paths = cfg.paths if split == "train" else cfg.eval_paths
+    key = "data.paths" if split == "train" else "data.eval_paths"
     if not paths:
-        raise ValueError(f"data.{'paths' if split == 'train' else 'eval_paths'}: no Parquet files for split '{split}'")
+        from gem._config import ConfigError
+
+        raise ConfigError(key, f"no Parquet files for split '{split}'", [])
     return ParquetDataset(
-        cfg.schema, list(paths), cfg.batch_size, rank, world_size, num_batches=num_batches, cycle=split == "train"
+        cfg.schema, list(paths), cfg.batch_size, rank, world_size, num_batches=num_batches, cycle=split == "train",
+        allow_extra_columns=cfg.allow_extra_columns, check_rows="sample" if split == "train" else "all", key=key,
     )

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from gem._config import UserError
 from gem.data.batch import Batch
 from gem.data.validate import validate_batch
 
 
-class BadBatchError(ValueError):
+class BadBatchError(UserError):
     """A training batch failed validation (raised before it reaches forward or any optimizer step)."""
 
 
@@ -26,8 +27,8 @@ class FailedBatch:
     """What a DataLoader worker sends instead of a batch that failed (a worker's exception would reach the training
     process wrapped in a traceback dump; this carries the one-line message). `invalid`: failed validation."""
 
-    def __init__(self, message: str, invalid: bool) -> None:
-        self.message, self.invalid = message, invalid
+    def __init__(self, message: str, invalid: bool, user: bool = False) -> None:
+        self.message, self.invalid, self.user = message, invalid, user
 
 
 class WorkerBatches(IterableDataset):
@@ -46,7 +47,7 @@ class WorkerBatches(IterableDataset):
             except StopIteration:
                 return
             except ValueError as e:
-                yield None, FailedBatch(str(e), invalid=False)
+                yield None, FailedBatch(str(e), invalid=False, user=isinstance(e, UserError))
                 return
             # The datasets advance their position to just past the batch they yield.
             index = int(self.dataset.state_dict()["batch_index"]) - 1 if hasattr(self.dataset, "state_dict") else None
@@ -121,7 +122,7 @@ class ValidatedBatches:
         if isinstance(batch, FailedBatch):
             if batch.invalid:
                 raise BadBatchError(f"training batch of step {step + 1}: {batch.message}")
-            raise ValueError(batch.message)  # noqa: TRY004 (the dataset raised this ValueError)
+            raise (UserError if batch.user else ValueError)(batch.message)  # what the dataset raised
         if self._validate:
             try:
                 validate_batch(batch, self._schema)

@@ -8,6 +8,7 @@ Layout of the `data:` group (gem/configs/data/*.yaml)::
     eval_batches: int         # batches per rank in one evaluation pass
     paths: [..]               # parquet only: training files (globs allowed)
     eval_paths: [..]          # parquet only: held-out files
+    allow_extra_columns: bool # parquet only: columns the schema does not name are not read (default: an error)
     schema:
       num_items: int          # item vocabulary shared by `hist_item` and `cand_item`
       zipf_alpha: float       # item popularity: P(popularity rank k) ~ (k+1)^-alpha (0 = uniform)
@@ -32,9 +33,9 @@ import glob
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from gem._config import to_plain
+from gem._config import Checker, ConfigError, build, to_plain
 
 HIST_ITEM = "hist_item"
 HIST_ACTION = "hist_action"
@@ -43,13 +44,25 @@ CAND_ITEM = "cand_item"
 
 def _check_keys(where: str, d: Mapping[str, Any], allowed: set[str], required: set[str] = frozenset()) -> None:
     if not isinstance(d, Mapping):
-        raise TypeError(f"{where}: expected a mapping, got {type(d).__name__}")
+        raise ConfigError(where, "expected a mapping", d)
     for key in d:
         if key not in allowed:
-            raise ValueError(f"{where}: unknown key '{key}' (allowed: {', '.join(sorted(allowed))})")
-    for key in required:
+            raise ConfigError(f"{where}.{key}", f"unknown key (expected one of {', '.join(sorted(allowed))})")
+    for key in sorted(required):
         if key not in d:
-            raise ValueError(f"{where}: missing required key '{key}'")
+            raise ConfigError(f"{where}.{key}", "missing required key")
+
+
+def _int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(where, "expected an integer", value)
+    return value
+
+
+def _num(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(where, "expected a number", value)
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -78,16 +91,13 @@ class HistoryConfig:
     sigma: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_len < 1:
-            raise ValueError(f"history.max_len must be >= 1, got {self.max_len}")
-        if not 0 <= self.min_len <= self.max_len:
-            raise ValueError(f"history.min_len must be in [0, max_len={self.max_len}], got {self.min_len}")
-        if self.distribution not in ("uniform", "lognormal"):
-            raise ValueError(f"history.distribution must be 'uniform' or 'lognormal', got '{self.distribution}'")
-        if not 0.0 <= self.sparsity < 1.0:
-            raise ValueError(f"history.sparsity must be in [0, 1), got {self.sparsity}")
-        if self.sigma < 0:
-            raise ValueError(f"history.sigma must be >= 0, got {self.sigma}")
+        need = Checker("data.schema.history").need
+        need(self.max_len >= 1, "max_len", "must be >= 1", self.max_len)
+        need(0 <= self.min_len <= self.max_len, "min_len", f"must be in [0, max_len={self.max_len}]", self.min_len)
+        need(self.distribution in ("uniform", "lognormal"), "distribution", "must be uniform or lognormal",
+             self.distribution)
+        need(0.0 <= self.sparsity < 1.0, "sparsity", "must be in [0, 1)", self.sparsity)
+        need(self.sigma >= 0, "sigma", "must be >= 0", self.sigma)
 
     def uniform_range(self) -> tuple[int, int]:
         """Integer bounds (lo, hi) of the uniform length law for this sparsity (see module docstring)."""
@@ -109,40 +119,31 @@ class DataSchema:
     zipf_alpha: float = 1.05
 
     def __post_init__(self) -> None:
-        if self.num_items < 1:
-            raise ValueError(f"schema.num_items must be >= 1, got {self.num_items}")
-        if self.num_dense < 0:
-            raise ValueError(f"schema.num_dense must be >= 0, got {self.num_dense}")
-        if len(self.tasks) < 2 or len(set(self.tasks)) != len(self.tasks):
-            raise ValueError(f"schema.tasks must list >= 2 distinct task names, got {list(self.tasks)}")
-        if self.zipf_alpha < 0:
-            raise ValueError(f"schema.zipf_alpha must be >= 0, got {self.zipf_alpha}")
+        need = Checker("data.schema").need
+        need(self.num_items >= 1, "num_items", "must be >= 1", self.num_items)
+        need(self.num_dense >= 0, "num_dense", "must be >= 0", self.num_dense)
+        need(len(self.tasks) >= 2 and len(set(self.tasks)) == len(self.tasks), "tasks",
+             "must list >= 2 distinct task names", self.tasks)
+        need(self.zipf_alpha >= 0, "zipf_alpha", "must be >= 0", self.zipf_alpha)
         names = [f.name for f in self.sequence_features] + [f.name for f in self.sparse_features]
         dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"schema: feature name '{dup[0]}' is declared twice")
+        need(not dup, "sequence_features", "a feature name is declared twice", dup[0] if dup else None)
         seq = {f.name: f for f in self.sequence_features}
         sp = {f.name: f for f in self.sparse_features}
-        if HIST_ITEM not in seq:
-            raise ValueError(f"schema.sequence_features must include '{HIST_ITEM}'")
-        if CAND_ITEM not in sp:
-            raise ValueError(f"schema.sparse_features must include '{CAND_ITEM}'")
-        for name, spec in ((HIST_ITEM, seq[HIST_ITEM]), (CAND_ITEM, sp[CAND_ITEM])):
-            if spec.num_embeddings != self.num_items:
-                raise ValueError(
-                    f"schema: '{name}' num_embeddings={spec.num_embeddings} must equal num_items={self.num_items}"
-                )
-        if sp[CAND_ITEM].max_hot != 1 or sp[CAND_ITEM].min_hot != 1:
-            raise ValueError(f"schema: '{CAND_ITEM}' must be one-hot (min_hot = max_hot = 1)")
-        for f in (*self.sequence_features, *self.sparse_features):
-            if f.num_embeddings < 1:
-                raise ValueError(f"schema: feature '{f.name}' num_embeddings must be >= 1, got {f.num_embeddings}")
+        need(HIST_ITEM in seq, "sequence_features", f"must include '{HIST_ITEM}'", sorted(seq))
+        need(CAND_ITEM in sp, "sparse_features", f"must include '{CAND_ITEM}'", sorted(sp))
+        for kind, name, spec in (("sequence", HIST_ITEM, seq[HIST_ITEM]), ("sparse", CAND_ITEM, sp[CAND_ITEM])):
+            need(spec.num_embeddings == self.num_items, f"{kind}_features",
+                 f"'{name}' num_embeddings must equal num_items={self.num_items}", spec.num_embeddings)
+        need(sp[CAND_ITEM].max_hot == 1 and sp[CAND_ITEM].min_hot == 1, "sparse_features",
+             f"'{CAND_ITEM}' must be one-hot (min_hot = max_hot = 1)", [sp[CAND_ITEM].min_hot, sp[CAND_ITEM].max_hot])
+        for kind, feats in (("sequence", self.sequence_features), ("sparse", self.sparse_features)):
+            for f in feats:
+                need(f.num_embeddings >= 1, f"{kind}_features", f"'{f.name}' num_embeddings must be >= 1",
+                     f.num_embeddings)
         for f in self.sparse_features:
-            if not 0 <= f.min_hot <= f.max_hot or f.max_hot < 1:
-                raise ValueError(
-                    f"schema: feature '{f.name}' needs 0 <= min_hot <= max_hot and max_hot >= 1, "
-                    f"got min_hot={f.min_hot} max_hot={f.max_hot}"
-                )
+            need(0 <= f.min_hot <= f.max_hot and f.max_hot >= 1, "sparse_features",
+                 f"'{f.name}' needs 0 <= min_hot <= max_hot and max_hot >= 1", [f.min_hot, f.max_hot])
 
     @property
     def sequence_names(self) -> list[str]:
@@ -169,14 +170,14 @@ class DataSchema:
             {"num_items", "zipf_alpha", "num_dense", "tasks", "sequence_features", "sparse_features", "history"},
             {"num_items", "num_dense", "tasks", "sequence_features", "sparse_features"},
         )
-        num_items = int(d["num_items"])
+        num_items = _int("data.schema.num_items", d["num_items"])
 
         def card(where: str, f: Mapping[str, Any]) -> int:
             if "num_embeddings" in f and f["num_embeddings"] is not None:
-                return int(f["num_embeddings"])
+                return _int(f"{where}.num_embeddings", f["num_embeddings"])
             if f.get("name") in (HIST_ITEM, CAND_ITEM):
                 return num_items
-            raise ValueError(f"{where}: feature '{f.get('name')}' needs num_embeddings")
+            raise ConfigError(f"{where}.num_embeddings", "missing required key", f.get("name"))
 
         seq = []
         for i, f in enumerate(d["sequence_features"]):
@@ -191,8 +192,8 @@ class DataSchema:
                 SparseFeatureSpec(
                     name=str(f["name"]),
                     num_embeddings=card(where, f),
-                    max_hot=int(f.get("max_hot", 1)),
-                    min_hot=int(f.get("min_hot", 1)),
+                    max_hot=_int(f"{where}.max_hot", f.get("max_hot", 1)),
+                    min_hot=_int(f"{where}.min_hot", f.get("min_hot", 1)),
                 )
             )
         hist = d.get("history") or {}
@@ -202,10 +203,10 @@ class DataSchema:
             num_items=num_items,
             sequence_features=tuple(seq),
             sparse_features=tuple(sparse),
-            num_dense=int(d["num_dense"]),
+            num_dense=_int("data.schema.num_dense", d["num_dense"]),
             tasks=tuple(str(t) for t in d["tasks"]),
-            history=HistoryConfig(**hist),
-            zipf_alpha=float(d.get("zipf_alpha", 1.05)),
+            history=build(HistoryConfig, hist, "data.schema.history"),
+            zipf_alpha=_num("data.schema.zipf_alpha", d.get("zipf_alpha", 1.05)),
         )
 
 
@@ -214,44 +215,34 @@ class DataConfig:
     """The whole `data:` group: where examples come from plus the schema."""
 
     schema: DataSchema
-    source: str = "synthetic"
+    source: Literal["synthetic", "parquet"] = "synthetic"
     seed: int = 0
     batch_size: int = 128
     eval_batches: int = 8
     paths: tuple[str, ...] = ()
     eval_paths: tuple[str, ...] = ()
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
+    allow_extra_columns: bool = False  # parquet: columns the schema does not name are ignored instead of an error
 
     def __post_init__(self) -> None:
-        if self.source not in ("synthetic", "parquet"):
-            raise ValueError(f"data.source must be 'synthetic' or 'parquet', got '{self.source}'")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
-        if self.eval_batches < 0:
-            raise ValueError(f"data.eval_batches must be >= 0, got {self.eval_batches}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        if self.source == "parquet" and not self.paths:
-            raise ValueError("data.paths: the parquet source needs at least one training file")
+        need = Checker("data").need
+        need(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
+        need(self.eval_batches >= 0, "eval_batches", "must be >= 0", self.eval_batches)
+        need(self.num_workers >= 0, "num_workers", "must be >= 0", self.num_workers)
+        need(self.source != "parquet" or bool(self.paths), "paths", "the parquet source needs a training file",
+             list(self.paths))
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> DataConfig:
         d = dict(to_plain(cfg))
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        _check_keys("data", d, allowed, {"schema"})
-        return cls(
-            schema=DataSchema.from_dict(d["schema"]),
-            source=str(d.get("source", "synthetic")),
-            seed=int(d.get("seed", 0)),
-            batch_size=int(d.get("batch_size", 128)),
-            eval_batches=int(d.get("eval_batches", 8)),
-            paths=tuple(str(p) for p in (d.get("paths") or ())),
-            eval_paths=tuple(str(p) for p in (d.get("eval_paths") or ())),
-            num_workers=int(d.get("num_workers", 0)),
-        )
+        _check_keys("data", d, {f.name for f in dataclasses.fields(cls)}, {"schema"})
+        d["schema"] = DataSchema.from_dict(d["schema"])
+        for key in ("paths", "eval_paths"):  # one path or glob, a list of them, or null
+            d[key] = [d[key]] if isinstance(d.get(key), str) else (d.get(key) or [])
+        return build(cls, d, "data")
 
 
-def expand_paths(paths: Any) -> list[str]:
+def expand_paths(paths: Any, key: str = "data.paths") -> list[str]:
     """Files named by `paths` (a path, a glob, or a list of either), in sorted order per entry."""
     if isinstance(paths, str):
         paths = [paths]
@@ -259,6 +250,6 @@ def expand_paths(paths: Any) -> list[str]:
     for p in paths:
         hits = sorted(glob.glob(str(p)))
         if not hits:
-            raise ValueError(f"no file matches '{p}'")
+            raise ConfigError(key, "no file matches", p)
         out.extend(hits)
     return out

@@ -1,4 +1,4 @@
-"""Checks a Batch against the schema; every problem raises one ValueError naming the field.
+"""Checks a Batch against the schema; every problem raises one BatchError (a ValueError) naming the field.
 
 Vectorised: a few reductions per feature, so it can run on every step (on CPU, before the batch is moved).
 """
@@ -8,8 +8,13 @@ from __future__ import annotations
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gem._config import UserError
 from gem.data.batch import Batch
 from gem.data.schema import DataSchema
+
+
+class BatchError(UserError):
+    """A batch that does not fit the schema (bad input data, not a bug): one line naming the field and example."""
 
 
 def _first_bad(mask: torch.Tensor) -> tuple[int, ...]:
@@ -20,12 +25,12 @@ def _check_keys(kind: str, kjt: KeyedJaggedTensor, expected: list[str]) -> None:
     keys = list(kjt.keys())
     for k in keys:
         if k not in expected:
-            raise ValueError(f"{kind}: unknown feature '{k}' (schema {kind} features: {expected})")
+            raise BatchError(f"{kind}: unknown feature '{k}' (schema {kind} features: {expected})")
     for k in expected:
         if k not in keys:
-            raise ValueError(f"{kind}: missing feature '{k}'")
+            raise BatchError(f"{kind}: missing feature '{k}'")
     if len(keys) != len(set(keys)):
-        raise ValueError(f"{kind}: duplicate feature keys {keys}")
+        raise BatchError(f"{kind}: duplicate feature keys {keys}")
 
 
 def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[str, int]) -> torch.Tensor:
@@ -33,19 +38,19 @@ def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[s
     keys = list(kjt.keys())
     lengths = kjt.lengths()
     if lengths.numel() != len(keys) * batch_size:
-        raise ValueError(
+        raise BatchError(
             f"{kind}: lengths has {lengths.numel()} entries, expected {len(keys)} keys x {batch_size} examples"
         )
     lengths = lengths.view(len(keys), batch_size)
     if lengths.numel() and bool((lengths < 0).any()):
         k, b = _first_bad(lengths < 0)
-        raise ValueError(f"{kind} feature '{keys[k]}': negative length {int(lengths[k, b])} at example {b}")
+        raise BatchError(f"{kind} feature '{keys[k]}': negative length {int(lengths[k, b])} at example {b}")
     per_key = lengths.sum(1).tolist()
     values = kjt.values()
     if values.numel() != sum(per_key):
-        raise ValueError(f"{kind}: {values.numel()} values but the lengths sum to {sum(per_key)}")
+        raise BatchError(f"{kind}: {values.numel()} values but the lengths sum to {sum(per_key)}")
     if values.is_floating_point():
-        raise ValueError(f"{kind}: ids must be integers, got {values.dtype}")
+        raise BatchError(f"{kind}: ids must be integers, got {values.dtype}")
     for key, chunk in zip(keys, torch.split(values, per_key)):
         if chunk.numel() == 0:
             continue
@@ -54,7 +59,7 @@ def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[s
         if int(lo) < 0 or int(hi) >= card:
             bad = (chunk < 0) | (chunk >= card)
             i = _first_bad(bad)[0]
-            raise ValueError(
+            raise BatchError(
                 f"{kind} feature '{key}': id {int(chunk[i])} at position {i} is outside its table's range [0, {card})"
             )
     return lengths
@@ -62,20 +67,20 @@ def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[s
 
 def _check_float(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+        raise BatchError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     if not t.is_floating_point():
-        raise ValueError(f"{name}: expected a float tensor, got {t.dtype}")
+        raise BatchError(f"{name}: expected a float tensor, got {t.dtype}")
     finite = torch.isfinite(t)
     if not bool(finite.all()):
         idx = _first_bad(~finite)
-        raise ValueError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
+        raise BatchError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
 
 
 def validate_batch(batch: Batch, schema: DataSchema) -> None:
-    """Raises ValueError on the first problem found; returns None for a valid batch."""
+    """Raises BatchError on the first problem found; returns None for a valid batch."""
     bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
     if bsz == 0:
-        raise ValueError("batch has no users (batch size 0)")
+        raise BatchError("batch has no users (batch size 0)")
     cards = schema.cardinalities()
     _check_keys("sequence", batch.sequence, schema.sequence_names)
     _check_keys("sparse", batch.sparse, schema.sparse_names)
@@ -86,22 +91,22 @@ def validate_batch(batch: Batch, schema: DataSchema) -> None:
         differ = seq_lengths[1:] != seq_lengths[:1]
         if bool(differ.any()):
             k, b = _first_bad(differ)
-            raise ValueError(
+            raise BatchError(
                 f"sequence feature '{keys[k + 1]}': length {int(seq_lengths[k + 1, b])} at example {b} differs from "
                 f"'{keys[0]}' length {int(seq_lengths[0, b])} (sequence features share one history length)"
             )
     hist = seq_lengths[0]
     offsets = batch.seq_offsets
     if tuple(offsets.shape) != (bsz + 1,):
-        raise ValueError(f"seq_offsets: expected shape [{bsz + 1}], got {list(offsets.shape)}")
+        raise BatchError(f"seq_offsets: expected shape [{bsz + 1}], got {list(offsets.shape)}")
     if int(offsets[0]) != 0 or not torch.equal(offsets[1:] - offsets[:-1], hist.to(offsets.dtype)):
-        raise ValueError("seq_offsets: not the cumulative sum of the history lengths starting at 0")
+        raise BatchError("seq_offsets: not the cumulative sum of the history lengths starting at 0")
     longest = int(hist.max())
     if batch.max_seq_len != longest:
-        raise ValueError(f"max_seq_len: {batch.max_seq_len} but the longest history is {longest}")
+        raise BatchError(f"max_seq_len: {batch.max_seq_len} but the longest history is {longest}")
     if longest > schema.history.max_len:
         b = int(hist.argmax())
-        raise ValueError(
+        raise BatchError(
             f"sequence: history length {longest} at example {b} exceeds history.max_len={schema.history.max_len}"
         )
 
@@ -112,6 +117,6 @@ def validate_batch(batch: Batch, schema: DataSchema) -> None:
     not_binary = (batch.labels != 0) & (batch.labels != 1)
     if bool(not_binary.any()):
         b, t = _first_bad(not_binary)
-        raise ValueError(
+        raise BatchError(
             f"labels: task '{schema.tasks[t]}' has value {float(batch.labels[b, t])} at example {b}; labels must be 0 or 1"
         )

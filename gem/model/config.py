@@ -8,26 +8,32 @@ kinds and cardinalities, number of dense features, task names).
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from gem._config import to_plain
+from gem._config import Checker, build, to_plain
+from gem._config import ConfigError as _ConfigError
 
-KERNELS = ("auto", "triton", "reference")
-ATTENTION_KINDS = ("jfa", "swa", "block")
-TABLE_KINDS = ("sequence", "bag")
-POOLINGS = ("sum", "mean")
+Kernel = Literal["auto", "triton", "reference"]
+AttentionKind = Literal["jfa", "swa", "block"]
+TableKind = Literal["sequence", "bag"]
+Pooling = Literal["sum", "mean"]
+Norm = Literal["rmsnorm", "layernorm"]
+SeqCombine = Literal["concat", "sum"]
+GDPAActivation = Literal["gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity"]
+KERNELS = typing.get_args(Kernel)
+ATTENTION_KINDS = typing.get_args(AttentionKind)
+TABLE_KINDS = typing.get_args(TableKind)
+POOLINGS = typing.get_args(Pooling)
 FFN_KINDS = ("swiglu", "moe")
-NORMS = ("rmsnorm", "layernorm")
-SEQ_COMBINE = ("concat", "sum")
-GDPA_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
+NORMS = typing.get_args(Norm)
+SEQ_COMBINE = typing.get_args(SeqCombine)
+GDPA_ACTIVATIONS = typing.get_args(GDPAActivation)
 
 
-class ConfigError(ValueError):
+class ConfigError(_ConfigError):
     """A model config problem; the message starts with the dotted key at fault."""
 
 
@@ -37,8 +43,8 @@ class TableConfig:
     num_embeddings: int
     embedding_dim: int
     features: list[str]
-    kind: str = "sequence"  # sequence -> EmbeddingCollection, bag -> EmbeddingBagCollection
-    pooling: str = "sum"  # bag tables only
+    kind: TableKind = "sequence"  # sequence -> EmbeddingCollection, bag -> EmbeddingBagCollection
+    pooling: Pooling = "sum"  # bag tables only
     init_range: float | None = None  # uniform(-r, r); None: torchrec's default sqrt(1 / num_embeddings)
 
 
@@ -60,15 +66,15 @@ class TowerConfig:
     num_heads: int = 2
     num_kv_heads: int | None = None  # None: num_heads (no GQA)
     head_dim: int | None = None  # None: d_model // num_heads
-    attention: str = "jfa"  # jfa (causal) | swa (causal, sliding window) | block (block-diagonal causal)
+    attention: AttentionKind = "jfa"  # jfa (causal) | swa (causal, sliding window) | block (block-diagonal causal)
     window: int | None = None  # swa: keys visible to the left of each query (FlashAttention's left window)
     block_size: int | None = None  # block: tokens per attention block
     rope: bool = True
     rope_base: float = 10000.0
     d_ff: int = 0  # 0: 4 * d_model
     moe_every: int = 0  # every n-th block (1-based: blocks n-1, 2n-1, ...) uses an MoE FFN; 0: none
-    seq_combine: str = "concat"  # how sequence features' embeddings merge before the input projection
-    norm: str = "rmsnorm"
+    seq_combine: SeqCombine = "concat"  # how sequence features' embeddings merge before the input projection
+    norm: Norm = "rmsnorm"
 
 
 @dataclass
@@ -76,8 +82,8 @@ class InteractionConfig:
     num_heads: int = 2
     head_dim: int | None = None  # None: d_model // num_heads
     num_kv_heads: int | None = None
-    activation: str = "gelu"
-    approx: str | None = None  # None | "poly6"
+    activation: GDPAActivation = "gelu"
+    approx: Literal["poly6"] | None = None
     normalize: float | str | None = None  # GDPA output divisor (None, a number or "max_len_k")
     dense_hidden: list[int] = field(default_factory=lambda: [64])  # dense-feature MLP path
 
@@ -99,7 +105,7 @@ class ModelConfig:
     interaction: InteractionConfig = field(default_factory=InteractionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     heads: HeadConfig = field(default_factory=HeadConfig)
-    kernel: str = "auto"
+    kernel: Kernel = "auto"
     name: str = "gem"
 
     # -- derived -------------------------------------------------------------------------------------------------
@@ -159,90 +165,86 @@ class ModelConfig:
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: Any) -> ModelConfig:
-        data = to_plain(cfg)
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"model: expected a mapping, got {type(data).__name__}")
-        out = _build(cls, data, "model")
+        out = build(cls, cfg, "model", ConfigError)
         out.validate()
         return out
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"model.{key}: {msg}")
-
+        need = Checker("model", ConfigError).need
         t, it = self.tower, self.interaction
-        need(self.d_model > 0, "d_model", f"must be > 0, got {self.d_model}")
-        need(self.num_dense >= 0, "num_dense", f"must be >= 0, got {self.num_dense}")
-        need(self.kernel in KERNELS, "kernel", f"{self.kernel!r} not in {KERNELS}")
-        need(len(self.tables) > 0, "tables", "at least one table is needed")
+        need(self.d_model > 0, "d_model", "must be > 0", self.d_model)
+        need(self.num_dense >= 0, "num_dense", "must be >= 0", self.num_dense)
+        need(len(self.tables) > 0, "tables", "at least one table is needed", [])
         names, feats = set(), set()
         for i, tb in enumerate(self.tables):
             k = f"tables[{i}]"
-            need(tb.name not in names, f"{k}.name", f"duplicate table name {tb.name!r}")
+            need(tb.name not in names, f"{k}.name", "duplicate table name", tb.name)
             names.add(tb.name)
-            need(tb.kind in TABLE_KINDS, f"{k}.kind", f"{tb.kind!r} not in {TABLE_KINDS}")
-            need(tb.num_embeddings > 0, f"{k}.num_embeddings", f"must be > 0, got {tb.num_embeddings}")
-            need(tb.embedding_dim > 0, f"{k}.embedding_dim", f"must be > 0, got {tb.embedding_dim}")
-            need(len(tb.features) > 0, f"{k}.features", "at least one feature name is needed")
-            need(tb.pooling in POOLINGS, f"{k}.pooling", f"{tb.pooling!r} not in {POOLINGS}")
-            need(tb.init_range is None or tb.init_range > 0, f"{k}.init_range", "must be > 0 or null")
+            need(tb.num_embeddings > 0, f"{k}.num_embeddings", "must be > 0", tb.num_embeddings)
+            need(tb.embedding_dim > 0, f"{k}.embedding_dim", "must be > 0", tb.embedding_dim)
+            need(len(tb.features) > 0, f"{k}.features", "at least one feature name is needed", [])
+            need(tb.init_range is None or tb.init_range > 0, f"{k}.init_range", "must be > 0 or null", tb.init_range)
             for f in tb.features:
-                need(f not in feats, f"{k}.features", f"feature {f!r} is used by two tables")
+                need(f not in feats, f"{k}.features", "a feature is used by two tables", f)
                 feats.add(f)
-        need(len(self.sequence_tables) > 0, "tables", "at least one table of kind 'sequence' is needed")
-        need(len(self.bag_tables) > 0, "tables", "at least one table of kind 'bag' is needed")
+        kinds = [tb.kind for tb in self.tables]
+        need(len(self.sequence_tables) > 0, "tables", "at least one table of kind 'sequence' is needed", kinds)
+        need(len(self.bag_tables) > 0, "tables", "at least one table of kind 'bag' is needed", kinds)
         seq_dims = {tb.embedding_dim for tb in self.sequence_tables}
-        need(len(seq_dims) == 1, "tables", f"sequence tables must share one embedding_dim (an EmbeddingCollection "
-             f"needs it), got {sorted(seq_dims)}")
-        need(t.seq_combine in SEQ_COMBINE, "tower.seq_combine", f"{t.seq_combine!r} not in {SEQ_COMBINE}")
-        need(t.num_blocks >= 0, "tower.num_blocks", f"must be >= 0, got {t.num_blocks}")
-        need(t.num_heads > 0, "tower.num_heads", f"must be > 0, got {t.num_heads}")
+        need(len(seq_dims) == 1, "tables", "sequence tables must share one embedding_dim (an EmbeddingCollection "
+             "needs it)", sorted(seq_dims))
+        need(t.num_blocks >= 0, "tower.num_blocks", "must be >= 0", t.num_blocks)
+        need(t.num_heads > 0, "tower.num_heads", "must be > 0", t.num_heads)
         if t.head_dim is None:
             need(self.d_model % t.num_heads == 0, "tower.num_heads",
-                 f"d_model={self.d_model} is not divisible by num_heads={t.num_heads} (or set tower.head_dim)")
-        need(self.tower_head_dim > 0, "tower.head_dim", "must be > 0")
+                 f"must divide d_model={self.d_model} (or set tower.head_dim)", t.num_heads)
+        need(t.head_dim is None or t.head_dim > 0, "tower.head_dim", "must be > 0 or null", t.head_dim)
+        need(t.num_kv_heads is None or t.num_kv_heads > 0, "tower.num_kv_heads", "must be > 0 or null",
+             t.num_kv_heads)
         need(t.num_heads % self.tower_kv_heads == 0, "tower.num_kv_heads",
-             f"num_heads={t.num_heads} is not a multiple of num_kv_heads={self.tower_kv_heads}")
+             f"must divide num_heads={t.num_heads}", self.tower_kv_heads)
         if t.rope:
-            need(self.tower_head_dim % 2 == 0, "tower.head_dim", "rope needs an even head dim")
-        need(t.attention in ATTENTION_KINDS, "tower.attention", f"{t.attention!r} not in {ATTENTION_KINDS}")
+            need(self.tower_head_dim % 2 == 0, "tower.head_dim", "rope needs an even head dim", self.tower_head_dim)
+            need(t.rope_base > 0, "tower.rope_base", "must be > 0", t.rope_base)
+        need(t.window is None or t.window > 0, "tower.window", "must be > 0 or null", t.window)
+        need(t.block_size is None or t.block_size > 0, "tower.block_size", "must be > 0 or null", t.block_size)
         if t.attention == "swa":
-            need(t.window is not None and t.window > 0, "tower.window", "attention 'swa' needs window > 0")
+            need(t.window is not None, "tower.window", "attention 'swa' needs a window > 0", t.window)
         if t.attention == "block":
-            need(t.block_size is not None and t.block_size > 0, "tower.block_size",
-                 "attention 'block' needs block_size > 0")
-        need(self.tower_d_ff > 0, "tower.d_ff", "must be > 0")
-        need(t.moe_every >= 0, "tower.moe_every", "must be >= 0")
-        need(t.norm in NORMS, "tower.norm", f"{t.norm!r} not in {NORMS}")
-        if t.moe_every > 0:
-            m = self.moe
-            need(m.num_experts > 0, "moe.num_experts", "must be > 0")
-            need(0 < m.top_k <= m.num_experts, "moe.top_k", f"must be in [1, num_experts={m.num_experts}]")
-            need(m.capacity_factor is None or m.capacity_factor > 0, "moe.capacity_factor", "must be > 0 or null")
-            need(m.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0")
-            need(m.grouped_mm in (True, False, None), "moe.grouped_mm", "must be true, false or null")
-        need(it.num_heads > 0, "interaction.num_heads", "must be > 0")
+            need(t.block_size is not None, "tower.block_size", "attention 'block' needs a block_size > 0",
+                 t.block_size)
+        need(t.d_ff >= 0, "tower.d_ff", "must be >= 0 (0: 4 * d_model)", t.d_ff)
+        need(t.moe_every >= 0, "tower.moe_every", "must be >= 0 (0: no MoE)", t.moe_every)
+        m = self.moe
+        need(m.num_experts > 0, "moe.num_experts", "must be > 0", m.num_experts)
+        need(0 < m.top_k <= m.num_experts, "moe.top_k", f"must be in [1, moe.num_experts={m.num_experts}]", m.top_k)
+        need(m.d_ff >= 0, "moe.d_ff", "must be >= 0 (0: the tower's d_ff)", m.d_ff)
+        need(m.capacity_factor is None or m.capacity_factor > 0, "moe.capacity_factor", "must be > 0 or null",
+             m.capacity_factor)
+        need(m.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0", m.aux_loss_coef)
+        need(it.num_heads > 0, "interaction.num_heads", "must be > 0", it.num_heads)
         if it.head_dim is None:
             need(self.d_model % it.num_heads == 0, "interaction.num_heads",
-                 f"d_model={self.d_model} is not divisible by num_heads={it.num_heads} (or set head_dim)")
+                 f"must divide d_model={self.d_model} (or set interaction.head_dim)", it.num_heads)
+        need(it.head_dim is None or it.head_dim > 0, "interaction.head_dim", "must be > 0 or null", it.head_dim)
+        need(it.num_kv_heads is None or it.num_kv_heads > 0, "interaction.num_kv_heads", "must be > 0 or null",
+             it.num_kv_heads)
         need(it.num_heads % self.interaction_kv_heads == 0, "interaction.num_kv_heads",
-             f"num_heads={it.num_heads} is not a multiple of num_kv_heads={self.interaction_kv_heads}")
-        need(it.activation in GDPA_ACTIVATIONS, "interaction.activation",
-             f"{it.activation!r} not in {GDPA_ACTIVATIONS}")
-        need(it.approx in (None, "poly6"), "interaction.approx", f"{it.approx!r}: expected null or 'poly6'")
+             f"must divide num_heads={it.num_heads}", self.interaction_kv_heads)
         nz = it.normalize
-        need(nz is None or nz == "max_len_k" or (isinstance(nz, (int, float)) and nz > 0), "interaction.normalize",
-             f"{nz!r}: expected null, 'max_len_k' or a positive number")
-        need(len(self.heads.tasks) >= 1, "heads.tasks", "at least one task is needed")
-        need(len(set(self.heads.tasks)) == len(self.heads.tasks), "heads.tasks", "duplicate task names")
+        need(nz is None or nz == "max_len_k" or (not isinstance(nz, (str, bool)) and nz > 0),
+             "interaction.normalize", "must be null, max_len_k or a number > 0", nz)
+        need(len(self.heads.tasks) >= 1, "heads.tasks", "at least one task is needed", [])
+        need(len(set(self.heads.tasks)) == len(self.heads.tasks), "heads.tasks", "duplicate task names",
+             self.heads.tasks)
         if self.heads.weights is not None:
             need(len(self.heads.weights) == len(self.heads.tasks), "heads.weights",
-                 f"{len(self.heads.weights)} weights for {len(self.heads.tasks)} tasks")
-            need(all(w >= 0 for w in self.heads.weights), "heads.weights", "weights must be >= 0")
+                 f"one weight per task ({len(self.heads.tasks)})", self.heads.weights)
+            need(all(w >= 0 for w in self.heads.weights), "heads.weights", "weights must be >= 0",
+                 self.heads.weights)
         for key, dims in (("heads.over_arch", self.heads.over_arch), ("heads.hidden", self.heads.hidden),
                           ("interaction.dense_hidden", it.dense_hidden)):
-            need(all(d > 0 for d in dims), key, f"layer sizes must be > 0, got {dims}")
+            need(all(d > 0 for d in dims), key, "layer sizes must be > 0", dims)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -270,7 +272,7 @@ def _feature_cardinalities(entries: Any, where: str) -> dict[str, int | None]:
             else:
                 name = _schema_get(e, "name")
                 if name is None:
-                    raise ConfigError(f"data.schema.{where}: entry {e!r} has no name")
+                    raise ConfigError(f"data.schema.{where}", "an entry has no name", e)
                 items.append((name, e))
     for name, spec in items:
         n = spec if isinstance(spec, int) else (None if spec is None else _schema_get(spec, "num_embeddings"))
@@ -299,89 +301,21 @@ def validate_against_schema(model_cfg: ModelConfig, schema: Any) -> None:
             if f not in pool:
                 hint = f" (it is one of the schema's {'sparse' if f in other else 'sequence'} features)" \
                     if f in other else ""
-                raise ConfigError(f"model.tables[{i}].features: {f!r} (kind {tb.kind!r}) is not in "
-                                  f"data.schema.{kind_name} {sorted(pool)}{hint}")
+                raise ConfigError(f"model.tables[{i}].features", f"a {tb.kind} table's feature must be one of "
+                                  f"data.schema.{kind_name} {sorted(pool)}{hint}", f)
             n = pool[f]
             if n is not None and n > tb.num_embeddings:
-                raise ConfigError(f"model.tables[{i}].num_embeddings: {tb.num_embeddings} < the cardinality "
-                                  f"{n} of feature {f!r} in the data schema")
+                raise ConfigError(f"model.tables[{i}].num_embeddings", f"must be >= the cardinality {n} of feature "
+                                  f"{f!r} in the data schema", tb.num_embeddings)
     missing = [f for f in seq if f not in model_cfg.sequence_features]
     if missing:
-        raise ConfigError(f"model.tables: sequence features {missing} of the data schema have no table")
+        raise ConfigError("model.tables", "the data schema's sequence features need a table", missing)
     missing = [f for f in sparse if f not in model_cfg.sparse_features]
     if missing:
-        raise ConfigError(f"model.tables: sparse features {missing} of the data schema have no table")
+        raise ConfigError("model.tables", "the data schema's sparse features need a table", missing)
     nd = _schema_get(schema, "num_dense")
     if nd is not None and int(nd) != model_cfg.num_dense:
-        raise ConfigError(f"model.num_dense: {model_cfg.num_dense} != data.schema.num_dense {nd}")
+        raise ConfigError("model.num_dense", f"must equal data.schema.num_dense={nd}", model_cfg.num_dense)
     tasks = _schema_get(schema, "tasks")
     if tasks is not None and list(tasks) != list(model_cfg.heads.tasks):
-        raise ConfigError(f"model.heads.tasks: {list(model_cfg.heads.tasks)} != data.schema.tasks {list(tasks)}")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Mapping -> dataclass with key-naming errors
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{key}: must not be null")
-        errs = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value, key)
-            except ConfigError as e:
-                errs.append(str(e))
-        raise ConfigError(errs[0] if len(errs) == 1 else f"{key}: {value!r} matches none of {args}")
-    if origin in (list, Sequence):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(args[0] if args else Any, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key)
-    if tp is Any:
-        return value
-    if value is None:
-        raise ConfigError(f"{key}: must not be null")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
-
-
-def _build(cls: type, data: Mapping, key: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key (expected one of {sorted(fields)})")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{key}.{name}: missing required key")
-            continue
-        kwargs[name] = _coerce(hints[name], data[name], f"{key}.{name}")
-    return cls(**kwargs)
+        raise ConfigError("model.heads.tasks", f"must equal data.schema.tasks={list(tasks)}", model_cfg.heads.tasks)

@@ -15,17 +15,19 @@ import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from gem._config import ConfigError, build, one_of
+
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(ConfigError):
     """A `parallel:` config that cannot be laid out on this world; the message names the key."""
 
 
@@ -36,16 +38,17 @@ class ParallelConfig:
     ep: int = 1
     emb_shard_group: int = -1  # ranks per embedding sharding group; -1: the whole world
     emb_sync_every: int = 1  # steps between embedding replica syncs (only with > 1 group)
-    emb_group_layout: str = "host_local"  # host_local: consecutive ranks shard; strided: rank % n_groups
+    emb_group_layout: Literal["host_local", "strided"] = "host_local"  # strided: group = rank % n_groups
     # planner constraints: a list for every table, or {table_name: [types]}; None: defaults for the device
     sharding_types: Any = None
-    dense: str = "ddp"  # ddp | fsdp
-    param_dtype: str = "fp32"  # FSDP mixed precision: compute/all-gather dtype
-    reduce_dtype: str = "fp32"  # FSDP gradient reduce dtype
-    reshard_after_forward: Any = True  # bool or int (reshard to a smaller group)
-    activation_checkpoint: str = "none"  # none | full | selective
+    # auto: fsdp when the degrees need it (dp_replicate > 1: HSDP, ep > 1), else ddp
+    dense: Literal["auto", "ddp", "fsdp"] = "auto"
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # FSDP mixed precision: compute/all-gather dtype
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # FSDP gradient reduce dtype
+    reshard_after_forward: bool | int = True  # or an int: reshard to a smaller group
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
     ac_every: int = 1  # selective: checkpoint every n-th block
-    compile: Any = "auto"  # torch.compile the dense parts of each block: auto (on CUDA) | true | false
+    compile: bool | Literal["auto"] = "auto"  # torch.compile the dense parts of each block (auto: on CUDA)
 
     @classmethod
     def from_any(cls, cfg: Any) -> ParallelConfig:
@@ -54,78 +57,65 @@ class ParallelConfig:
             return cls()
         if isinstance(cfg, cls):
             return dataclasses.replace(cfg)
-        if not isinstance(cfg, Mapping):
-            try:  # OmegaConf DictConfig
-                from omegaconf import OmegaConf
-
-                cfg = OmegaConf.to_container(cfg, resolve=True)
-            except Exception as e:
-                raise ParallelConfigError(f"parallel: expected a mapping, got {type(cfg).__name__}") from e
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in cfg:
-            if key not in known:
-                raise ParallelConfigError(f"parallel.{key}: unknown key (known: {', '.join(sorted(known))})")
-        return cls(**dict(cfg))
+        return build(cls, cfg, "parallel", ParallelConfigError)
 
 
 def _check_int(name: str, value: Any, *, allow_minus_one: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ParallelConfigError(f"parallel.{name}={value!r}: expected an integer")
+        raise ParallelConfigError(f"parallel.{name}", "expected an integer", value)
     if value < 1 and not (allow_minus_one and value == -1):
-        raise ParallelConfigError(f"parallel.{name}={value}: must be >= 1" + (" or -1" if allow_minus_one else ""))
+        raise ParallelConfigError(f"parallel.{name}", "must be >= 1" + (" or -1" if allow_minus_one else ""), value)
     return value
 
 
 def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
-    """Resolve -1 degrees against `world_size` and check every constraint; returns a resolved copy."""
+    """Resolve -1 degrees and `dense: auto` against `world_size` and check every constraint; returns a resolved
+    copy."""
     c = dataclasses.replace(cfg)
     dp_rep = _check_int("dp_replicate", c.dp_replicate)
     dp_shard = _check_int("dp_shard", c.dp_shard, allow_minus_one=True)
     if dp_shard == -1:
         if world_size % dp_rep:
-            raise ParallelConfigError(
-                f"parallel.dp_replicate={dp_rep}: does not divide world size {world_size}"
-            )
+            raise ParallelConfigError("parallel.dp_replicate", f"must divide the world size {world_size}", dp_rep)
         dp_shard = world_size // dp_rep
     if dp_rep * dp_shard != world_size:
         raise ParallelConfigError(
-            f"parallel.dp_shard={dp_shard}: world size {world_size} is not dp_replicate({dp_rep}) x dp_shard({dp_shard})"
+            "parallel.dp_shard", f"dp_replicate ({dp_rep}) x dp_shard must be the world size {world_size}", dp_shard
         )
     ep = _check_int("ep", c.ep)
     if dp_shard % ep:
-        raise ParallelConfigError(f"parallel.ep={ep}: must divide dp_shard ({dp_shard})")
+        raise ParallelConfigError("parallel.ep", f"must divide dp_shard ({dp_shard})", ep)
     g = _check_int("emb_shard_group", c.emb_shard_group, allow_minus_one=True)
     if g == -1:
         g = world_size
     if world_size % g:
-        raise ParallelConfigError(f"parallel.emb_shard_group={g}: must divide world size {world_size}")
+        raise ParallelConfigError("parallel.emb_shard_group", f"must divide the world size {world_size}", g)
     _check_int("emb_sync_every", c.emb_sync_every)
     _check_int("ac_every", c.ac_every)
-    if c.emb_group_layout not in ("host_local", "strided"):
-        raise ParallelConfigError(
-            f"parallel.emb_group_layout={c.emb_group_layout!r}: expected host_local or strided"
-        )
-    if c.dense not in ("ddp", "fsdp"):
-        raise ParallelConfigError(f"parallel.dense={c.dense!r}: expected ddp or fsdp")
+    _choice("emb_group_layout", c.emb_group_layout, ("host_local", "strided"))
+    _choice("dense", c.dense, ("auto", "ddp", "fsdp"))
+    if c.dense == "auto":  # the degrees imply the layout
+        c.dense = "fsdp" if dp_rep > 1 or ep > 1 else "ddp"
     if c.dense == "ddp" and dp_rep > 1:
-        raise ParallelConfigError(f"parallel.dp_replicate={dp_rep}: HSDP needs parallel.dense=fsdp")
+        raise ParallelConfigError("parallel.dense", f"HSDP (dp_replicate={dp_rep}) needs fsdp or auto", c.dense)
     if c.dense == "ddp" and ep > 1:
-        raise ParallelConfigError(f"parallel.ep={ep}: expert parallelism needs parallel.dense=fsdp")
+        raise ParallelConfigError("parallel.dense", f"expert parallelism (ep={ep}) needs fsdp or auto", c.dense)
     for key in ("param_dtype", "reduce_dtype"):
-        if getattr(c, key) not in _DTYPES:
-            raise ParallelConfigError(f"parallel.{key}={getattr(c, key)!r}: expected one of {sorted(_DTYPES)}")
+        _choice(key, getattr(c, key), tuple(_DTYPES))
     r = c.reshard_after_forward
     if not isinstance(r, bool) and not (isinstance(r, int) and r >= 1):
-        raise ParallelConfigError(f"parallel.reshard_after_forward={r!r}: expected true, false or an int >= 1")
-    if c.activation_checkpoint not in ("none", "full", "selective"):
-        raise ParallelConfigError(
-            f"parallel.activation_checkpoint={c.activation_checkpoint!r}: expected none, full or selective"
-        )
+        raise ParallelConfigError("parallel.reshard_after_forward", "expected true, false or an int >= 1", r)
+    _choice("activation_checkpoint", c.activation_checkpoint, ("none", "full", "selective"))
     if not (isinstance(c.compile, bool) or c.compile == "auto"):
-        raise ParallelConfigError(f"parallel.compile={c.compile!r}: expected auto, true or false")
+        raise ParallelConfigError("parallel.compile", "expected auto, true or false", c.compile)
     _check_sharding_types(c.sharding_types)
     c.dp_shard, c.emb_shard_group = dp_shard, g
     return c
+
+
+def _choice(key: str, value: Any, options: tuple) -> None:
+    if value not in options:
+        raise ParallelConfigError(f"parallel.{key}", f"must be {one_of(options)}", value)
 
 
 def _check_sharding_types(st: Any) -> None:
@@ -138,17 +128,15 @@ def _check_sharding_types(st: Any) -> None:
         if isinstance(lst, str):
             lst = [lst]
         if not isinstance(lst, (list, tuple)) or not lst:
-            raise ParallelConfigError(f"parallel.sharding_types={st!r}: expected a non-empty list of types")
+            raise ParallelConfigError("parallel.sharding_types", "expected a non-empty list of types", st)
         for t in lst:
             if t == "data_parallel":
                 raise ParallelConfigError(
-                    "parallel.sharding_types: data_parallel is not offered (the fused sparse optimizer and the "
-                    "replica sync cover sharded tables only)"
+                    "parallel.sharding_types", "data_parallel is not offered (the fused sparse optimizer and the "
+                    "replica sync cover sharded tables only)", t
                 )
             if t not in SHARDING_TYPES:
-                raise ParallelConfigError(
-                    f"parallel.sharding_types: unknown type {t!r} (expected one of {', '.join(SHARDING_TYPES)})"
-                )
+                raise ParallelConfigError("parallel.sharding_types", f"must be {one_of(SHARDING_TYPES)}", t)
 
 
 def init_distributed(timeout_s: float | None = None, store: dist.Store | None = None) -> torch.device:

@@ -3,13 +3,14 @@
 `python -m gem.train [hydra overrides]` runs it (see gem/train/__main__.py).
 """
 
-from gem.train.checkpoint import Checkpointer, latest_checkpoint, list_checkpoints
+from gem.train.checkpoint import CheckpointError, Checkpointer, latest_checkpoint, list_checkpoints
 from gem.train.config import TrainConfig, TrainConfigError
 from gem.train.metrics import TaskMetrics, auc_with_ties
 from gem.train.mfu import device_peak_flops, mfu_report
 from gem.train.optim import TrainOptimizer, WarmupCosine, clip_grad_norm_
 
 __all__ = [
+    "CheckpointError",
     "Checkpointer",
     "TaskMetrics",
     "TrainConfig",

@@ -4,7 +4,11 @@ Before Hydra runs the job: the config is composed and checked once (a bad value 
 and exits 2), the process group is created (once, outside the job), and rank 0 picks the run name that every
 rank then shares (`GEM_RUN_ID`; Hydra's default `${now:...}` would differ per rank), the same for every attempt of
 one torchrun job, so a restarted job resumes in its run dir (`train.resume=auto`). Only rank 0 writes Hydra's
-files and logs. `--check` validates the config and exits (0 if it is good).
+files and logs. `--check` validates the config and exits (0 if it is good); `--help` explains (gem/train/help.py).
+
+A problem the user can fix (gem._config.UserError: config, data, checkpoint) found on any rank is printed once as
+`gem-train: error: ...` by the first rank to claim it in torchrun's store, with exit status 2; the other ranks
+leave quietly, without the traces of their broken collectives. Any other exception keeps its trace.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[1] / "configs")
-EXIT_CONFIG = 2
-EXIT_FAILURE = 1
+from gem._config import UserError
+from gem.train.help import default_config_dir
+
+CONFIG_DIR = default_config_dir()
+EXIT_CONFIG = 2  # a problem the user can fix: config, data, checkpoint
 
 
 def _err(msg: str) -> None:
@@ -28,6 +34,9 @@ def _one_line(exc: BaseException) -> str:
     """A one-line message for a config exception, naming the key where the exception knows it."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, UserError):
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
         group, name = exc.missing_cfg_file.rsplit("/", 1)
@@ -82,12 +91,11 @@ def preflight(overrides: list[str], world_size: int | None) -> str | None:
     finally:
         GlobalHydra.instance().clear()
     try:
+        from gem.train.config import check_device
         from gem.train.trainer import build_configs
 
-        build_configs(cfg, world_size)
-    except (ValueError, TypeError, KeyError) as e:
-        return _one_line(e)
-    except Exception as e:  # noqa: BLE001 - omegaconf interpolation / missing-value errors
+        check_device(build_configs(cfg, world_size))
+    except Exception as e:  # noqa: BLE001 - config errors, omegaconf interpolation / missing-value errors
         return _one_line(e)
     return None
 
@@ -139,7 +147,13 @@ def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
     argv, check_only = _split_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if any(a in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
+    if "--help" in argv or "-h" in argv:
+        if rank == 0:
+            from gem.train.help import help_text
+
+            sys.stdout.write(help_text(CONFIG_DIR))
+        return 0
+    if any(a in ("--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
         return _run_hydra(argv, rank, None)
 
     problem = preflight(_overrides(argv), world_size)
@@ -157,14 +171,16 @@ def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
     store = _elastic_store()
     init_distributed(store=store)  # once per process, outside Hydra's job
     _agree_on_run_id(rank, world_size, store)
-    state: dict = {}
+    state: dict = {"store": store}
     code = _run_hydra(argv, rank, state, hooks)
     if code:
         return code
     if "error" in state:
         err, code = state["error"]
-        if rank == 0 or code != EXIT_CONFIG:
+        if state.get("print", True):
             _err(err)
+        if world_size > 1:  # first out, so torchrun names this rank as the root cause; no waiting on the group
+            _quiet_exit(code)
         return code
     return 0
 
@@ -196,7 +212,7 @@ def _run_hydra(argv: list[str], rank: int, state: dict | None, hooks: tuple = ()
 def _job(cfg, rank: int, state: dict, hooks: tuple = ()) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from gem.train.trainer import BadBatchError, Trainer, summary_line
+    from gem.train.trainer import Trainer, summary_line
 
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
@@ -207,18 +223,65 @@ def _job(cfg, rank: int, state: dict, hooks: tuple = ()) -> None:
         result = trainer.fit()
         if rank == 0:
             print(summary_line(result, trainer.tasks), flush=True)
-    except BadBatchError as e:
-        state["error"] = (str(e), EXIT_FAILURE)
-    except FloatingPointError as e:
-        state["error"] = (str(e), EXIT_FAILURE)
+    except (UserError, FloatingPointError) as e:  # the user can fix it: one line, from one rank
+        state["error"] = (_one_line(e), EXIT_CONFIG)
+        _claim_error(state)
     except (ValueError, TypeError) as e:
-        if trainer is None:  # raised while building from the config (e.g. the layout on this world)
-            state["error"] = (_one_line(e), EXIT_CONFIG)
-        else:
+        if trainer is not None:
+            _leave_if_a_peer_failed(state, e)
             raise
+        state["error"] = (_one_line(e), EXIT_CONFIG)  # raised while building from the config (e.g. on this world)
+        _claim_error(state)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        _leave_if_a_peer_failed(state, e)
+        raise  # a real bug: its trace
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _error_key() -> str:
+    return f"gem/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _claim_error(state: dict) -> None:
+    """The first rank to report a user error prints it; the others (which found the same, or whose collectives
+    broke because of it) stay quiet. Through torchrun's store, which outlives a dead rank's sockets."""
+    store, rank = state.get("store"), os.environ.get("RANK", "0")
+    owner = rank
+    if store is not None:
+        try:
+            owner = store.compare_set(_error_key(), "", rank)
+            owner = owner.decode() if isinstance(owner, bytes) else owner
+        except Exception:  # noqa: BLE001 - the store is gone: print it ourselves
+            owner = rank
+    state["print"] = owner == rank
+    if state["print"] and os.environ.get("GEM_ERROR_FILE"):  # scripts/train.sh turns it into exit status 2
+        Path(os.environ["GEM_ERROR_FILE"]).write_text(state["error"][0] + "\n")
+
+
+def _leave_if_a_peer_failed(state: dict, exc: BaseException) -> None:
+    """Our collective broke because a peer stopped on a user error (it has printed it): leave quietly."""
+    if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _peer_failed(state):
+        _quiet_exit(EXIT_CONFIG)
+
+
+def _peer_failed(state: dict) -> bool:
+    store = state.get("store")
+    if store is None:
+        return False
+    try:
+        return bool(store.check([_error_key()]))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _quiet_exit(code: int) -> None:
+    """Leave without a trace and without waiting on the broken process group (destroying it could block)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

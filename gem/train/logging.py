@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 log = logging.getLogger("gem.train")
 
@@ -22,12 +24,27 @@ class TrainLogger:
 
     def __init__(self, run_dir: str | None, *, enabled: bool, tensorboard: bool = True) -> None:
         self.enabled = enabled
+        self.run_dir = run_dir
         self._writer = None
         if enabled and tensorboard and run_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
+            self._writer = self._open_writer()
         self._t0 = time.perf_counter()
+
+    def _open_writer(self, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=os.path.join(self.run_dir, "tb"), purge_step=purge_step)
+
+    def resume_at(self, step: int) -> None:
+        """After resuming at `step`: the steps after it will be logged again, so drop their earlier records from
+        `<run_dir>/metrics.jsonl` and hide their TensorBoard events (SummaryWriter's purge_step); each step then
+        shows once."""
+        if not self.enabled or self.run_dir is None:
+            return
+        truncate_metrics(Path(self.run_dir) / "metrics.jsonl", step)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = self._open_writer(purge_step=step + 1)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self._writer is None:
@@ -75,3 +92,27 @@ class TrainLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def truncate_metrics(path: str | os.PathLike, step: int) -> int:
+    """Keep the records of steps <= `step` in a metrics.jsonl file; returns how many were dropped. A torn last line
+    (a crash mid-write) is dropped too. Rewritten in place, so a handle open for appending stays valid."""
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        with open(p, "r+") as f:
+            f.write("".join(ln + "\n" for ln in kept))
+            f.truncate()
+    return dropped

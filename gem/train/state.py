@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem.train.checkpoint import Checkpointer, latest_checkpoint
+from gem.train.checkpoint import Checkpointer, latest_checkpoint, no_checkpoint_error
 
 
 def restart_count() -> int:
@@ -57,14 +57,16 @@ class TrainCheckpointer:
         self.info(f"checkpoint: {path}")
         return str(path)
 
-    def resume(self, train_data, report_none: bool = True) -> int | None:
+    def resume(self, train_data, report_none: bool = True, require: bool = False) -> int | None:
         """Load the newest complete checkpoint (the same on every rank) into the model, optimizer, RNG and
-        `train_data`'s position; returns its step, or None when there is none."""
+        `train_data`'s position; returns its step, or None when there is none (an error when `require`)."""
         found = latest_checkpoint(self.checkpointer.dir)
         steps = [found[0] if found else -1]
         if self.world_size > 1:  # every rank must pick the same checkpoint
             dist.broadcast_object_list(steps, src=0)
         if steps[0] < 0:
+            if require:
+                raise no_checkpoint_error(self.checkpointer.dir)
             if report_none:
                 self.info(f"resume: no checkpoint in {self.checkpointer.dir}, starting from step 0")
             return None

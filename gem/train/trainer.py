@@ -23,7 +23,8 @@ from gem.model import GEMModel, ModelConfig, validate_against_schema
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
-from gem.train.checkpoint import Checkpointer
+from gem._config import ConfigError
+from gem.train.checkpoint import Checkpointer, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
 from gem.train.logging import TrainLogger
@@ -56,7 +57,7 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
 
     for group in ("model", "data", "parallel", "train"):
         if group not in cfg or cfg[group] is None:
-            raise ValueError(f"{group}: missing config group")
+            raise ConfigError(group, "missing config group")
     # Raises MissingMandatoryValue naming the key for any `???` left.
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     data = DataConfig.from_dict(cfg.data)
@@ -156,11 +157,11 @@ class Trainer:
 
         ckpt_dir = tc.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None)
         if (tc.checkpoint.every > 0 or tc.resume is True) and ckpt_dir is None:
-            raise ValueError("train.checkpoint.dir: checkpoints need a directory (no run directory to default to)")
+            raise ConfigError("train.checkpoint.dir", "checkpoints need a directory (no run directory to default to)")
         self.checkpointer = None
         if ckpt_dir:
             self.checkpointer = TrainCheckpointer(
-                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep),
+                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, config=run_config(self.cfgs)),
                 self.par,
                 self.optimizer,
                 rank=self.rank,
@@ -176,9 +177,12 @@ class Trainer:
         self.batches: TrainBatches | None = None  # the training stream during fit()
         self.last_eval: dict[str, float] = {}
         if tc.resume is True or (tc.resume == "auto" and self.checkpointer is not None):
-            resumed = self.checkpointer.resume(self.train_data, report_none=tc.resume is True or restart_count() > 0)
+            resumed = self.checkpointer.resume(
+                self.train_data, report_none=tc.resume is True or restart_count() > 0, require=tc.resume is True
+            )
             if resumed is not None:
                 self.step = resumed
+                self.logger.resume_at(self.step)  # the redone steps are logged once
                 self._data_offset = int(self.train_data.state_dict()["batch_index"]) - self.step
 
     def save_checkpoint(self) -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gem.data import SyntheticDataset, build_dataset, validate_batch
-from gem.data.parquet import ParquetDataset, batch_to_table, table_to_batch, write_parquet
+from gem.data.parquet import DataFileError, ParquetDataset, batch_to_table, table_to_batch, write_parquet
 from tests.data._util import assert_batches_equal, make_schema, schema_dict
 
 SCHEMA = make_schema(max_len=16)
@@ -109,7 +109,7 @@ def test_missing_column_and_bad_types(tmp_path, files):
     with pytest.raises(ValueError, match="missing column 'hist_action'"):
         ParquetDataset(SCHEMA, p, 24)
     t2 = pq.read_table(paths[0]).set_column(0, "hist_item", pa.array(range(72), pa.int64()))
-    with pytest.raises(ValueError, match="column 'hist_item' must be list<int64>"):
+    with pytest.raises(ValueError, match=r"column 'hist_item' must be a list of integers \(got int64\)"):
         table_to_batch(t2, SCHEMA)
     with pytest.raises(ValueError, match="no file matches"):
         ParquetDataset(SCHEMA, str(tmp_path / "nothing-*.parquet"), 24)
@@ -124,7 +124,7 @@ def test_inconsistent_sequence_columns(files):
     k = next(i for i, a in enumerate(acts) if a)
     acts[k] = acts[k][:-1]
     t = t.set_column(t.column_names.index("hist_action"), "hist_action", pa.array(acts, pa.list_(pa.int64())))
-    with pytest.raises(ValueError, match=f"sequence column 'hist_action' has length .* at row {k}"):
+    with pytest.raises(DataFileError, match=f"^parquet row {k}: sequence column 'hist_action' must be as long as"):
         table_to_batch(t, SCHEMA)
 
 
@@ -139,3 +139,94 @@ def test_integer_labels_and_empty_histories(tmp_path):
     got = next(iter(ParquetDataset(s, p, 8)))
     assert_batches_equal(b, got)
     assert got.labels.dtype == torch.float32 and got.max_seq_len == 0
+
+
+def _write_groups(path, table, group_rows):
+    pq.write_table(table, path, row_group_size=group_rows)
+    return str(path)
+
+
+def _set(table, name, values, typ=None):
+    return table.set_column(table.column_names.index(name), name, pa.array(values, typ))
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda t: t.append_column("user_id", pa.array(range(t.num_rows))),
+     r"column 'user_id' is not in the schema \(data.allow_extra_columns=true ignores it\) \(got \['user_id'\]\)"),
+    (lambda t: _set(t, "dense_0", [str(x) for x in t.column("dense_0").to_pylist()]),
+     r"dense column 'dense_0' must be numbers \(got string\)"),
+    (lambda t: _set(t, "click", [str(x) for x in t.column("click").to_pylist()]),
+     r"label column 'click' must be numbers 0 or 1 \(got string\)"),
+    (lambda t: _set(t, "cand_item", [[float(v) for v in x] for x in t.column("cand_item").to_pylist()],
+                    pa.list_(pa.float64())),
+     r"column 'cand_item' must be a list of integers"),
+])
+def test_file_schema_is_checked_on_opening(tmp_path, files, change, msg):
+    """Extra, wrong-typed columns: one line naming the file, from the metadata, before any batch."""
+    _, paths = files
+    p = _write_groups(tmp_path / "f.parquet", change(pq.read_table(paths[0])), 24)
+    with pytest.raises(DataFileError, match=f"^{p}: {msg}"):
+        ParquetDataset(SCHEMA, p, 24)
+
+
+def test_extra_columns_allowed_explicitly(tmp_path, files):
+    _, paths = files
+    t = pq.read_table(paths[0])
+    p = _write_groups(tmp_path / "x.parquet", t.append_column("user_id", pa.array(range(t.num_rows))), 24)
+    got = list(ParquetDataset(SCHEMA, p, 24, allow_extra_columns=True))
+    for ref, b in zip(_stream(3), got):
+        assert_batches_equal(ref, b)
+
+
+@pytest.mark.parametrize("column,bad,msg", [
+    ("click", 2.0, r"label 'click' must be 0 or 1 \(got 2.0\)"),
+    ("dense_1", float("nan"), r"dense value 'dense_1' must be finite \(got nan\)"),
+    ("cand_item", [10**6], r"column 'cand_item': id outside its table's range \[0, \d+\) \(got 1000000\)"),
+    ("hist_action", [], r"sequence column 'hist_action' must be as long as 'hist_item'"),
+])
+def test_bad_values_are_named_by_file_and_row(tmp_path, files, column, bad, msg):
+    """A bad row in a middle row group (not sampled on opening) fails when its batch is read, naming file:row; the
+    same row in a sampled group (the last) fails on opening."""
+    _, paths = files
+    t = pq.read_table(paths[0])  # 72 rows; row groups of 24: rows 24..47 are the middle group
+    hist = t.column("hist_item").to_pylist()
+    row = next(r for r in range(30, 48) if hist[r])  # a row with a history, so a shorter one differs
+    values = t.column(column).to_pylist()
+    values[row] = bad
+    p = _write_groups(tmp_path / "v.parquet", _set(t, column, values, t.schema.field(column).type), 24)
+    ds = ParquetDataset(SCHEMA, p, 24)
+    ds.batch(0)  # rows 0..23 are fine
+    with pytest.raises(DataFileError) as e:
+        ds.batch(1)
+    text = str(e.value)
+    assert "\n" not in text
+    import re
+
+    assert re.match(f"^{re.escape(p)}:{row}: {msg}", text), text
+    # the same row read in a batch that straddles two row groups still names its place in the file
+    ds = ParquetDataset(SCHEMA, p, 36)
+    with pytest.raises(DataFileError, match=f"^{re.escape(p)}:{row}: "):
+        ds.batch(0)
+    # a bad row in the last row group (sampled) fails on opening
+    values = t.column(column).to_pylist()
+    last = next(r for r in range(60, 72) if hist[r])
+    values[last] = bad
+    p2 = _write_groups(tmp_path / "w.parquet", _set(t, column, values, t.schema.field(column).type), 24)
+    with pytest.raises(DataFileError, match=f"^{re.escape(p2)}:{last}: "):
+        ParquetDataset(SCHEMA, p2, 24)
+
+
+def test_bad_eval_labels_fail_when_the_eval_set_opens(tmp_path, files):
+    """Evaluation reads few rows: all of them are checked on opening, not after the training run."""
+    _, paths = files
+    t = pq.read_table(paths[1])
+    labels = t.column("conversion").to_pylist()
+    labels[40] = -1.0
+    ev = _write_groups(tmp_path / "eval.parquet", _set(t, "conversion", labels, t.schema.field("conversion").type), 24)
+    cfg = {"source": "parquet", "batch_size": 24, "eval_batches": 2, "paths": paths, "eval_paths": [ev],
+           "schema": schema_dict(max_len=16)}
+    build_dataset(cfg, split="train")
+    with pytest.raises(DataFileError, match=f"^{ev}:40: label 'conversion' must be 0 or 1 \\(got -1.0\\)"):
+        build_dataset(cfg, split="eval")
+    cfg["eval_batches"] = 1  # one batch per rank reads rows 0..23 only
+    assert len(list(build_dataset(cfg, split="eval"))) == 1

@@ -42,7 +42,7 @@ def test_unknown_key_is_named(where, path, key):
     for p in path:
         node = node[p]
     node[key] = 1
-    with pytest.raises(ValueError, match=re.escape(f"{where}: unknown key '{key}'")):
+    with pytest.raises(ValueError, match=re.escape(f"{where}.{key}: unknown key (expected one of")):
         DataConfig.from_dict(d)
 
 
@@ -51,12 +51,18 @@ def test_unknown_key_is_named(where, path, key):
     [
         (lambda d: d["sequence_features"].pop(0), "must include 'hist_item'"),
         (lambda d: d["sparse_features"].pop(0), "must include 'cand_item'"),
-        (lambda d: d["sparse_features"][0].update(num_embeddings=7), "'cand_item' num_embeddings=7 must equal"),
+        (lambda d: d["sparse_features"][0].update(num_embeddings=7),
+         r"data.schema.sparse_features: 'cand_item' num_embeddings must equal num_items=\d+ \(got 7\)"),
         (lambda d: d["sparse_features"][0].update(max_hot=2), "'cand_item' must be one-hot"),
         (lambda d: d.update(tasks=["click"]), ">= 2 distinct task"),
         (lambda d: d["sparse_features"].append({"name": "hist_action", "num_embeddings": 3}), "declared twice"),
-        (lambda d: d["sparse_features"].append({"name": "x"}), "'x' needs num_embeddings"),
-        (lambda d: d["history"].update(distribution="poisson"), "history.distribution"),
+        (lambda d: d["sparse_features"].append({"name": "x"}),
+         r"data.schema.sparse_features\[\d\].num_embeddings: missing required key \(got x\)"),
+        (lambda d: d["history"].update(distribution="poisson"),
+         r"^data.schema.history.distribution: must be uniform or lognormal \(got poisson\)$"),
+        (lambda d: d["history"].update(max_len="long"),
+         r"^data.schema.history.max_len: expected an integer \(got long\)$"),
+        (lambda d: d.update(num_dense=-1), r"^data.schema.num_dense: must be >= 0 \(got -1\)$"),
         (lambda d: d["history"].update(min_len=30), "history.min_len"),
         (lambda d: d["history"].update(sparsity=1.0), "history.sparsity"),
     ],

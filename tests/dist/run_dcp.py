@@ -57,7 +57,10 @@ def load_and_train(p, opt, adamw, ds, per: int, a) -> dict:
         out["fresh"] = step_loss(p, opt, ds, a.k1, per, train=False)
     adamw.init_state()  # AdamW state is lazy: materialise it so DCP has tensors to load into
     state = {"model": p.model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=a.ckpt)
+    # through gem's checkpoint reader: allow-listed metadata, the model's tensors matched before loading
+    from gem.train.checkpoint import Checkpointer
+
+    Checkpointer(a.ckpt).load(a.ckpt, state)
     p.model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     out["after"] = [step_loss(p, opt, ds, s, per) for s in range(a.k1, a.k1 + a.k2)]

@@ -14,26 +14,27 @@ def _v(world: int, **kw) -> ParallelConfig:
 
 
 @pytest.mark.parametrize("world,kw,msg", [
-    (4, dict(dp_shard=3), "parallel.dp_shard=3: world size 4 is not dp_replicate(1) x dp_shard(3)"),
-    (4, dict(dense="fsdp", dp_replicate=3), "parallel.dp_replicate=3: does not divide world size 4"),
-    (8, dict(dense="fsdp", dp_replicate=2, dp_shard=2), "parallel.dp_shard=2: world size 8 is not dp_replicate(2) x dp_shard(2)"),
-    (4, dict(dense="fsdp", ep=3), "parallel.ep=3: must divide dp_shard (4)"),
-    (8, dict(dense="fsdp", dp_replicate=2, ep=8), "parallel.ep=8: must divide dp_shard (4)"),
-    (4, dict(emb_shard_group=3), "parallel.emb_shard_group=3: must divide world size 4"),
-    (4, dict(emb_shard_group=0), "parallel.emb_shard_group=0: must be >= 1 or -1"),
-    (4, dict(emb_sync_every=0), "parallel.emb_sync_every=0: must be >= 1"),
-    (4, dict(dp_shard=2.0), "parallel.dp_shard=2.0: expected an integer"),
-    (4, dict(ep=True), "parallel.ep=True: expected an integer"),
-    (4, dict(emb_group_layout="diagonal"), "parallel.emb_group_layout='diagonal': expected host_local or strided"),
-    (4, dict(dense="zero3"), "parallel.dense='zero3': expected ddp or fsdp"),
-    (4, dict(dp_replicate=2), "parallel.dp_replicate=2: HSDP needs parallel.dense=fsdp"),
-    (4, dict(ep=2), "parallel.ep=2: expert parallelism needs parallel.dense=fsdp"),
-    (4, dict(dense="fsdp", param_dtype="fp8"), "parallel.param_dtype='fp8': expected one of"),
-    (4, dict(dense="fsdp", reshard_after_forward=0), "parallel.reshard_after_forward=0: expected true, false or an int >= 1"),
-    (4, dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some': expected none, full or selective"),
-    (4, dict(compile="yes"), "parallel.compile='yes': expected auto, true or false"),
-    (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: unknown type 'diagonal'"),
-    (4, dict(sharding_types={"item": []}), "parallel.sharding_types={'item': []}: expected a non-empty list"),
+    (4, dict(dp_shard=3), "parallel.dp_shard: dp_replicate (1) x dp_shard must be the world size 4 (got 3)"),
+    (4, dict(dp_replicate=3), "parallel.dp_replicate: must divide the world size 4 (got 3)"),
+    (8, dict(dp_replicate=2, dp_shard=2), "parallel.dp_shard: dp_replicate (2) x dp_shard must be the world size 8"),
+    (4, dict(ep=3), "parallel.ep: must divide dp_shard (4) (got 3)"),
+    (8, dict(dp_replicate=2, ep=8), "parallel.ep: must divide dp_shard (4) (got 8)"),
+    (4, dict(emb_shard_group=3), "parallel.emb_shard_group: must divide the world size 4 (got 3)"),
+    (4, dict(emb_shard_group=0), "parallel.emb_shard_group: must be >= 1 or -1 (got 0)"),
+    (4, dict(emb_sync_every=0), "parallel.emb_sync_every: must be >= 1 (got 0)"),
+    (4, dict(dp_shard=2.0), "parallel.dp_shard: expected an integer (got 2.0)"),
+    (4, dict(ep=True), "parallel.ep: expected an integer (got true)"),
+    (4, dict(emb_group_layout="diagonal"), "parallel.emb_group_layout: must be host_local or strided (got diagonal)"),
+    (4, dict(dense="zero3"), "parallel.dense: must be auto, ddp or fsdp (got zero3)"),
+    (4, dict(dense="ddp", dp_replicate=2), "parallel.dense: HSDP (dp_replicate=2) needs fsdp or auto (got ddp)"),
+    (4, dict(dense="ddp", ep=2), "parallel.dense: expert parallelism (ep=2) needs fsdp or auto (got ddp)"),
+    (4, dict(param_dtype="fp8"), "parallel.param_dtype: must be fp32, bf16 or fp16 (got fp8)"),
+    (4, dict(reshard_after_forward=0), "parallel.reshard_after_forward: expected true, false or an int >= 1 (got 0)"),
+    (4, dict(activation_checkpoint="some"),
+     "parallel.activation_checkpoint: must be none, full or selective (got some)"),
+    (4, dict(compile="yes"), "parallel.compile: expected true or false or auto (got yes)"),
+    (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: must be table_wise,"),
+    (4, dict(sharding_types={"item": []}), "parallel.sharding_types: expected a non-empty list of types"),
     (4, dict(sharding_types=["data_parallel"]), "parallel.sharding_types: data_parallel is not offered"),
 ])
 def test_bad_configs_give_one_line_naming_the_key(world, kw, msg):
@@ -49,6 +50,18 @@ def test_unknown_key_is_named():
         ParallelConfig.from_any({"dp_sahrd": 2})
 
 
+@pytest.mark.parametrize("kw,dense", [
+    (dict(dp_replicate=2, dp_shard=2), "fsdp"),  # HSDP without naming parallel.dense
+    (dict(ep=2), "fsdp"),
+    (dict(), "ddp"),
+    (dict(dense="fsdp"), "fsdp"),
+])
+def test_degrees_imply_the_dense_layout(kw, dense):
+    c = _v(4, **kw)
+    assert c.dense == dense
+    assert validate(c, 4) == c  # resolving twice changes nothing
+
+
 def test_omegaconf_and_presets_load():
     from hydra import compose, initialize_config_dir
 
@@ -60,7 +73,7 @@ def test_omegaconf_and_presets_load():
         for name, (rep, shard, ep, g) in expect.items():
             c = validate(ParallelConfig.from_any(compose(config_name=name)), 4)
             assert (c.dp_replicate, c.dp_shard, c.ep, c.emb_shard_group) == (rep, shard, ep, g), name
-    full = validate(ParallelConfig.from_any({"dense": "fsdp", "dp_replicate": 2, "ep": 2}), 8)
+    full = validate(ParallelConfig.from_any({"dp_replicate": 2, "ep": 2}), 8)
     assert (full.dp_shard, full.emb_shard_group) == (4, 8)
 
 

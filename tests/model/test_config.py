@@ -49,6 +49,11 @@ def test_shipped_configs_build_and_match_the_synthetic_schema():
     (lambda d: d["tables"][1].update(embedding_dim=8), "model.tables"),
     (lambda d: d["tables"][1].update(features=["hist_item"]), "model.tables[1].features"),
     (lambda d: d.update(tables=[t for t in d["tables"] if t["kind"] == "sequence"]), "model.tables"),
+    (lambda d: d["tower"].update(rope_base=-1), "model.tower.rope_base"),
+    (lambda d: d["tower"].update(window=0), "model.tower.window"),
+    (lambda d: d["moe"].update(num_experts=0), "model.moe.num_experts"),
+    (lambda d: d["interaction"].update(normalize="sqrt"), "model.interaction.normalize"),
+    (lambda d: d["interaction"].update(approx="poly9"), "model.interaction.approx"),
 ])
 def test_config_errors_name_the_key(mutate, key):
     with pytest.raises(ConfigError) as e:
@@ -93,3 +98,18 @@ def test_moe_grouped_mm_reaches_every_moe_block(value):
     cfg = ModelConfig.from_dict(_cfg(lambda d: d["moe"].update(grouped_mm=value)))
     moes = [b.ffn for b in build_blocks(cfg) if isinstance(b.ffn, MoE)]
     assert moes and all(m.use_grouped_mm is value for m in moes)
+
+
+@pytest.mark.parametrize("mutate,line", [
+    (lambda d: d["tower"].update(rope_base=-1), "model.tower.rope_base: must be > 0 (got -1.0)"),
+    (lambda d: d["tower"].update(attention="flash"), "model.tower.attention: must be jfa, swa or block (got flash)"),
+    (lambda d: d["tower"].update(num_blocks="two"), "model.tower.num_blocks: expected an integer (got two)"),
+    (lambda d: d["tower"].update(depth=3), "model.tower.depth: unknown key (expected one of"),
+])
+def test_one_message_format(mutate, line):
+    """`<key>: <what> (got <value>)`, the format of every config group."""
+    from gem._config import ConfigError as AnyConfigError
+
+    with pytest.raises(AnyConfigError) as e:
+        ModelConfig.from_dict(_cfg(mutate))
+    assert str(e.value).startswith(line), str(e.value)

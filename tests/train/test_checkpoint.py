@@ -1,5 +1,7 @@
 """Atomic DCP checkpoints: complete step_N dirs only, interrupted saves leave nothing loadable behind."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -71,3 +73,130 @@ def test_non_tensor_state_is_refused(tmp_path):
     assert not (tmp_path / "step_1").exists()
     with pytest.raises(ValueError, match="keep"):
         Checkpointer(tmp_path, keep=0)
+
+
+class _RunsCode:
+    """A pickle payload that would create a file when unpickled by a plain unpickler."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+class _RunsCommand:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("payload", [_RunsCode, _RunsCommand])
+def test_crafted_metadata_runs_no_code(tmp_path, payload):
+    """A checkpoint whose .metadata would run code when unpickled is refused with one line; no code runs."""
+    import pickle
+
+    from gem.train.checkpoint import CheckpointError
+
+    c = Checkpointer(tmp_path / "ck")
+    path = c.save(1, _state(1.0))
+    marker = tmp_path / "pwned"
+    crafted = pickle.dumps(payload(marker))
+    pickle.loads(crafted)  # the payload is real: a plain unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    (path / ".metadata").write_bytes(crafted)
+    assert latest_checkpoint(tmp_path / "ck")[1] == path
+    with pytest.raises(CheckpointError) as e:
+        c.load(path, _state(0.0))
+    assert not marker.exists()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path / ".metadata")) and "disallowed" in msg, msg
+    # DCP's own entry point with the safe reader refuses it too
+    from gem.train.checkpoint import SafeFileSystemReader
+
+    with pytest.raises(BaseException):  # noqa: B017 - DCP's CheckpointException is a BaseException
+        dcp.load(_state(0.0), storage_reader=SafeFileSystemReader(str(path)))
+    assert not marker.exists()
+
+
+def test_metadata_with_a_bytes_entry_or_outside_file_is_refused(tmp_path):
+    """DCP would torch.load a bytes entry without weights_only; a storage path may not leave the directory."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from gem.train.checkpoint import CheckpointError, load_metadata
+
+    path = Checkpointer(tmp_path / "ck").save(1, _state(1.0))
+    good = load_metadata(path)
+    assert "model.w" in good.state_dict_metadata and list(good.state_dict_metadata["model.w"].size) == [3, 2]
+
+    md = load_metadata(path)
+    md.state_dict_metadata["model.w"] = BytesStorageMetadata()
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="'model.w' is not a tensor"):
+        load_metadata(path)
+
+    md = good
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../etc/passwd"
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        load_metadata(path)
+
+
+def test_mismatched_model_names_the_config_values(tmp_path):
+    """A checkpoint of another model fails before loading, with one line listing the config values that differ;
+    keys marked as free (parallel degrees) are not listed."""
+    from gem.train.checkpoint import CheckpointError
+
+    saved_cfg = {"model.d_model": 2, "model.tower.num_blocks": 2, "parallel.dp_shard": 2}
+    Checkpointer(tmp_path, config=saved_cfg).save(3, _state(3.0))
+    _, path = latest_checkpoint(tmp_path)
+    assert json.loads((path / "gem_config.json").read_text()) == saved_cfg
+
+    now = {"model.d_model": 4, "model.tower.num_blocks": 2, "parallel.dp_shard": 1}
+    into = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2)}, "progress": {"step": torch.tensor(0)}}
+    c = Checkpointer(tmp_path, config=now, ignore=("parallel.dp_shard",))
+    with pytest.raises(CheckpointError) as e:
+        c.load(path, into)
+    msg = str(e.value)
+    assert "\n" not in msg and "model.d_model=2 (got 4)" in msg and "dp_shard" not in msg and "num_blocks" not in msg
+    assert torch.equal(into["model"]["b"], torch.zeros(2))  # nothing was loaded
+
+    # a missing key, no saved config: the key is named
+    (path / "gem_config.json").unlink()
+    into = {"model": {"w": torch.zeros(3, 2), "extra": torch.zeros(1)}}
+    with pytest.raises(CheckpointError, match="'model.extra' is not in the checkpoint"):
+        c.load(path, into)
+    # only the degrees differ: it loads (DCP reshards)
+    Checkpointer(tmp_path / "b", config=saved_cfg).save(1, _state(1.0))
+    c = Checkpointer(tmp_path / "b", config={**saved_cfg, "parallel.dp_shard": 1}, ignore=("parallel.dp_shard",))
+    into = _state(0.0)
+    c.load(latest_checkpoint(tmp_path / "b")[1], into)
+    assert torch.equal(into["model"]["w"], torch.full((3, 2), 1.0))
+
+
+def test_load_failure_past_the_model_check_names_the_config_values(tmp_path):
+    """Optimizer state of another sparse optimizer (the model's tensors match): DCP's failure becomes one line
+    naming the differing value, and without a saved config one line quoting DCP."""
+    from gem.train.checkpoint import CheckpointError
+
+    saved = {"train.sparse_optimizer.name": "rowwise_adagrad"}
+    Checkpointer(tmp_path, config=saved).save(1, _state(1.0))
+    path = latest_checkpoint(tmp_path)[1]
+    into = {**_state(0.0), "optim": {"momentum": torch.zeros(3)}}
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path, config={"train.sparse_optimizer.name": "adam"}).load(path, into)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.sparse_optimizer.name=rowwise_adagrad (got adam)" in msg, msg
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path).load(path, into)
+    assert "\n" not in str(e.value) and "cannot load it (" in str(e.value) and "optim.momentum" in str(e.value)

@@ -41,7 +41,15 @@ def test_config_error_exits_2_with_one_line(tmp_path):
     [
         ("train.no_such_key=1", "train.no_such_key"),  # unknown key (struct mode)
         ("+train.extra=1", "train.extra"),  # a key added with + is still unknown to the trainer
-        ("train.warmup_steps=50", "train.warmup_steps"),  # inconsistent with train.steps=20
+        ("train.stop_at_step=50", "train.stop_at_step"),  # inconsistent with train.steps=20
+        ("train.sparse_optimizer.name=lamb", "train.sparse_optimizer.name: must be rowwise_adagrad, adagrad, adam"),
+        ("train.sparse_optimizer.lr=-1", "train.sparse_optimizer.lr: must be > 0 (got -1.0)"),
+        ("+train.sparse_optimizer.momentum=0.9", "train.sparse_optimizer.momentum: only sgd takes momentum"),
+        ("train.lr=-1", "train.lr: must be > 0 (got -1.0)"),
+        ("model.tower.rope_base=-1", "model.tower.rope_base: must be > 0 (got -1.0)"),
+        ("model.tower.attention=flash", "model.tower.attention: must be jfa, swa or block (got flash)"),
+        ("parallel.dense=zero3", "parallel.dense: must be auto, ddp or fsdp (got zero3)"),
+        ("data.schema.history.max_len=0", "data.schema.history.max_len: must be >= 1 (got 0)"),
         ("model.num_dense=3", "model.num_dense"),  # inconsistent with the data schema
         ("data.batch_size=0", "data.batch_size"),
         ("parallel.dp_shard=3", "parallel.dp_shard"),  # cannot lay out on 1 rank
@@ -60,6 +68,41 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch, capsys, override, key
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("gem-train: error: ") and key in lines[0], err
     assert not (tmp_path / "outputs").exists()
+
+
+def test_device_capability_is_checked_up_front(monkeypatch, capsys):
+    import torch
+
+    from gem.train.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only case")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["--check", "model.kernel=triton"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gem-train: error: model.kernel: Triton kernels need a CUDA GPU") and err.endswith(
+        "(got triton)"), err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["--check", "model.kernel=triton"]) == 0
+
+
+def test_short_run_clamps_the_warmup_and_says_so_once(tmp_path, monkeypatch, capsys, caplog):
+    """`train.steps=8` with the default (longer) warmup is a valid short run: the warmup is clamped, said once."""
+    import logging
+
+    from gem.train.__main__ import main
+    from gem.train.config import TrainConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.WARNING, logger="gem.train")
+    assert main(["--check", "train.steps=3", "train.warmup_steps=7"]) == 0
+    assert main(["--check", "train.steps=3", "train.warmup_steps=7"]) == 0
+    said = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert said == ["train.warmup_steps=7 is longer than train.steps=3: warming up over all 3 steps"], said
+    assert TrainConfig.from_dict({"steps": 3, "warmup_steps": 7}).warmup_steps == 3
 
 
 def test_check_flag_accepts_a_good_config(tmp_path):
@@ -98,7 +141,8 @@ def test_train_one_rank(tmp_path):
 
 
 def test_train_two_ranks_and_resume(tmp_path):
-    """torchrun, 2 ranks on gloo: loss falls, one run directory; resuming from step 10 retraces steps 11..20."""
+    """torchrun, 2 ranks on gloo: loss falls, one run directory; resuming from step 10 retraces steps 11..20, logged
+    once."""
     import shutil
 
     args = [*SMALL, "train.steps=20", "train.eval_every=0", "train.checkpoint.every=10", "hydra.run.dir=run"]
@@ -118,7 +162,63 @@ def test_train_two_ranks_and_resume(tmp_path):
     second = _run(tmp_path, [*args, "train.resume=true"], nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr + second.stdout
-    b = [r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r][20:]
-    assert [r["step"] for r in b] == list(range(11, 21))
-    for ra, rb in zip(a[10:], b):
+    # the redone steps 11..20 replace their first records: each step once
+    b = [r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in b] == list(range(1, 21))
+    assert b[:10] == a[:10]
+    for ra, rb in zip(a[10:], b[10:]):
         assert rb["train/loss"] == pytest.approx(ra["train/loss"], abs=1e-6), rb["step"]
+
+
+def test_help_teaches_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    """`scripts/train.sh --help` prints the help once, before any setup and without starting ranks; `python -m
+    gem.train --help` prints the same text."""
+    import os
+    import sys
+
+    from gem.train.__main__ import main
+    from tests.train._util import ROOT
+
+    e = dict(env(tmp_path), PYTHON=sys.executable, NPROC="2")
+    p = subprocess.run(["bash", str(ROOT / "scripts/train.sh"), "--nproc", "2", "--help"], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""  # no environment setup, no torchrun
+    text = p.stdout
+    assert text.count("The two commands") == 1
+    for part in ("scripts/train.sh", "scripts/test.sh", "--check", "--nproc", "torchrun", "launch_multinode.sh",
+                 "gem-train: error:"):
+        assert part in text, part
+    first = (ROOT / "gem/configs/model/gem_tiny.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+    line = next(ln for ln in text.splitlines() if "model=gem_tiny" in ln)
+    assert "(default)" in line and first in line, line
+    for group in ("data", "experiment", "model", "parallel", "train"):
+        assert f"  {group}:" in text, group
+    monkeypatch.setitem(os.environ, "GEM_CONFIG_DIR", str(ROOT / "gem" / "configs"))
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == text
+
+
+def test_check_on_4_ranks_degrees_imply_hsdp(monkeypatch, capsys):
+    """`--check` against WORLD_SIZE: dp_replicate=2 dp_shard=2 on 4 ranks is HSDP without naming parallel.dense;
+    naming ddp with it is a contradiction, one line."""
+    from gem.train.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--check", "parallel.dp_replicate=2", "parallel.dp_shard=2"]) == 0
+    assert "config ok" in capsys.readouterr().out
+    assert main(["--check", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.dense=ddp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gem-train: error: parallel.dense: HSDP (dp_replicate=2) needs fsdp or auto (got ddp)", err
+
+
+def test_run_time_user_error_one_line_exit_2(tmp_path):
+    """Past the pre-flight check (here: resume=true with no checkpoint, found when the trainer starts): one line
+    naming the key, exit status 2, no trace."""
+    p = _run(tmp_path, [*SMALL, "train.steps=2", "train.resume=true", "hydra.run.dir=run"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = _error_lines(p.stderr)
+    want = f"gem-train: error: train.resume: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}"
+    assert len(lines) == 1 and lines[0].startswith(want) and lines[0].endswith("(got true)"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout

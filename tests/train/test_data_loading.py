@@ -161,7 +161,7 @@ def test_num_workers_config_is_checked():
     data = dict(cfg.data)
     assert DataConfig.from_dict(data).num_workers == 0
     assert DataConfig.from_dict({**data, "num_workers": 3}).num_workers == 3
-    with pytest.raises(ValueError, match="data.num_workers must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"data.num_workers: must be >= 0 \(got -1\)"):
         DataConfig.from_dict({**data, "num_workers": -1})
     with pytest.raises(ValueError, match="num_worker"):  # unknown keys still fail
         DataConfig.from_dict({**data, "num_worker": 2})

@@ -27,25 +27,60 @@ def _fit(run_dir: Path, *overrides: str):
 
 
 def test_resume_continues_the_same_trajectory(tmp_path):
+    """Resuming from step 5 after a run that reached step 10 redoes steps 6..10 exactly; metrics.jsonl and
+    TensorBoard then show each step once."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.train._util import read_jsonl
+
     common = ("train.steps=20", "train.eval_every=0", "train.seed=3")
     straight, _ = _fit(tmp_path / "a", *common)
-    first, _ = _fit(tmp_path / "b", *common, "train.stop_at_step=10", "train.checkpoint.every=5")
+    first, _ = _fit(tmp_path / "b", *common, "train.stop_at_step=10", "train.checkpoint.every=5",
+                    "train.tensorboard=true")
     assert first.steps == 10
-    assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [5, 10]
-    second, t = _fit(tmp_path / "b", *common, "train.resume=true", "train.checkpoint.every=0")
+    ckpts = tmp_path / "b" / "checkpoints"
+    assert [s for s, _ in list_checkpoints(ckpts)] == [5, 10]
+    shutil.rmtree(ckpts / "step_10")  # as if the job had died after step 5's checkpoint
+    second, t = _fit(tmp_path / "b", *common, "train.resume=true", "train.checkpoint.every=0",
+                     "train.tensorboard=true")
     assert t.step == 20 and second.steps == 20
-    assert len(straight.losses) == 20 and len(first.losses) == 10 and len(second.losses) == 10
+    assert len(straight.losses) == 20 and len(first.losses) == 10 and len(second.losses) == 15
     # the loss must actually move, or equality would prove nothing
     assert max(straight.losses) - min(straight.losses) > 1e-3
     torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses[:10]), rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(straight.losses[10:]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(straight.losses[5:]), rtol=0, atol=1e-6)
     for k, v in straight.eval_metrics.items():
         assert second.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
+    logged = [r["step"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "train/loss" in r]
+    assert logged == list(range(1, 21))
+    acc = EventAccumulator(str(tmp_path / "b" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path):
-    result, _ = _fit(tmp_path, "train.steps=2", "train.resume=true", "train.eval_every=0")
+def test_resume_true_without_checkpoint_fails(tmp_path):
+    """`train.resume=true` insists: no checkpoint is an error naming the key and the directory, not a fresh run."""
+    from gem.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError) as e:
+        _fit(tmp_path, "train.steps=2", "train.resume=true", "train.eval_every=0")
+    msg = str(e.value)
+    assert msg.startswith("train.resume: no complete checkpoint in") and str(tmp_path) in msg and "\n" not in msg
+    result, _ = _fit(tmp_path, "train.steps=2", "train.resume=auto", "train.eval_every=0")
     assert result.steps == 2 and len(result.losses) == 2
+
+
+def test_resume_with_another_model_names_the_difference(tmp_path):
+    from gem.train.checkpoint import CheckpointError
+
+    _fit(tmp_path, "train.steps=2", "train.eval_every=0", "train.checkpoint.every=2")
+    with pytest.raises(CheckpointError) as e:
+        _fit(tmp_path, "train.steps=4", "train.eval_every=0", "train.resume=true", "model.tower.num_blocks=3")
+    msg = str(e.value)
+    assert "\n" not in msg and "model.tower.num_blocks=2 (got 3)" in msg, msg
+    assert "parallel." not in msg and "model.d_model" not in msg, msg
 
 
 class _Corrupting:
