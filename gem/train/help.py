@@ -19,7 +19,8 @@ The two commands:
 
   scripts/train.sh                                  the embedded default: tiny GEM, synthetic data, 2 ranks on CPU
   scripts/train.sh train.steps=600 model.tower.num_blocks=4    any config value, as KEY=VALUE (Hydra overrides)
-  scripts/train.sh --nproc 1 experiment=gpu_base    --nproc N: ranks on this machine (1: one plain process)
+  scripts/train.sh --nproc 1 train.steps=50         --nproc N: ranks on this machine (1: one plain process)
+  python -m gem.train experiment=gpu_base           one GPU (the GPU stack installed: see docs/GPU.md)
   scripts/train.sh --check parallel.dp_replicate=2  check the config against --nproc ranks, start nothing
 
 Options:

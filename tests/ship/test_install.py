@@ -79,3 +79,16 @@ def test_installed_bench_entry_point(installed, tmp_path):
     out = _run([str(installed / "bin" / "gem-bench"), "--help"], installed, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "--single-gpu-json" in out.stdout and "Hydra overrides" in out.stdout
+
+
+def test_installed_gem_command_dispatches(installed, tmp_path):
+    """`gem plan ...` as the docs write it, `gem train --check`, and one line for an unknown command."""
+    gem = str(installed / "bin" / "gem")
+    plan = _run([gem, "plan", "--help"], installed, tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert "topology." in plan.stdout
+    check = _run([gem, "train", "--check", "train.steps=70"], installed, tmp_path)
+    assert check.returncode == 0 and check.stdout.strip() == "gem-train: config ok", check.stderr
+    bad = _run([gem, "serve"], installed, tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "gem: error: unknown command 'serve' (expected train, plan or bench)"
