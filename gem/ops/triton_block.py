@@ -177,7 +177,8 @@ def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_o
 def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd,
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
-                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr):
+                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                DOT_PREC: tl.constexpr):
     """K: the rotated copy of k (with RoPE)."""
     w, h, b = _work_item(work, H)
     if b < 0:
@@ -214,7 +215,8 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
 def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi, offs_n, d, d_ok, cos_ptr,
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
-               CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr):
+               CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+               DOT_PREC: tl.constexpr):
     """dK, dV of a key tile += one query tile's share (query rows < hi). MASK: diagonal, ragged-end or
     block-straddling tile. Key rows past the sequence end make garbage rows of dK/dV that are never stored."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -351,11 +353,10 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     if b < 0:
         return
     start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
-    hk = h // GROUP
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     d = tl.arange(0, D_B)
     d_ok = d < D
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
@@ -363,6 +364,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + r_off, delta, mask=m_ok)
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
+    hk = h // GROUP
     dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dqp = tl.zeros([BLOCK_M, PASS_B], dtype=tl.float32)

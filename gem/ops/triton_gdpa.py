@@ -184,6 +184,22 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 
 @triton.jit
+def _q_item(Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A q-tiled program's sequence: bounds, diagonal offset, head-dim and key offsets, and its q, K, V rows."""
+    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
+    doff = lk - lq
+    kvh = head // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n0 = tl.arange(0, BLOCK_N)
+    Qb = Q + q_start * stride_qt + head * stride_qh
+    Kb = K + k_start * stride_kt + kvh * stride_kh
+    Vb = V + k_start * stride_vt + kvh * stride_vh
+    return q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb
+
+
+@triton.jit
 def _rows(P, offs, stride, offs_d):
     """Pointers [R, BLOCK_D] to rows offs of a [T, D] slice with row stride `stride`."""
     return P + offs[:, None] * stride + offs_d[None, :]
@@ -292,19 +308,15 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
                 ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
                 C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
                 DOT_PREC: tl.constexpr):
+    """O of one work item: TILES q tiles of one head (SHORT_KV: over the sequence's whole K/V in one tile; FLAT:
+    one fused loop over (q tile, K/V tile) pairs)."""
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
-    doff = lk - lq
-    kvh = head // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n0 = tl.arange(0, BLOCK_N)
-    Qb = Q + q_start * stride_qt + head * stride_qh
+    q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb = _q_item(
+        Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, GROUP,
+        HEAD_DIM, BLOCK_D, BLOCK_N)
     Ob = O + q_start * stride_ot + head * stride_oh
-    Kb = K + k_start * stride_kt + kvh * stride_kh
-    Vb = V + k_start * stride_vt + kvh * stride_vh
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
@@ -413,6 +425,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
                      ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
                      C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
                      DOT_PREC: tl.constexpr):
+    """dK, dV of one key tile of one kv head, over the q tiles of every head of its GQA group."""
     b, tile, kvh = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
@@ -462,24 +475,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
 def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, scale, out_scale, LEFT, RIGHT,
                    max_len_bucket, NUM_HEADS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                   C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
+                   POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                   C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dQ of one q tile of one head."""
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
-    doff = lk - lq
-    kvh = head // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n0 = tl.arange(0, BLOCK_N)
-    Qb = Q + q_start * stride_qt + head * stride_qh
+    m0 = group_id * BLOCK_M
+    q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb = _q_item(
+        Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, GROUP,
+        HEAD_DIM, BLOCK_D, BLOCK_N)
     DOb = DO + q_start * stride_dot + head * stride_doh
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
-    Kb = K + k_start * stride_kt + kvh * stride_kh
-    Vb = V + k_start * stride_vt + kvh * stride_vh
-    m0 = group_id * BLOCK_M
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

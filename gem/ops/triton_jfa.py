@@ -22,6 +22,8 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -91,6 +93,13 @@ def _q_item(OFF_Q, OFF_K, item, h, NT, GROUP: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh):
+    """Pointers to one sequence's K and V rows of kv head kvh."""
+    return (K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh,
+            V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh)
+
+
+@triton.jit
 def _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     """TMA descriptors of one sequence's K and V rows: rows >= Lk come back as zeros (the subtraction scheme's
     masked rows). Lk = 0 never loads (no tiles); the shape only has to be valid."""
@@ -121,9 +130,11 @@ def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_
 
 
 @triton.jit
-def _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N: tl.constexpr,
+def _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key tiles seen by query rows [m0, rows_last]: start column, tile count, fully visible tiles [k_lo, k_hi)."""
+    """Key tiles seen by the query rows of the tile at m0: start column, tile count, fully visible tiles
+    [k_lo, k_hi)."""
+    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo = 0
     hi = Lk
     if HAS_LEFT:
@@ -228,14 +239,11 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
                                                                                   BLOCK_M, BLOCK_N, HEAD_D)
     q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=in_q[:, None], other=0.0)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    desc_k = None
-    desc_v = None
+    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
                                          offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo,
@@ -248,8 +256,8 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
             acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
                                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo,
-                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
-                                                 BLOCK_M, BLOCK_N, HEAD_D)
+                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
+                                                 TMA, BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -464,14 +472,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=in_q)
     else:
         delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    desc_k = None
-    desc_v = None
+    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
@@ -483,10 +488,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
                       False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
-    for t in range(k_full, k_hi):  # the fully visible tile crossing Lk
+    for t in range(k_full, k_hi):  # the fully visible tile crossing Lk: masked, or clamped for the sub scheme
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      MASK_EDGE, SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+                      MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
+                      ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
@@ -586,7 +592,9 @@ def _tma_ok(*tensors) -> bool:
                and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) for t in tensors)
 
 
-def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
+         max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
+         mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
@@ -613,7 +621,9 @@ def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right
     return out, lse
 
 
-def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+         offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, scale: float, left: int,
+         right: int, mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     tk, h_kv, _ = k.shape
     group = h // h_kv
@@ -644,45 +654,40 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
                   do.stride(1))
     scalars = (scale * LOG2E, scale, max(left, 0), max(right, 0))
 
-    # The two passes are separate kernels, each tuned on its own (tiles, warps and stages).
-    def dkdv(cfg):
-        bm1, bn1, warps, stages = cfg
-        work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right)
-        grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
-        _jfa_bwd_dkdv_kernel[grid_k](
-            q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k, *in_strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *scalars, nt_k,
-            H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
+    # The two passes are separate kernels, each tuned on its own (tiles, warps and stages): per pass, its kernel, the
+    # sides its work table tiles (keys for dK/dV, queries for dQ), which config entry is the tile height, its heads,
+    # its outputs and its own constexprs.
+    passes = {
+        "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, 1, h_kv, (dk, dv), {}),
+        "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, 0, h, (dq, out),
+                   dict(SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0)),
+    }
 
-    def dq_pass(cfg):
-        bm2, bn2, warps, stages = cfg
-        work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right)
-        grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
-        _jfa_bwd_dq_kernel[grid_q](
-            q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q, *in_strides,
-            dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0), *scalars, nt_q,
-            H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
-            BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
+    def launch(kind, cfg):
+        kernel, off_a, off_b, max_len_a, tile_of, heads, (out1, out2), extra = passes[kind]
+        bm, bn, warps, stages = cfg
+        work, nt = _cached_table(off_a, off_b, max_len_a, cfg[tile_of], left, right)
+        kernel[(work.numel() * heads,) if v2 else (work.numel(), heads)](
+            q, k, v, do, lse2, delta, out1, out2, offsets_q, offsets_k, work, *in_strides, out1.stride(0),
+            out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, len_bucket(max_len_q),
            len_bucket(max_len_k), left, right, group)
     # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
-    for kind, run in ((("bwd_dq", dq_pass), ("bwd_dkdv", dkdv)) if v2 else (("bwd_dkdv", dkdv), ("bwd_dq", dq_pass))):
+    for kind in ("bwd_dq", "bwd_dkdv") if v2 else ("bwd_dkdv", "bwd_dq"):
         if kind == "bwd_dkdv" and not tk:
             continue
-        which = kind[4:]
-        run(_TUNER.pick(kind, key, lambda which=which: _pass_configs(d, form, which), run, q.device))
+        run = functools.partial(launch, kind)
+        run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device))
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------- torch op
 
 
-@torch.library.custom_op("gem::jfa_fwd", mutates_args=())
-def jfa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-               max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
-               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+# the custom ops wrap the annotated functions themselves (their schemas come from the annotations)
+jfa_fwd_op = torch.library.custom_op("gem::jfa_fwd", _fwd, mutates_args=())
 
 
 @jfa_fwd_op.register_fake
@@ -690,12 +695,7 @@ def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, m
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("gem::jfa_bwd", mutates_args=())
-def jfa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int,
-               scale: float, left: int, right: int,
-               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+jfa_bwd_op = torch.library.custom_op("gem::jfa_bwd", _bwd, mutates_args=())
 
 
 @jfa_bwd_op.register_fake
