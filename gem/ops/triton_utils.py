@@ -218,5 +218,5 @@ def work_table(cost: str, offsets_a, offsets_b, max_len_a: int, block: int, *, l
         raise ValueError(f"cost={cost!r}: expected one of {COSTS}")
     if not cached:
         return build()
-    key = (cost, max_len_a, block, left, right, transpose, ordered, total)
-    return offsets_cached("work", offsets_a, offsets_b, key, build)
+    key = (max_len_a, block, left, right, transpose, ordered, total)
+    return offsets_cached(f"work:{cost}", offsets_a, offsets_b, key, build)

@@ -73,11 +73,11 @@ def test_each_activation_fwd_bwd(activation):
 @pytest.mark.parametrize("activation", ("gelu_tanh", "silu"))
 @pytest.mark.parametrize("short_kv,causal", [(True, False), (False, True)])
 def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
-    # GEM_GDPA_TANH=approx: gelu_tanh and silu written with one tanh (on CPU that tanh goes through exp), forward
-    # and the derivative the backward recomputes; both K/V paths and a masked case.
+    # gelu_tanh and silu written with one tanh, as the GPU runs them for bf16 (on CPU that tanh goes through exp):
+    # forward and the derivative the backward recomputes; both K/V paths and a masked case.
     from gem.ops import triton_gdpa
 
-    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
+    monkeypatch.setattr(triton_gdpa, "tanh_form", lambda act, approx, dtype: not approx and act in ("gelu_tanh", "silu"))
     seen = []
     real = triton_gdpa._consts
     monkeypatch.setattr(triton_gdpa, "_consts", lambda *a: seen.append(real(*a)["ACT"]) or real(*a))
@@ -85,119 +85,73 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
 
 
-@pytest.mark.parametrize("narrow", ["1", "0"])
-@pytest.mark.parametrize("causal,tile", [(False, 64), (True, 64), (False, 128)])
-def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
-    """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
-    a quarter of it that holds its keys: lengths at and one past each width's edge (16 and 32 of a 64-key tile,
-    32 and 64 of a 128-key one), 0 and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
+def _spy_kind(monkeypatch, kind):
+    """Records (launch keywords, grid) of every launch of one GDPA kernel kind, and launches it."""
     from gem.ops import triton_gdpa
 
-    monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})  # no pick keyed by these spies outlives the test
+    kernel, names = triton_gdpa._KINDS[kind]
     seen = []
 
-    class Spy:  # the launches' NARROW flag: both short-K/V kernels must get the knob's value
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getattr__(self, name):  # configs, cache, best_config, fn: the tuner's own
-            return getattr(self.kernel, name)
-
+    class Spy:
         def __getitem__(self, grid):
-            launch = self.kernel[grid]
-            return lambda *a, **kw: seen.append(kw["NARROW"]) or launch(*a, **kw)
+            launch = kernel[grid]
+            return lambda *a, **kw: seen.append((kw, grid)) or launch(*a, **kw)
 
-    monkeypatch.setattr(triton_gdpa, "_fwd_short", Spy(triton_gdpa._fwd_short))
-    monkeypatch.setattr(triton_gdpa, "_bwd_short", Spy(triton_gdpa._bwd_short))
+    monkeypatch.setitem(triton_gdpa._KINDS, kind, (Spy(), names))
+    return seen
+
+
+@pytest.mark.parametrize("causal,tile", [(False, 64), (True, 64), (False, 128)])
+def test_short_kv_narrow_tiles(monkeypatch, causal, tile):
+    """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
+    a quarter of it that holds its keys: lengths at and one past each width's edge (16 and 32 of a 64-key tile,
+    32 and 64 of a 128-key one), 0 and 1, under GQA."""
+    fwd, bwd = _spy_kind(monkeypatch, "fwd_short"), _spy_kind(monkeypatch, "bwd_short")
     q4, q2 = tile // 4, tile // 2
     lk = [1, q4, q4 + 1, q2, q2 + 1, tile, 0, 9]
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
-    assert seen == [narrow == "1"] * 2
+    assert [kw["BLOCK_N"] for kw, _ in fwd + bwd] == [tile, tile]  # both short-K/V kernels, on the whole tile
 
 
 @pytest.mark.parametrize("keys_major", [True, False])
-@pytest.mark.parametrize("narrow,scale_q,kw", [("1", "0", {"causal": True}), ("0", "1", {"window": (3, 2)}),
-                                               ("1", "1", {"activation": "relu2"}), ("1", "0", {"window": (0, 5)})])
-def test_one_pass_backward_forms(monkeypatch, keys_major, narrow, scale_q, kw):
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": (3, 2)}, {"activation": "relu2"}, {"window": (0, 5)}])
+def test_one_pass_backward_forms(monkeypatch, keys_major, kw):
     """The one-pass backward computing scores keys-major (S^T = K Q^T; KT) or row-major, pinned by its config:
-    masks (causal, two-sided windows), narrow and full K/V tiles, q scaled or not, lengths 0 and 1 and at the narrow
-    tiles' edges, GQA 4:2, several q tiles per sequence."""
-    import triton
-
+    masks (causal, two-sided windows), narrow and full K/V tiles, lengths 0 and 1 and at the narrow tiles' edges,
+    GQA 4:2, several q tiles per sequence."""
     from gem.ops import triton_gdpa
 
-    tuned = triton_gdpa._bwd_short
-    monkeypatch.setattr(tuned, "configs", [triton.Config({"BLOCK_M": 16, "KT": keys_major}, num_warps=1,
-                                                         num_stages=1)])
-    monkeypatch.setattr(tuned, "cache", {})
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
-    monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
-    used = []
-    real_fn_run = tuned.fn.run
-
-    def run(*a, grid, **launch_kw):
-        used.append((launch_kw["KT"], launch_kw["BLOCK_N"], grid[0]))
-        return real_fn_run(*a, grid=grid, **launch_kw)
-
-    monkeypatch.setattr(tuned.fn, "run", run)
+    monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short",
+                        [{"BLOCK_M": 16, "KT": keys_major, "num_warps": 1, "num_stages": 1}])
+    monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
+    used = _spy_kind(monkeypatch, "bwd_short")
     _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True,
            **{"activation": "gelu", **kw})
-    assert used == [(keys_major, 64, 16)]  # one program per (sequence, kv head)
+    assert [(k["KT"], k["BLOCK_N"], grid[0]) for k, grid in used] == [(keys_major, 64, 16)]  # per (sequence, kv head)
 
 
-def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
-    """After a key's first call (through triton.autotune, which picks the config) the same call launches the picked
-    config directly, with the same outputs; a swapped configs list (as the every-config test does) or another key
-    (here a new constexpr: causal) goes through the tuner again."""
+def test_configs_tuned_per_key(monkeypatch):
+    """GDPA's kernels go through the shared ConfigTuner: a key's first call times every candidate and launches the
+    fastest, later calls launch it untimed with the same outputs, and another key (here causal: MASKED) tunes
+    again."""
     from gem.ops import triton_gdpa
 
-    tuned = triton_gdpa._fwd_short
-    through, direct = [], []
-    real_run, real_fn_run = type(tuned).run, tuned.fn.run
-    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
-    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
-    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
+    one = {"BLOCK_M": 16, "KT": False, "num_warps": 1, "num_stages": 1}
+    two = {"BLOCK_M": 16, "KT": True, "num_warps": 2, "num_stages": 1}
+    monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short", [one, two])
+    monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
+    monkeypatch.delenv("GEM_AUTOTUNE", raising=False)
+    timed = []
 
-    def call(**kw):
-        return gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=True, activation="silu", **kw).detach()
+    def bench(fn):  # a fake clock: `two` is the faster config
+        before = len(launched)
+        fn()
+        timed.append(launched[before][0]["num_warps"])
+        return 1.0 if launched[before][0]["num_warps"] == 2 else 2.0
 
-    first = call()
-    assert through.count(tuned) == 1 and len(direct) == 1
-    again = call()
-    assert through.count(tuned) == 1 and len(direct) == 2  # launched without the tuner
-    assert direct[1] == tuned.best_config.num_warps
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
-    _close(again, gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu"), torch.float32, "direct launch")
-    call(causal=True)  # a new key: MASKED changes
-    assert through.count(tuned) == 2
-    monkeypatch.setattr(tuned, "configs", list(tuned.configs))  # a new list object: pick again
-    torch.testing.assert_close(call(), first, rtol=0, atol=0)
-    assert through.count(tuned) == 3
-
-
-def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
-    """With several configs: the config the tuner timed fastest is launched, directly after the first call; a
-    cleared tuner cache tunes again (here to the other config), also after another key has refilled the cache."""
-    import triton
-
-    from gem.ops import triton_gdpa
-
-    tuned = triton_gdpa._bwd_short
-    one = triton.Config({"BLOCK_M": 16, "KT": False}, num_warps=1, num_stages=1)
-    two = triton.Config({"BLOCK_M": 16, "KT": False}, num_warps=2, num_stages=1)
-    monkeypatch.setattr(tuned, "configs", [one, two])
-    monkeypatch.setattr(tuned, "cache", {})
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
-    fastest = [two]  # the fake timer's pick
-    monkeypatch.setattr(tuned, "_bench", lambda *a, config, **kw: [1.0 if config is fastest[0] else 2.0] * 3)
-    through, direct = [], []
-    real_run, real_fn_run = type(tuned).run, tuned.fn.run
-    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
-    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
+    monkeypatch.setattr(triton_gdpa._TUNER, "bench", bench)
+    launched = _spy_kind(monkeypatch, "bwd_short")
     q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
 
     def bwd(**kw):
@@ -205,64 +159,34 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
         return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     first = bwd()
-    assert through.count(tuned) == 1 and direct == [2]
+    assert timed == [1, 2] and launched[-1][0]["num_warps"] == 2  # both timed, the fastest launched
     again = bwd()
-    assert through.count(tuned) == 1 and direct == [2, 2]  # the pick, launched without the tuner
+    assert timed == [1, 2] and len(launched) == 4 and launched[-1][0]["num_warps"] == 2  # untimed
     ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
-    refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
-    for name, got, prev, want in zip(("dq", "dk", "dv"), again, first, refs):
+    for name, got, prev, want in zip(("dq", "dk", "dv"), again, first,
+                                     torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
         torch.testing.assert_close(got, prev, rtol=0, atol=0)
-        _close(got, want, torch.float32, f"direct launch {name}")
-    tuned.cache.clear()
-    fastest[0] = one
-    bwd(causal=True)  # another key refills the cache
-    assert through.count(tuned) == 2 and direct[-1] == 1
-    torch.testing.assert_close(bwd(), first, rtol=0, atol=0)  # the first key's old pick is gone with the cache
-    assert through.count(tuned) == 3 and direct[-1] == 1
+        _close(got, want, torch.float32, name)
+    bwd(causal=True)
+    assert timed == [1, 2, 1, 2]
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
-def test_short_kv_knob_bad_value(monkeypatch, knob):
-    monkeypatch.setenv(knob, "yes")
-    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
-    with pytest.raises(ValueError, match=f"{knob}='yes'"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-
-
-def test_narrow_knob_checked_by_the_backward(monkeypatch):
-    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    monkeypatch.setenv("GEM_GDPA_NARROW", "yes")
-    with pytest.raises(ValueError, match="GEM_GDPA_NARROW='yes'"):
-        out.sum().backward()
-
-
-@pytest.mark.parametrize("scale_q", ["0", "1"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_short_kv_forward_scaling_q_or_s(monkeypatch, scale_q, causal):
-    """The short-K/V forward scales S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1)."""
-    monkeypatch.setenv("GEM_GDPA_FWD_SCALE_Q", scale_q)
+def test_short_kv_forward(causal):
+    """The short-K/V forward (the scale applied to S), GQA, sequences of 0 and 1 and up to a 64-key tile."""
     _check([3, 20, 1, 0, 40], [1, 17, 33, 5, 64], h=4, hk=2, activation="silu", causal=causal, short_kv=True)
 
 
-def test_tanh_mode_picks_the_form(monkeypatch):
+def test_tanh_form_on_gpu_bf16_only(monkeypatch):
+    from gem.ops import triton_gdpa
     from gem.ops.triton_gdpa import tanh_form
 
-    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
-    assert tanh_form("silu", "", torch.float32) and not tanh_form("gelu", "", torch.bfloat16)
-    assert not tanh_form("silu", "poly6", torch.bfloat16)  # poly6 keeps its own polynomial
-    monkeypatch.setenv("GEM_GDPA_TANH", "exact")
-    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
-    monkeypatch.setenv("GEM_GDPA_TANH", "auto")  # the interpreter has no tanh.approx: auto keeps exp + divide
-    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
-    from gem.ops import triton_gdpa
-
+    assert not tanh_form("gelu_tanh", "", torch.bfloat16)  # the interpreter has no tanh.approx: exp + divide
     monkeypatch.setattr(triton_gdpa, "triton_interpreting", lambda: False)  # on the GPU: bf16 only
     assert tanh_form("gelu_tanh", "", torch.bfloat16) and tanh_form("silu", "", torch.bfloat16)
     assert not tanh_form("silu", "", torch.float16) and not tanh_form("silu", "", torch.float32)
-    monkeypatch.setenv("GEM_GDPA_TANH", "fast")
-    with pytest.raises(ValueError, match="GEM_GDPA_TANH"):
-        tanh_form("silu", "", torch.bfloat16)
+    assert not tanh_form("gelu", "", torch.bfloat16)  # no tanh in it
+    assert not tanh_form("silu", "poly6", torch.bfloat16)  # poly6 keeps its own polynomial
 
 
 @pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
