@@ -1,5 +1,6 @@
 """The Triton kernels compile for the H200 (sm_90, down to cubins through ptxas) with the GPU's launch configs,
-on this GPU-less machine: tools/compile_check.py --quick (JFA's backward forms, GDPA, BlockAttention, the rope op; bf16)."""
+on this GPU-less machine: tools/compile_check.py --quick (JFA's backward forms, GDPA, BlockAttention, the rope op;
+bf16)."""
 
 import os
 import subprocess

@@ -77,7 +77,8 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     # forward and the derivative the backward recomputes; both K/V paths and a masked case.
     from gem.ops import triton_gdpa
 
-    monkeypatch.setattr(triton_gdpa, "tanh_form", lambda act, approx, dtype: not approx and act in ("gelu_tanh", "silu"))
+    forms = triton_gdpa.ACT_TANH_FORM
+    monkeypatch.setattr(triton_gdpa, "tanh_form", lambda act, approx, dtype: not approx and act in forms)
     seen = []
     real = triton_gdpa._consts
     monkeypatch.setattr(triton_gdpa, "_consts", lambda *a: seen.append(real(*a)["ACT"]) or real(*a))
@@ -111,7 +112,8 @@ def test_short_kv_narrow_tiles(monkeypatch, causal, tile):
     lk = [1, q4, q4 + 1, q2, q2 + 1, tile, 0, 9]
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
-    assert [kw["BLOCK_N"] for kw, _ in fwd + bwd] == [tile, tile]  # both short-K/V kernels, on the whole tile
+    # both short-K/V kernels ran, on the whole tile (the narrow widths are picked per sequence inside them)
+    assert fwd and bwd and {kw["BLOCK_N"] for kw, _ in fwd + bwd} == {tile}
 
 
 @pytest.mark.parametrize("keys_major", [True, False])
@@ -128,7 +130,8 @@ def test_one_pass_backward_forms(monkeypatch, keys_major, kw):
     used = _spy_kind(monkeypatch, "bwd_short")
     _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True,
            **{"activation": "gelu", **kw})
-    assert [(k["KT"], k["BLOCK_N"], grid[0]) for k, grid in used] == [(keys_major, 64, 16)]  # per (sequence, kv head)
+    # one program per (sequence, kv head); a key's first call also launches once in the tuner
+    assert {(k["KT"], k["BLOCK_N"], grid[0]) for k, grid in used} == {(keys_major, 64, 16)}
 
 
 def test_configs_tuned_per_key(monkeypatch):
@@ -317,25 +320,24 @@ def test_deterministic_and_order_invariant():
             assert torch.equal(a, b)
 
 
-def test_work_table_orders_longest_first():
-    from gem.ops.triton_gdpa import work_table
+def test_work_table_orders_costliest_first():
+    from gem.ops.triton_utils import work_table
 
-    lens = torch.tensor([5, 40, 0, 17])
-    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True, order="tile")
-    seqs = table[:, 0].tolist()
-    assert seqs == [1, 1, 1, 3, 0, 3, -1, -1, -1, -1, -1, -1]  # full tiles of the longest first, empty last
-    plain = work_table(lens, lens, 40, 16, -1, -1, ordered=False)
+    def table(*args, **kw):
+        return work_table("tile_span", off, off, *args, cached=False, **kw)
+
+    off = _offsets([5, 40, 0, 17])
+    plain = table(40, 16, ordered=False)
     assert plain[:, 0].tolist()[:6] == [0, 1, 1, 1, 3, 3]
-    cut = work_table(lens, lens, 40, 16, -1, -1, ordered=True, total=62, order="tile")  # keeps 62 // 16 + 4 rows
-    assert cut[:, 0].tolist() == [1, 1, 1, 3, 0, 3, -1]
-    # "seq" (the default): costliest sequences first, each one's tiles adjacent and costliest first
-    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True)
-    assert table.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
-    assert table[6:, 0].tolist() == [-1] * 6
-    causal = work_table(lens, lens, 40, 16, -1, 0, ordered=True)  # later q tiles see more keys
+    # costliest sequences first, each one's tiles adjacent and costliest first; empty tiles last
+    full = table(40, 16)
+    assert full.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
+    assert full[6:, 0].tolist() == [-1] * 6
+    assert table(40, 16, total=62)[:, 0].tolist() == [1, 1, 1, 3, 3, 0, -1]  # keeps 62 // 16 + 4 rows
+    causal = table(40, 16, left=-1, right=0)  # later q tiles see more keys
     # costs rows x keys seen: sequence 1's tiles 256, 512, 320; sequence 3's 256, 17
     assert causal.tolist()[:6] == [[1, 1], [1, 2], [1, 0], [3, 0], [3, 1], [0, 0]]
-    keys = work_table(lens, lens, 40, 16, -1, 0, ordered=True, transpose=True)  # earlier key tiles: more queries
+    keys = table(40, 16, left=-1, right=0, transpose=True)  # earlier key tiles: more queries
     assert keys.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
 
 
@@ -464,12 +466,8 @@ def test_gpu_tanh_form_wide_scores(activation):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("short_kv,flat", [(None, None), (False, None), (False, "4")])
-def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
-    if flat is None:  # the defaults
-        monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
-    else:
-        monkeypatch.setenv("GEM_GDPA_FLAT", flat)
+@pytest.mark.parametrize("short_kv", [None, False])
+def test_gpu_cross_short_kv(d, short_kv):
     g = torch.Generator().manual_seed(2)
     lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
     lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
@@ -490,8 +488,8 @@ def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
 @pytest.mark.gpu
 @gpu
 def test_gpu_every_config(monkeypatch):
-    """Every config of every autotuned kernel compiles and matches: autotuning may pick any of them, and GPU tests
-    otherwise run only the first (GEM_GDPA_AUTOTUNE=0). Config i of each list runs together (lists cycle)."""
+    """Every config of every kernel compiles and matches: the tuner may pick any of them, and GPU tests otherwise run
+    only the first (GEM_AUTOTUNE=0). Config i of each list runs together (lists cycle)."""
     from gem.ops import triton_gdpa as tg
 
     g = torch.Generator().manual_seed(4)
@@ -501,11 +499,11 @@ def test_gpu_every_config(monkeypatch):
     lk_256 = torch.randint(1, 257, (10,), generator=g).tolist() + [256, 0]
     lk_long = torch.randint(1, 300, (10,), generator=g).tolist() + [5, 0]
     kw = {"h": 4, "hk": 2, "dtype": torch.bfloat16, "device": "cuda", "activation": "gelu_tanh"}
-    for i in range(max(len(c) for c in tg.ALL_CONFIGS.values())):
-        for name, cfgs in tg.ALL_CONFIGS.items():
-            kernel = getattr(tg, name)
-            monkeypatch.setattr(kernel, "configs", [cfgs[i % len(cfgs)]])
-            kernel.cache.clear()
+    every = dict(tg.CONFIGS)
+    for i in range(max(len(c) for c in every.values())):
+        for kind, cfgs in every.items():
+            monkeypatch.setitem(tg.CONFIGS, kind, [cfgs[i % len(cfgs)]])
+        monkeypatch.setattr(tg._TUNER, "best", {})
         _check(lq, lk_short, d=128, short_kv=True, **kw)  # short forward, one-pass backward
         # the short forward on 128- and 256-key tiles (narrow bodies of 32-128 keys), two-pass backward
         _check(lq, lk_128, d=128, short_kv=True, **kw)
@@ -515,10 +513,7 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
         _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)  # the one-pass backward, masked
         _check(lq, lk_128, d=64, short_kv=True, **kw)  # the one-pass backward on a 128-key tile (D 64)
-        with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
-            m.setenv("GEM_GDPA_FLAT", "4")
-            _check(lq, lk_long, d=128, short_kv=False, **kw)
-            _check(lq, lk_long, d=64, short_kv=False, **kw)
+        _check(lq, lk_256, d=128, short_kv=False, **kw)  # the tiled forward's fused loop (up to 256 keys)
 
 
 @pytest.mark.gpu
@@ -544,54 +539,35 @@ def test_reference_cpu_default_matches():
     torch.testing.assert_close(out, want)
 
 
-@pytest.mark.parametrize("block_m", ["32", "64"])
-def test_q_tile_height_knobs(monkeypatch, block_m):
-    """GEM_GDPA_FWD_BLOCK_M / GEM_GDPA_DQ_BLOCK_M change only the tiling (for the benchmark): results still match."""
-    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", block_m)
-    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", block_m)
-    _check([70, 0, 33, 1], [9, 4, 0, 17], activation="gelu")
-    _check([70, 5], [9, 300], activation="silu", short_kv=False)
+@pytest.mark.parametrize("tiles", [0, 2, 4])
+def test_fused_forward_loop(monkeypatch, tiles):
+    """The unmasked long-K/V forward walks several q tiles per program in one fused loop (pinned here; by default
+    for short key loops on a large grid). Sequences with more, fewer and no q tiles than a program holds, keys
+    empty, one tile and several."""
+    from gem.ops import triton_gdpa
 
-
-@pytest.mark.parametrize("tiles", ["0", "1", "2", "4"])
-def test_fused_loop_knob(monkeypatch, tiles):
-    """GEM_GDPA_FLAT: the unmasked long-K/V forward and dQ pass walk several q tiles per program in one fused loop.
-    Sequences with more, fewer and no q tiles than a program holds, keys empty, one tile and several."""
-    monkeypatch.setenv("GEM_GDPA_FLAT", tiles)
+    monkeypatch.setattr(triton_gdpa, "_fused_tiles", lambda *a: tiles)
     _check([70, 0, 33, 1, 5, 49], [9, 40, 0, 17, 1, 33], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     # masked calls keep the per-tile loop
     _check([40, 7], [40, 9], activation="silu", causal=True, short_kv=False)
 
 
-@pytest.mark.parametrize("order", ["tile", "seq"])
-def test_work_orders_match_reference(monkeypatch, order):
-    """GEM_GDPA_ORDER only reorders the programs: both orders give the reference."""
-    monkeypatch.setenv("GEM_GDPA_ORDER", order)
+def test_work_order_matches_reference():
+    """Ordered work tables, masked and not, windows wider than any sequence."""
     _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     _check([40, 7, 23], [40, 9, 23], activation="silu", causal=True, short_kv=False)
     for window in ((2**31 - 1, 0), (2**30, 2**30)):  # wider than any sequence: clamped, no int32 wrap
         for short_kv in (True, False):
             _check([40, 7, 23], [40, 9, 23], activation="silu", window=window, short_kv=short_kv)
-    monkeypatch.setenv("GEM_GDPA_ORDER", "lpt")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    with pytest.raises(ValueError, match="GEM_GDPA_ORDER"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
 
 
-@pytest.mark.parametrize("scale_q", ["0", "1"])
-def test_bwd_scale_placement_knob(monkeypatch, scale_q):
-    """GEM_GDPA_BWD_SCALE_Q: the dK/dV passes scale S (default) or each loaded q tile; both match the reference, on
-    the one-pass and the tiled backward, with a scale that is not folded anywhere else."""
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
+def test_bwd_scale_placement():
+    """The dK/dV passes scale S and dK, not the loaded q: on the one-pass and the tiled backward, with a scale that
+    is not folded anywhere else."""
     for short_kv in (True, False):
         _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", scale=0.37, short_kv=short_kv)
         _check([40, 7], [40, 9], activation="silu", causal=True, scale=1.9, short_kv=short_kv)
         _check([40, 7], [40, 9], activation="gelu", window=(6, 3), scale=0.6, short_kv=short_kv)  # both edges
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", "yes")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    with pytest.raises(ValueError, match="GEM_GDPA_BWD_SCALE_Q"):
-        out.sum().backward()
 
 
 def test_fused_loop_default_keeps_waves(monkeypatch):
@@ -599,47 +575,26 @@ def test_fused_loop_default_keeps_waves(monkeypatch):
     (4 "SMs" on CPU)."""
     from gem.ops import triton_gdpa as tg
 
-    monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
     cpu = torch.device("cpu")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, True) == 8
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu, True) == 4  # no more tiles than a sequence has
-    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu, True) == 0  # too few programs: one tile each
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, True) == 0  # long key loops: no fused loop
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, False) == 0  # the dQ pass: only on request
-    monkeypatch.setenv("GEM_GDPA_FLAT", "2")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, False) == 2
-
-
-def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", "48")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    monkeypatch.delenv("GEM_GDPA_FWD_BLOCK_M")
-    monkeypatch.setenv("GEM_GDPA_FLAT", "3")
-    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
-    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):  # also where no loop would fuse
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", causal=True)
-    monkeypatch.delenv("GEM_GDPA_FLAT")
-    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", "100")
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
-    with pytest.raises(ValueError, match="GEM_GDPA_DQ_BLOCK_M"):
-        out.sum().backward()
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu) == 8
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu) == 4  # no more tiles than a sequence has
+    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu) == 0  # too few programs: one tile each
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu) == 0  # long key loops: no fused loop
 
 
 def test_work_tables_built_once_per_offsets(monkeypatch):
     # the layers of a model share offsets: one table per pass, reused by later calls and the backward;
     # an in-place write to the offsets (a new batch in the same buffer) rebuilds them and stays correct
-    from gem.ops import triton_gdpa
+    from gem.ops import triton_gdpa, triton_utils
 
     built = []
     real = triton_gdpa.offsets_cached
 
-    def counting(attr, knob, oa, ob, key, build):
-        return real(attr, knob, oa, ob, key, lambda: built.append(key) or build())
+    def counting(attr, oa, ob, key, build):
+        return real(attr, oa, ob, key, lambda: built.append(key) or build())
 
     monkeypatch.setattr(triton_gdpa, "offsets_cached", counting)
+    monkeypatch.setattr(triton_utils, "offsets_cached", counting)
     lq, lk = [40, 0, 17, 33], [9, 5, 0, 30]
     q, k, v, oq, mq, ok, mk = _inputs(lq, lk)
     counts = []
@@ -656,7 +611,7 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
     assert len(built) > 2 * counts[0]  # the write bumped oq's version: rebuilt
     ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
     _close(out, ref, torch.float32, "out after an in-place offsets write")
-    monkeypatch.setenv("GEM_GDPA_WORK_CACHE", "0")
+    monkeypatch.setenv("GEM_OFFSETS_CACHE", "0")
     n = len(built)
     gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
     assert len(built) == n + 1
