@@ -353,6 +353,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     if b < 0:
         return
     start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
+    hk = h // GROUP
     d = tl.arange(0, D_B)
     d_ok = d < D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
@@ -364,7 +365,6 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + r_off, delta, mask=m_ok)
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
-    hk = h // GROUP
     dq1 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_B], dtype=tl.float32)
     dqp = tl.zeros([BLOCK_M, PASS_B], dtype=tl.float32)

@@ -184,9 +184,10 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 
 @triton.jit
-def _q_item(Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A q-tiled program's sequence: bounds, diagonal offset, head-dim and key offsets, and its q, K, V rows."""
+def _q_item(Q, X, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, stride_xh, GROUP: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A q-tiled program's sequence: bounds, diagonal offset, kv head, head-dim and key offsets, and the rows of
+    its head in q and in X (the output of the forward, dO in the dQ pass)."""
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     kvh = head // GROUP
@@ -194,9 +195,14 @@ def _q_item(Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, str
     d_ok = offs_d < HEAD_DIM
     offs_n0 = tl.arange(0, BLOCK_N)
     Qb = Q + q_start * stride_qt + head * stride_qh
-    Kb = K + k_start * stride_kt + kvh * stride_kh
-    Vb = V + k_start * stride_vt + kvh * stride_vh
-    return q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb
+    Xb = X + q_start * stride_xt + head * stride_xh
+    return q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, Xb
+
+
+@triton.jit
+def _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh):
+    """The rows of kv head kvh of one sequence in K and V."""
+    return K + k_start * stride_kt + kvh * stride_kh, V + k_start * stride_vt + kvh * stride_vh
 
 
 @triton.jit
@@ -313,10 +319,9 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb = _q_item(
-        Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, GROUP,
-        HEAD_DIM, BLOCK_D, BLOCK_N)
-    Ob = O + q_start * stride_ot + head * stride_oh
+    q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, Ob = _q_item(
+        Q, O, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
+    Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
@@ -482,12 +487,11 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    m0 = group_id * BLOCK_M
-    q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Kb, Vb = _q_item(
-        Q, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, GROUP,
-        HEAD_DIM, BLOCK_D, BLOCK_N)
-    DOb = DO + q_start * stride_dot + head * stride_doh
+    q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, DOb = _q_item(
+        Q, DO, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_dot, stride_doh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
+    Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    m0 = group_id * BLOCK_M
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -157,7 +157,9 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
     if HAS_LEFT:
         hi = tl.minimum(cols_last - shift + win_left + 1, Lq)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
-    k_lo, k_hi = edge_runs(n0, cols_last, lo, n_t, -shift, win_right, win_left, HAS_RIGHT, HAS_LEFT, BLOCK_M)
+    # the mirror of _col_runs: query i sees key j for j - shift - right <= i <= j - shift + left
+    k_lo, k_hi = edge_runs(n0 - shift, cols_last - shift, lo, n_t, 0, win_right, win_left, HAS_RIGHT, HAS_LEFT,
+                           BLOCK_M)
     return lo, n_t, k_lo, k_hi
 
 
