@@ -4,7 +4,7 @@
 # so the run ends (and prints its summary table) before the device's 10-minute limit. Full output: $OUT/<stage>.log; stdout: each
 # step's status and key lines, then the summary (also kept in $OUT/session.log).
 #
-#   scripts/gpu_session.sh stack1 kernels+jfa-variants    (docs/GPU.md lists the exact calls)
+#   scripts/gpu_session.sh stack1 kernels+probe    (docs/GPU.md lists the exact calls)
 #
 # Stages
 #   stack1..stack4   stage the GPU stack from .gpu-stack/cN (built here by ../shared/tools/gpu-stack; N = 1..4,
@@ -13,11 +13,10 @@
 #   kernels          pytest -m gpu tests/ops (a time limit per file), then bench_attention.py --quick
 #   kernel-tests     pytest -m gpu tests/ops alone
 #   kt-NAME          pytest -m gpu tests/ops/test_NAME.py alone (e.g. kt-jfa,kt-rope+kt-block,kt-gdpa)
-#   jfa-faults       scripts/jfa_fault_matrix.py: JFA fwd+bwd cases, each in its own process (a device fault
-#                    kills the CUDA context), to find which shape/variant faults
-#   jfa-variants     the JFA kernel-variant sweep (jfa and swa sections, every variant, varlen_attn anchor)
+#   jfa-faults       tools/jfa_fault_matrix.py: JFA fwd+bwd cases, each in its own process (a device fault
+#                    kills the CUDA context), to find which shape/backward form faults
 #   bench            bench_attention.py, all sections, full shapes ($BENCH_ARGS adds flags)
-#   probe            scripts/kernel_probe.py: per-kernel device time of each op call beside its event time
+#   probe            tools/kernel_probe.py: per-kernel device time of each op call beside its event time
 #   train1-tests     pytest -m gpu tests/data tests/model                      (needs the GPU stack)
 #   train1-bench     bench_train.py on one GPU, experiment=gpu_base ($TRAIN_EXPERIMENT)  (needs the GPU stack)
 #   train1-profile   the same with --warmup 10 --steps 20 --profile-steps 5: top ops and device-time buckets of
@@ -207,7 +206,7 @@ kernel_tests() {  # kernel_tests STAGE [NAME...]: tests/ops/test_NAME.py (all wi
         # Correctness runs on each kernel's first config (the tuners compile every config per new shape key; the
         # JFA file still checks every config once, explicitly). The benchmark tunes as users do.
         step "$1" "pytest $(basename "$f")" "$budget" "$PYTEST_RE" "$PYTEST_SHOW" \
-            env GEM_JFA_AUTOTUNE=0 GEM_GDPA_AUTOTUNE=0 GEM_BLOCK_AUTOTUNE=0 \
+            env GEM_AUTOTUNE=0 \
             "$PY" -m pytest -q -m gpu -p no:cacheprovider "$f"
     done
 }
@@ -217,22 +216,6 @@ stage_kernels() {
     kernel_tests kernels
     step kernels "bench_attention --quick" 400 'rows written' "$BENCH_SHOW" \
         "$PY" scripts/bench_attention.py --quick --json "$OUT/bench.json" --plot "$OUT/bench.png"
-}
-
-stage_jfa_variants() {
-    [ -d "$SITE/fbgemm_gpu" ] && export PYTHONPATH="$SITE:$ROOT"
-    local common=(--quick --jfa-variants all --jfa-anchors varlen_attn)
-    # Separate limits: the swa rows still come when the jfa sweep is cut short.
-    step jfa-variants "jfa variants" "${JFA_BUDGET:-300}" 'rows written' "$BENCH_SHOW" \
-        "$PY" scripts/bench_attention.py --sections jfa "${common[@]}" --json "$WORK/jfa_variants.jfa.$RUN_ID.json"
-    step jfa-variants "swa variants" 400 'rows written' "$BENCH_SHOW" \
-        "$PY" scripts/bench_attention.py --sections swa "${common[@]}" --json "$WORK/jfa_variants.swa.$RUN_ID.json"
-    "$PY" - "$OUT/jfa_variants.json" "$WORK/jfa_variants.jfa.$RUN_ID.json" "$WORK/jfa_variants.swa.$RUN_ID.json" <<'EOF'
-import json, os, sys
-rows = [r for p in sys.argv[2:] if os.path.exists(p) for r in json.load(open(p))]
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
-print(f"{len(rows)} rows -> {sys.argv[1]}")
-EOF
 }
 
 stage_bench() {
@@ -338,9 +321,8 @@ run_stage() {
         kernel-tests) [ -d "$SITE/fbgemm_gpu" ] && export PYTHONPATH="$SITE:$ROOT"; kernel_tests kernels ;;
         kt-*) kernel_tests kernels "${1#kt-}" ;;
         jfa-faults) step jfa-faults "jfa_fault_matrix" 240 '^(ok|FAULT|WRONG)' '^(FAULT|WRONG)' \
-            "$PY" scripts/jfa_fault_matrix.py ;;
-        jfa-variants) stage_jfa_variants ;;
-        probe) step probe "kernel_probe" 300 '^## ' '^(## |fwd)' "$PY" scripts/kernel_probe.py ;;
+            "$PY" tools/jfa_fault_matrix.py ;;
+        probe) step probe "kernel_probe" 300 '^## ' '^(## |fwd)' "$PY" tools/kernel_probe.py ;;
         bench) stage_bench ;;
         train1-tests) stage_train1_tests ;;
         train1-bench) stage_train1_bench ;;
@@ -387,7 +369,7 @@ for g in "$@"; do  # reject a typo before spending device time
     IFS='+,' read -ra ps <<< "$g"
     for s in "${ps[@]}"; do
         case $s in
-            env|stack[1-4]|kernels|kernel-tests|jfa-variants|jfa-faults|bench|probe|train1|train1-tests|train1-bench|train1-profile|train2|train1-sweep|train2-sweep) ;;
+            env|stack[1-4]|kernels|kernel-tests|jfa-faults|bench|probe|train1|train1-tests|train1-bench|train1-profile|train2|train1-sweep|train2-sweep) ;;
             kt-*) [ -f "tests/ops/test_${s#kt-}.py" ] || { echo "gpu_session.sh: no tests/ops/test_${s#kt-}.py" >&2; exit 2; } ;;
             *) echo "gpu_session.sh: unknown stage '$s' (see the head of this script)" >&2; exit 2 ;;
         esac
