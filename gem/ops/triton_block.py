@@ -185,8 +185,9 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
         return
     start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
     hk = h // GROUP
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, True)
+    # the stationary q tile, rotated on load (ROTATE): once per program
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M,
+                             HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROTATE=True)
     # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
     # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
@@ -354,10 +355,10 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
         return
     start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
     hk = h // GROUP
-    d = tl.arange(0, D_B)
-    d_ok = d < D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
                              PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
+    d = tl.arange(0, D_B)
+    d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
