@@ -681,6 +681,25 @@ def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
     assert calls["keys"] == 4
 
 
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"q": torch.zeros(4, 2)}, ValueError, "3-D"),
+        ({"k": torch.zeros(4, 3, 16), "v": torch.zeros(4, 3, 16)}, ValueError, "multiple of key/value heads"),
+        ({"v": torch.zeros(4, 1, 8)}, ValueError, "same shape"),
+        ({"q": torch.zeros(4, 2, 16, dtype=torch.float64)}, TypeError, "not supported"),
+        ({"k": torch.zeros(4, 1, 16, dtype=torch.float16)}, TypeError, "one dtype"),
+        ({"offsets_q": torch.tensor([1, 2, 4])}, ValueError, "start at 0"),
+        ({"offsets_q": torch.tensor([0.0, 4.0])}, TypeError, "int32 or int64"),
+        ({"max_len_q": -1}, ValueError, "max_len_q"),
+        ({"window": (-3, 2)}, ValueError, "window"),
+        ({"window": "big"}, TypeError, "window"),
+        ({"mask_mode": "nan"}, ValueError, "mask_mode"),
+        ({"kernel": "cuda"}, ValueError, "kernel"),
+        ({"offsets_k": torch.tensor([0, 4, 4, 4]), "max_len_k": 4}, ValueError, "sequences"),
+        ({"q": torch.zeros(4, 2, 24), "k": torch.zeros(4, 1, 24), "v": torch.zeros(4, 1, 24)}, ValueError, "head dim"),
+    ],
+)
 def test_bad_inputs_raise(kwargs, exc, match):
     args = {"q": torch.zeros(4, 2, 16), "k": torch.zeros(4, 1, 16), "v": torch.zeros(4, 1, 16),
                 "offsets_q": torch.tensor([0, 1, 4]), "max_len_q": 3, "kernel": "triton"}
