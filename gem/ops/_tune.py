@@ -1,5 +1,5 @@
-"""A small launch-config tuner shared by the Triton ops whose grid depends on the config (tile height -> work table),
-which rules out triton.autotune."""
+"""The launch-config tuner of every Triton op: host side, since a grid may depend on the config (tile height ->
+work table), and a launch after the first costs a dictionary lookup."""
 
 from __future__ import annotations
 
