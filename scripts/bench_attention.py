@@ -1,7 +1,7 @@
 """Attention benchmark: our Triton kernels beside the alternatives (docs/PERF.md), on one GPU.
 
     python scripts/bench_attention.py [--sections jfa,swa,gdpa,block] [--quick] [--json out.json] [--plot out.png]
-                                      [--jfa-variants all|base,rowmajor,...] [--jfa-anchors all|none|varlen_attn,...]
+                                      [--jfa-anchors all|none|varlen_attn,...]
 
 Prints the measured bf16 matmul peak, then one markdown table per section. A section whose module is missing
 or fails is reported and skipped; inside a section each competitor that cannot run says why in its notes.
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from scripts.bench.common import dump_json, log_tunings, matmul_peak_tflops, print_table
+from scripts.bench.common import dump_json, matmul_peak_tflops, print_table
 
 # section -> (module under scripts/bench, function returning list[Row])
 SECTIONS = {
@@ -74,8 +74,6 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write every row to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s vs N per implementation")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of skipped competitors")
-    p.add_argument("--jfa-variants", default=None,
-                   help="extra rows for JFA kernel variants: 'all' or a comma list of gem.ops.triton_jfa.VARIANTS")
     p.add_argument("--jfa-anchors", default="all",
                    help="competitors timed in the jfa/swa sections: 'all', 'none' or a comma list of row names")
     p.add_argument("--block-lengths", default=None,
@@ -98,8 +96,6 @@ def main(argv=None):
     except ImportError:
         print()
     print(f"measured bf16 matmul peak: {matmul_peak_tflops():.0f} TFLOP/s")
-    if os.environ.get("GEM_TUNE_LOG", "0") == "1":  # also the triton.autotune tuners' timings, per key
-        log_tunings()
 
     rows = []
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:

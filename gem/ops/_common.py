@@ -13,7 +13,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 KERNELS = ("auto", "triton", "reference")
 
 
-
 # Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr functions that cost ~10 us a call
 # on the host, and a launch path calls them several times.
 def cdiv(a: int, b: int) -> int:
@@ -72,7 +71,7 @@ def padded_to_jagged(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return padded[mask]
 
 
-OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and op: (pass, block) pairs of a few variants and configs
+OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and table kind: (pass, block) pairs of the tuned configs
 
 # Per-offsets caches live here, not on the tensors: a tensor's __dict__ travels with pickle / deepcopy (and a
 # weak reference cannot be pickled). Entries die with their offsets tensor.
@@ -93,16 +92,16 @@ def eager_tables():
         _EAGER.on = prev
 
 
-def offsets_cached(attr: str, knob: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
+def offsets_cached(attr: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
     """build(), computed once per pair of offsets tensors (for an op's table kind `attr`).
 
     Every layer of a model, and its backward, gets the same offsets tensors, so per-batch tables (work orders,
     tile counts) are built once. A hit needs the same two objects at the same _version (an in-place write
     misses) on the same CUDA stream. Cached only in eager calls (eager_tables); not while compiling, during CUDA
-    graph capture (a hit would freeze the table into the graph), for inference tensors (no version), or with the
-    env knob `knob` set to 0 (writes that bypass the version counter, e.g. through .data, are not seen).
+    graph capture (a hit would freeze the table into the graph), for inference tensors (no version), or with
+    GEM_OFFSETS_CACHE=0 (for offsets written where the version counter does not see it, e.g. through .data).
     """
-    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling() or os.environ.get(knob, "1") == "0":
+    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling() or os.environ.get("GEM_OFFSETS_CACHE") == "0":
         return build()
     stream = None
     if offsets_a.is_cuda:

@@ -1,5 +1,5 @@
-"""A small launch-config tuner shared by the Triton ops whose grid depends on the config (tile height -> work table),
-which rules out triton.autotune."""
+"""The launch-config tuner of every Triton op: host side, since a grid may depend on the config (tile height ->
+work table), and a launch after the first costs a dictionary lookup."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from gem.ops._common import triton_interpreting
 class ConfigTuner:
     """Best config per (kind, key), each candidate timed once on the first call with that key and remembered.
 
-    `launch(cfg)` must be idempotent (the kernels only store), since timing runs it repeatedly. With $ENV=0 the first
-    candidate that compiles and launches is kept without timing (fp32 tiles can exceed shared memory).
+    `launch(cfg)` must be idempotent (the kernels only store), since timing runs it repeatedly. With GEM_AUTOTUNE=0
+    (the `env` variable) the first candidate that compiles and launches is kept without timing (fp32 tiles can
+    exceed shared memory).
     """
 
-    def __init__(self, name: str, env: str):
+    def __init__(self, name: str, env: str = "GEM_AUTOTUNE"):
         self.name, self.env = name, env
         self.best: dict = {}
 

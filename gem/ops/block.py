@@ -3,10 +3,11 @@
 Token i of a sequence attends to tokens j of the same sequence with i // block_size == j // block_size (blocks
 restart at each sequence start; the last block may be partial), and j <= i when causal. Cost is O(L * block_size).
 With `rope`, q and k are rotated by their position within the sequence (see gem.ops.rotary, NeoX halves by
-default); the Triton kernels rotate each kernel's stationary q or k tile in registers on load and inversely rotate
-dq/dk before the store; the tiles they stream come from a rotated copy that one rope pass writes just before the
-launch (a temporary, never saved: see gem.ops.triton_block for why and GEM_BLOCK_ROPE_STREAM). The kernels
-rotate by the position within the block instead: the same scores, as a RoPE score depends only on j - i.
+default); the Triton forward rotates its stationary q tile in registers on load, the tiles the kernels stream come
+from a rotated copy that one rope pass writes just before the launch (a temporary, never saved: see
+gem.ops.triton_block for why), the backward reads both operands from such copies and inversely rotates dq/dk
+before the store. The kernels rotate by the position within the block instead: the same scores, as a RoPE score
+depends only on j - i.
 """
 
 from __future__ import annotations

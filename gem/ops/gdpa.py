@@ -148,22 +148,8 @@ def _check(q, k, v, offsets_q, offsets_k, activation, approx):
         raise ValueError("offsets must hold at least one entry (B+1 with B >= 0)")
 
 
-def gdpa_reference(
-    q,
-    k,
-    v,
-    offsets_q,
-    max_len_q,
-    offsets_k,
-    max_len_k,
-    *,
-    activation="gelu",
-    approx=None,
-    causal=False,
-    window=None,
-    scale=None,
-    normalize=None,
-):
+def gdpa_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None,
+                   causal=False, window=None, scale=None, normalize=None):
     """Padded fp32 PyTorch with an explicit visibility mask (masked scores are dropped after the activation)."""
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
     return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts)
@@ -202,25 +188,8 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
     return padded_to_jagged(o, mq).to(q.dtype)
 
 
-def gdpa(
-    q,
-    k,
-    v,
-    offsets_q,
-    max_len_q,
-    offsets_k,
-    max_len_k,
-    *,
-    activation="gelu",
-    approx=None,
-    causal=False,
-    window=None,
-    scale=None,
-    normalize=None,
-    kernel="auto",
-    ordered=True,
-    short_kv=None,
-):
+def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None, causal=False,
+         window=None, scale=None, normalize=None, kernel="auto", ordered=True, short_kv=None):
     """Jagged pointwise-activation attention; returns [Tq, H, D] in q's dtype.
 
     activation: one of ACTIVATIONS; approx: None or "poly6" (gelu / gelu_tanh / silu).

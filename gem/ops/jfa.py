@@ -101,13 +101,12 @@ def jagged_attention(
     kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
     mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf; "auto" (the
-    default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise: on the H200 the -inf
-    forward was 14% faster with a window of 512 and "sub" 3-4% faster for full attention (docs/PERF.md).
-    The Triton kernel variant comes from GEM_JFA_VARIANT (gem.ops.triton_jfa.VARIANTS): the default "auto" runs
-    the TMA forward, and the "base" backward for long rows (max_len_q >= 8192) without a left window, else the v2
-    one. The per-sequence work tables are cached on the offsets_q / offsets_k tensors and reused while those
-    tensors are not modified in place, so pass the same offsets objects to every layer (GEM_JFA_WORK_CACHE=0
-    turns the cache off).
+    default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise, the faster of the two on the
+    H200 for each. The Triton forward loads K/V through TMA descriptors where the tensors allow it; the backward
+    takes its "base" form for long rows (max_len_q >= 8192) without a left window, else the v2 one. The
+    per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
+    not modified in place, so pass the same offsets objects to every layer (GEM_OFFSETS_CACHE=0 turns the cache
+    off).
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
     if mask_mode not in ("auto", "sub", "inf"):

@@ -54,9 +54,9 @@ def positions_of(offsets: torch.Tensor, total: int) -> torch.Tensor:
 
 def positions_cached(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """positions_of as int32 for the kernels, built once per offsets tensor and row count in eager calls
-    (gem.ops._common.offsets_cached; GEM_ROPE_POS_CACHE=0 rebuilds every call): building it is ~7 small launches,
+    (gem.ops._common.offsets_cached; GEM_OFFSETS_CACHE=0 rebuilds every call): building it is ~7 small launches,
     far more than the rope kernel's own memory time at 64K tokens."""
-    return offsets_cached("_gem_rope_pos", "GEM_ROPE_POS_CACHE", offsets, offsets, (int(total),),
+    return offsets_cached("rope_pos", offsets, offsets, (int(total),),
                           lambda: positions_of(offsets, total).to(torch.int32))
 
 
@@ -119,7 +119,7 @@ def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Triton: a program rotates a tile of token rows, for every head (cos/sin fetched once per token) or for one head
-# (layouts and launch configs below, picked per shape by the tuner, GEM_ROPE_AUTOTUNE=0: the first); positions come
+# (layouts and launch configs below, picked per shape by the tuner, GEM_AUTOTUNE=0: the first); positions come
 # from a [T] int32 vector built on device (once per offsets tensor in eager calls: positions_cached).
 
 
@@ -269,7 +269,7 @@ def full_layout_ok(rd: int, interleaved: bool) -> bool:
 
 
 def gpu_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
-    """Candidates on the GPU; the first is the measured default (36 us on 64K x 4 x 128 bf16 on the H200)."""
+    """Candidates on the GPU; the first is the measured default (the fastest at 64K x 4 x 128 bf16 on the H200)."""
     out = [RopeLaunch("halves", 32, "loop", 4)]
     # (128 rows, 4 warps) is left out: ptxas spills 144-3288 bytes per thread there
     out += [RopeLaunch("halves", bt, "loop", w) for bt in (32, 64, 128) for w in (4, 8)
@@ -290,7 +290,7 @@ def rope_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
     return gpu_configs(rd, interleaved)
 
 
-_TUNER = ConfigTuner("gem.ops.rope", "GEM_ROPE_AUTOTUNE")
+_TUNER = ConfigTuner("gem.ops.rope")
 
 
 def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,

@@ -8,24 +8,17 @@ Backward, deterministic and without atomics (FlashAttention-2 style): one progra
 also writes delta = rowsum(dO * O) of its rows, then one program per (K tile, kv head) accumulating dK/dV over the
 q heads of its group and the q tiles of its block; P and dP are recomputed in each (7 tile matmuls per (q tile, key
 tile) pair).
-A one-pass backward (one program per block and kv head, dQ through an fp32 scratch, 5 matmuls per pair) was built
-and timed in session 12: 0.81 ms against 0.77 for the two passes with their extra rope pass, so it was removed.
 
 RoPE: q/k tiles are loaded as the two rotary halves (+ the pass-through channels), so QK^T is the sum of two or
 three tl.dot calls over the parts; dQ/dK are accumulated per part (w.r.t. the rotated q/k) and inversely rotated
 before the store. The forward's stationary operand (q) is rotated in registers on load, once per program; the
-backward passes read theirs (q in dQ, k in dK/dV) from the rotated copies the other pass streams
-(GEM_BLOCK_BWD_STATIONARY=rotate rotates them on load instead). The streamed operand (k tiles in the forward
-and dQ pass, q tiles in dK/dV) is read from a rotated copy that a rope-kernel pass writes: K_rot in the forward
-(kept for the dQ pass by the eager path, recomputed under torch.compile) and Q_rot in the backward (never saved).
-Rotating every streamed tile in the inner loop instead costs a load of cos/sin twice the tile's bytes plus math
-between load and tl.dot: on the H200 (64K tokens, H 4, D 128, block 512) the three kernels took 1.16 ms with every
-tile rotated in-kernel, 0.92 ms with streamed tiles pre-rotated (+ 36 us per rope pass), 0.80 ms without RoPE.
-GEM_BLOCK_ROPE_STREAM=inkernel rotates streamed tiles in-kernel instead (no copies; the default is prerotated).
+backward passes read theirs (q in dQ, k in dK/dV) from the rotated copies the other pass streams. The streamed
+operand (k tiles in the forward and dQ pass, q tiles in dK/dV) is read from a rotated copy that a rope-kernel pass
+writes: K_rot in the forward (kept for the dQ pass by the eager path, recomputed under torch.compile) and Q_rot in
+the backward (never saved). Rotating every streamed tile in the inner loop instead would load cos/sin twice the
+tile's bytes, plus math between load and tl.dot, per tile: slower on the H200.
 All rotations use the position within the block (scores depend only on j - i, and blocks start at sequence
 starts), so the cos/sin rows read stay within block_size however long the sequence.
-Holding rotated tiles whole instead (the stationary one rotated by reshape/split/join in registers, so every dot
-spans the head dim) was timed in session 12 and lost: fwd 0.210 vs 0.188 ms, dQ 0.305 vs 0.263, dK/dV 0.475 vs 0.468.
 
 Tiles (BLOCK_M, BLOCK_N) and num_warps/num_stages are picked per kernel by a small host-side tuner (gem.ops._tune),
 since the work table, hence the grid, depends on the tile height.
@@ -35,13 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import cdiv, eager_tables, next_pow2, offsets_cached, triton_interpreting
+from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
 from gem.ops.rotary import (
     RopeConfig,
@@ -53,6 +45,7 @@ from gem.ops.rotary import (
     rope_rotate_regs,
     rope_store_halves,
 )
+from gem.ops.triton_utils import dot_acc, dot_prec, work_table
 
 _LOG2E = 1.4426950408889634
 
@@ -86,25 +79,13 @@ def _load_parts(ptr, row_off, ok, pos, block_size, cos_ptr, sin_ptr, half, rd, D
 
 
 @triton.jit
-def _mm(a, b, acc, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + a @ b. DOT_F32 (interpreter only): Triton 3.7's interpreter multiplies the raw bit patterns of bf16
-    operands, so they are widened first; the values are the same bf16-rounded operands the GPU multiplies."""
-    if DOT_F32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
-def _dot_parts(a1, a2, ap, b1, b2, bp, acc, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, PREC: tl.constexpr,
-               DOT_F32: tl.constexpr):
+def _dot_parts(a1, a2, ap, b1, b2, bp, acc, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + A @ B^T with A, B given as (half 1, half 2, pass) parts."""
     if ROPE:
-        acc = _mm(a1, tl.trans(b1), acc, PREC, DOT_F32)
-        acc = _mm(a2, tl.trans(b2), acc, PREC, DOT_F32)
+        acc = dot_acc(a1, tl.trans(b1), acc, DOT_PREC)
+        acc = dot_acc(a2, tl.trans(b2), acc, DOT_PREC)
     if HAS_PASS:
-        acc = _mm(ap, tl.trans(bp), acc, PREC, DOT_F32)
+        acc = dot_acc(ap, tl.trans(bp), acc, DOT_PREC)
     return acc
 
 
@@ -123,13 +104,26 @@ def _store_parts(ptr, row_off, ok, g1, g2, gp, pos, block_size, cos_ptr, sin_ptr
 
 
 @triton.jit
-def _item_head(NH: tl.constexpr, HEAD_INNER: tl.constexpr):
-    """(work item, head) of this program: a (W, NH) grid, or with HEAD_INNER a flat one whose NH programs of one
-    item are adjacent, so they meet its RoPE table rows in L2."""
-    if HEAD_INNER:
-        pid = tl.program_id(0)
-        return pid // NH, pid % NH
-    return tl.program_id(0), tl.program_id(1)
+def _work_item(work, NH: tl.constexpr):
+    """(work row, head, sequence) of this program on a flat grid whose NH programs of one work item are adjacent,
+    so they meet its K/V and RoPE table rows in L2. Sequence -1: a spare row."""
+    pid = tl.program_id(0)
+    w = pid // NH
+    return w, pid % NH, tl.load(work + 2 * w)
+
+
+@triton.jit
+def _tile_rows(work, w, offsets, b, head, NH: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Sequence start and length of work row w, its tile's first row, rows, in-sequence mask and row offsets of
+    `head` in a [T, NH, D] tensor."""
+    tile = tl.load(work + 2 * w + 1)
+    start = tl.load(offsets + b)
+    length = tl.load(offsets + b + 1) - start
+    r0 = tile * BLOCK
+    offs = r0 + tl.arange(0, BLOCK)
+    ok = offs < length
+    row = (start + offs).to(tl.int64) * (NH * D) + head * D
+    return start, length, r0, offs, ok, row
 
 
 @triton.jit
@@ -154,16 +148,15 @@ def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_o
               block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr,
-              ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr,
-              PREC: tl.constexpr, DOT_F32: tl.constexpr):
+              ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+              DOT_PREC: tl.constexpr):
     """One key tile of the online softmax; MASK: diagonal, ragged-end or block-straddling tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
-    s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS, PREC,
-                   DOT_F32)
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
+    s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS, DOT_PREC)
     s = s * qk_scale
     if MASK:
         allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
@@ -176,7 +169,7 @@ def _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_o
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    acc = _mm(p.to(v.dtype), v, acc, PREC, DOT_F32)
+    acc = dot_acc(p.to(v.dtype), v, acc, DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -185,22 +178,16 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, D_B: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
                 CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, HEAD_INNER: tl.constexpr):
-    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile)."""
-    w, h = _item_head(H, HEAD_INNER)
-    b = tl.load(work + 2 * w)
+                DOT_PREC: tl.constexpr):
+    """K: the rotated copy of k (with RoPE)."""
+    w, h, b = _work_item(work, H)
     if b < 0:
         return
-    tile = tl.load(work + 2 * w + 1)
-    start = tl.load(offsets + b)
-    length = tl.load(offsets + b + 1) - start
+    start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
     hk = h // GROUP
-    m0 = tile * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < length
-    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
-    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, True)
+    # the stationary q tile, rotated on load (ROTATE): once per program
+    q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M,
+                             HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROTATE=True)
     # Checked: every key tile in [lo, hi) holds an allowed (row, key) pair; only diagonal, ragged-end and
     # block-straddling tiles take the mask.
     lo, hi, full_hi = _q_range(m0, length, block_size, BLOCK_M, CAUSAL)
@@ -214,11 +201,11 @@ def _fwd_kernel(Q, K, V, O, LSE, offsets, work, cos_ptr, sin_ptr, qk_scale, T, b
     for n0 in range(lo, n_full, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
                                   sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
-                                  PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
+                                  PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, DOT_PREC)
     for n0 in range(n_full, hi, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, q1, q2, qp, K, V, start, hk, n0, hi, offs_m, d, d_ok, cos_ptr,
                                   sin_ptr, qk_scale, block_size, half, rd, HKV, D, BLOCK_M, BLOCK_N, HALF_B,
-                                  PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
+                                  PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED, DOT_PREC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     tl.store(O + q_row[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -230,19 +217,18 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
                sin_ptr, qk_scale, T, block_size, half, rd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+               DOT_PREC: tl.constexpr):
     """dK, dV of a key tile += one query tile's share (query rows < hi). MASK: diagonal, ragged-end or
     block-straddling tile. Key rows past the sequence end make garbage rows of dK/dV that are never stored."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < hi
     q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     r_off = h.to(tl.int64) * T + start + offs_m
     lse = tl.load(LSE + r_off, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + r_off, mask=m_ok, other=0.0)
-    s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE, HAS_PASS, PREC,
-                     DOT_F32)
+    s_t = _dot_parts(k1, k2, kp, q1, q2, qp, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), ROPE, HAS_PASS, DOT_PREC)
     s_t = s_t * qk_scale - lse[None, :]
     if MASK:
         allowed = ((offs_n[:, None] // block_size) == (offs_m[None, :] // block_size)) & m_ok[None, :]
@@ -251,14 +237,14 @@ def _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0
         s_t = tl.where(allowed, s_t, float("-inf"))
     p_t = tl.math.exp2(s_t)
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    dv = _mm(p_t.to(do.dtype), do, dv, PREC, DOT_F32)
-    dp_t = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_F32)
+    dv = dot_acc(p_t.to(do.dtype), do, dv, DOT_PREC)
+    dp_t = dot_acc(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PREC)
     ds_t = (p_t * (dp_t - delta[None, :])).to(q1.dtype)
     if ROPE:
-        dk1 = _mm(ds_t, q1, dk1, PREC, DOT_F32)
-        dk2 = _mm(ds_t, q2, dk2, PREC, DOT_F32)
+        dk1 = dot_acc(ds_t, q1, dk1, DOT_PREC)
+        dk2 = dot_acc(ds_t, q2, dk2, DOT_PREC)
     if HAS_PASS:
-        dkp = _mm(ds_t, qp, dkp, PREC, DOT_F32)
+        dkp = dot_acc(ds_t, qp, dkp, DOT_PREC)
     return dv, dk1, dk2, dkp
 
 
@@ -267,23 +253,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
                      block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                      GROUP: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HALF_B: tl.constexpr, PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
-                     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr,
-                     DOT_F32: tl.constexpr, ROT_STAT: tl.constexpr, HEAD_INNER: tl.constexpr):
-    """Q: rotated copy of q unless ROT_STREAM (then q itself, rotated per tile). K: k, rotated here on load when
-    ROT_STAT, else its rotated copy."""
-    w, hk = _item_head(HKV, HEAD_INNER)
-    b = tl.load(work + 2 * w)
+                     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Q, K: the rotated copies of q and k (with RoPE)."""
+    w, hk, b = _work_item(work, HKV)
     if b < 0:
         return
-    tile = tl.load(work + 2 * w + 1)
-    start = tl.load(offsets + b)
-    length = tl.load(offsets + b + 1) - start
-    n0 = tile * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < length
-    k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
+    start, length, n0, offs_n, n_ok, k_row = _tile_rows(work, w, offsets, b, hk, HKV, D, BLOCK_N)
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     d = tl.arange(0, D_B)
     d_ok = d < D
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -317,17 +294,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, work, cos_ptr, si
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
+                                           INTERLEAVED, DOT_PREC)
         for m0 in range(m_a, m_b, BLOCK_M):
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
+                                           INTERLEAVED, DOT_PREC)
         for m0 in range(m_b, hi, BLOCK_M):
             dv, dk1, dk2, dkp = _dkdv_tile(dv, dk1, dk2, dkp, k1, k2, kp, v, Q, DO, LSE, DELTA, start, h, m0, hi,
                                            offs_n, d, d_ok, cos_ptr, sin_ptr, qk_scale, T, block_size, half, rd, H,
                                            D, BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS,
-                                           INTERLEAVED, ROT_STREAM, PREC, DOT_F32)
+                                           INTERLEAVED, DOT_PREC)
     tl.store(DV + k_row[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
     _store_parts(DK, k_row, n_ok, dk1 * sm_scale, dk2 * sm_scale, dkp * sm_scale, offs_n, block_size, cos_ptr, sin_ptr,
                  half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
@@ -338,16 +315,16 @@ def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi,
              qk_scale, block_size, half, rd, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr,
              MASK: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-             INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+             INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr):
     """dQ of a query tile += one key tile's share; MASK: diagonal, ragged-end or block-straddling tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     k_row = (start + offs_n).to(tl.int64) * (HKV * D) + hk * D
     k1, k2, kp = _load_parts(K, k_row, n_ok, offs_n, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_N, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STREAM)
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     v = tl.load(V + k_row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     s = _dot_parts(q1, q2, qp, k1, k2, kp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), ROPE, HAS_PASS,
-                   PREC, DOT_F32)
+                   DOT_PREC)
     s = s * qk_scale - lse[:, None]
     if MASK:
         allowed = ((offs_m[:, None] // block_size) == (offs_n[None, :] // block_size)) & n_ok[None, :]
@@ -355,13 +332,13 @@ def _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi,
             allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(allowed, s, float("-inf"))
     p = tl.math.exp2(s)
-    dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_F32)
+    dp = dot_acc(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC)
     ds = (p * (dp - delta[:, None])).to(q1.dtype)
     if ROPE:
-        dq1 = _mm(ds, k1, dq1, PREC, DOT_F32)
-        dq2 = _mm(ds, k2, dq2, PREC, DOT_F32)
+        dq1 = dot_acc(ds, k1, dq1, DOT_PREC)
+        dq2 = dot_acc(ds, k2, dq2, DOT_PREC)
     if HAS_PASS:
-        dqp = _mm(ds, kp, dqp, PREC, DOT_F32)
+        dqp = dot_acc(ds, kp, dqp, DOT_PREC)
     return dq1, dq2, dqp
 
 
@@ -370,25 +347,16 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
                    block_size, half, rd, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                    D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_B: tl.constexpr,
                    PASS_B: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, HAS_PASS: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, ROT_STREAM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                   ROT_STAT: tl.constexpr, HEAD_INNER: tl.constexpr):
-    """K: rotated copy of k unless ROT_STREAM (then k itself, rotated per tile). Q: q, rotated here on load when
-    ROT_STAT, else its rotated copy. Also
-    computes and stores delta = rowsum(dO * O) of its rows, which it needs and the dK/dV pass (run after) reads."""
-    w, h = _item_head(H, HEAD_INNER)
-    b = tl.load(work + 2 * w)
+                   INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Q, K: the rotated copies of q and k (with RoPE). Also computes and stores delta = rowsum(dO * O) of its rows,
+    which it needs and the dK/dV pass (run after) reads."""
+    w, h, b = _work_item(work, H)
     if b < 0:
         return
-    tile = tl.load(work + 2 * w + 1)
-    start = tl.load(offsets + b)
-    length = tl.load(offsets + b + 1) - start
+    start, length, m0, offs_m, m_ok, q_row = _tile_rows(work, w, offsets, b, h, H, D, BLOCK_M)
     hk = h // GROUP
-    m0 = tile * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < length
-    q_row = (start + offs_m).to(tl.int64) * (H * D) + h * D
     q1, q2, qp = _load_parts(Q, q_row, m_ok, offs_m, block_size, cos_ptr, sin_ptr, half, rd, D, BLOCK_M, HALF_B,
-                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, ROT_STAT)
+                             PASS_B, ROPE, HAS_PASS, INTERLEAVED, False)
     d = tl.arange(0, D_B)
     d_ok = d < D
     do = tl.load(DO + q_row[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -406,12 +374,12 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
         dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
                                  BLOCK_M, BLOCK_N, HALF_B, PASS_B, False, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
-                                 ROT_STREAM, PREC, DOT_F32)
+                                 DOT_PREC)
     for n0 in range(n_full, hi, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(dq1, dq2, dqp, q1, q2, qp, do, lse, delta, K, V, start, hk, n0, hi, offs_m, d, d_ok,
                                  cos_ptr, sin_ptr, qk_scale, block_size, half, rd, HKV, D,
                                  BLOCK_M, BLOCK_N, HALF_B, PASS_B, True, CAUSAL, ROPE, HAS_PASS, INTERLEAVED,
-                                 ROT_STREAM, PREC, DOT_F32)
+                                 DOT_PREC)
     _store_parts(DQ, q_row, m_ok, dq1 * sm_scale, dq2 * sm_scale, dqp * sm_scale, offs_m, block_size, cos_ptr, sin_ptr,
                  half, rd, D, HALF_B, PASS_B, ROPE, HAS_PASS, INTERLEAVED)
 
@@ -420,42 +388,12 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, offsets, work, cos_ptr, sin_p
 # Host side
 
 
-@triton.jit
-def _work_kernel(offsets, cum, work, tile, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    n = tl.load(offsets + b + 1) - tl.load(offsets + b)
-    nt = (n + tile - 1) // tile
-    first = tl.load(cum + b) - nt
-    for j0 in range(0, nt, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        m = j < nt
-        dst = work + 2 * (first + j)
-        tl.store(dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
-        tl.store(dst + 1, j, mask=m)
-
-
-def work_table(offsets: torch.Tensor, tile: int, total: int) -> torch.Tensor:
-    """int32 [W, 2] of (sequence, tile index), W = cdiv(total, tile) + B >= the real count; spare rows are (-1, -1).
-
-    Built on device (a prefix sum and one small kernel), so no host sync and a grid size known from shapes alone.
-    """
-    nb = offsets.numel() - 1
-    bound = max(1, cdiv(total, tile) + nb)
-    work = torch.full((bound, 2), -1, dtype=torch.int32, device=offsets.device)
-    if nb == 0:
-        return work
-    offsets = offsets.to(torch.int32)
-    cum = torch.cumsum(torch.div(offsets.diff() + (tile - 1), tile, rounding_mode="floor"), 0, dtype=torch.int32)
-    _work_kernel[(nb,)](offsets, cum, work, tile, BLOCK=16 if triton_interpreting() else 128)
-    return work
-
-
 def _prev_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
 def _default_tiles(block_size: int, backward: bool) -> tuple[int, int]:
-    """The pre-tuner heuristic (what GEM_BLOCK_AUTOTUNE=0 runs): tiles no taller than a block."""
+    """The pre-tuner heuristic (what GEM_AUTOTUNE=0 runs): tiles no taller than a block."""
     cap = 64 if backward else 128
     bm = max(16, min(cap, _prev_pow2(block_size)))
     return bm, max(16, min(64, bm))
@@ -481,8 +419,7 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
     # The backward holds more per thread (two accumulators, K/V or q/dO, RoPE tables): at D 128 with RoPE ptxas
-    # spills 190-1600 bytes per thread in 4-warp backward tiles, less on 8 warps (session 11: the dK/dV
-    # default 64x64 still spills 440 bytes with pre-rotated RoPE, 88 without; the tuner times the rest).
+    # spills in 4-warp backward tiles, less on 8 warps; the tuner times the rest.
     def warps(m, n):
         return 8 if kind != "fwd" or m * n >= 128 * 64 else 4
 
@@ -494,10 +431,9 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
         cfg = (tm, tn, warps(tm, tn), 2)
         if cfg not in out:
             out.append(cfg)
-    # JFA's tuner picks on the H200, for the same short causal loops: a 4-warp 3-stage backward tile (session 14),
-    # two programs per SM; and a forward 8-warp tile capped at 128 registers (5th entry: maxnreg; session 15), so
-    # that two programs share an SM (uncapped, an 8-warp D 128 program takes the whole register file). Both won
-    # their block-512 keys in session 15 (docs/PERF.md).
+    # JFA's tuner picks on the H200, for the same short causal loops: a 4-warp 3-stage backward tile, two programs
+    # per SM; and a forward 8-warp tile capped at 128 registers (5th entry: maxnreg), so that two programs share an
+    # SM (uncapped, an 8-warp D 128 program takes the whole register file).
     extra = {"fwd": ((128, 64, 8, 2, 128),), "dkdv": ((32, 64, 4, 3),), "dq": ((64, 64, 4, 3),)}[kind]
     for cfg in extra:
         cfg = (min(cfg[0], cap), min(cfg[1], cap)) + cfg[2:]
@@ -506,84 +442,38 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
     return out
 
 
-_TUNER = ConfigTuner("gem.ops.block", "GEM_BLOCK_AUTOTUNE")
+_TUNER = ConfigTuner("gem.ops.block")
 
 
-ROPE_STREAM_MODES = ("prerotated", "inkernel")
-
-
-def rope_stream_mode() -> str:
-    """GEM_BLOCK_ROPE_STREAM, read per call (benchmarks switch it): how the streamed q/k tiles get rotated."""
-    mode = os.environ.get("GEM_BLOCK_ROPE_STREAM", "prerotated")
-    if mode not in ROPE_STREAM_MODES:
-        raise ValueError(f"GEM_BLOCK_ROPE_STREAM={mode!r}: expected one of {ROPE_STREAM_MODES}")
-    return mode
-
-
-HEAD_ORDERS = ("outer", "inner")
-
-
-def head_order() -> str:
-    """GEM_BLOCK_HEAD_ORDER, read per call: "inner" (default) runs the heads of one tile side by side (a flat grid),
-    so that they share the tile's K/V and RoPE table rows in L2; "outer" runs every tile of head 0, then head 1, ...
-    (a (W, H) grid). Inner was 0.4-1.7% faster by device time at L 1K-64K (H200, sessions 16-17, docs/PERF.md)."""
-    order = os.environ.get("GEM_BLOCK_HEAD_ORDER", "inner")
-    if order not in HEAD_ORDERS:
-        raise ValueError(f"GEM_BLOCK_HEAD_ORDER={order!r}: expected one of {HEAD_ORDERS}")
-    return order
-
-
-def _grid(items: int, heads: int, inner: bool) -> tuple:
-    return (items * heads,) if inner else (items, heads)
-
-
-BWD_STATIONARY_MODES = ("copy", "rotate")
-
-
-def bwd_stationary_mode() -> str:
-    """GEM_BLOCK_BWD_STATIONARY, read per call: how the backward passes get their stationary tile rotated when the
-    streamed ones come from rotated copies: read from those copies (copy, default) or rotated on load (rotate)."""
-    mode = os.environ.get("GEM_BLOCK_BWD_STATIONARY", "copy")
-    if mode not in BWD_STATIONARY_MODES:
-        raise ValueError(f"GEM_BLOCK_BWD_STATIONARY={mode!r}: expected one of {BWD_STATIONARY_MODES}")
-    return mode
-
-
-def _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) -> tuple:
+def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
     _, h, d = q.shape
-    # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune. The stream
-    # mode changes the kernels' inner loops, so each mode is tuned on its own (no mode without rope).
-    return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1],
-            stream if rotary_dim > 0 else None, head_order())
+    # block_size exactly (few distinct values per model); not T: a new batch size must not re-tune
+    return (d, q.dtype, block_size, causal, rotary_dim > 0, d > rotary_dim, interleaved, h, h // k.shape[1])
 
 
 class _Tables:
-    """Per-batch tables of one offsets tensor: work tables per tile height and the rope token positions, each built
-    on first use. One instance per offsets tensor (gem.ops._common.offsets_cached, GEM_BLOCK_WORK_CACHE=0: one per
-    call), so the layers of a model, the backward and the tuner's timed configs share them for one cache lookup.
-    It keeps no reference to the offsets (the cache holds it under a weak key; a value that referenced the key would
-    keep it alive): callers pass them to each method."""
+    """One call's work tables per tile height (gem.ops.triton_utils.work_table, cached per offsets tensor in eager
+    calls), and the rope token positions within their block: built on first use, shared by the tuner's timed
+    configs and both backward passes."""
 
-    def __init__(self, total):
-        self.total, self.cache, self.pos = total, {}, {}
+    def __init__(self, offsets, total):
+        self.offsets, self.total, self.work_tables, self.pos = offsets, total, {}, {}
 
-    def work(self, offsets32, tile):
-        table = self.cache.get(tile)
+    def work(self, tile):
+        table = self.work_tables.get(tile)
         if table is None:
-            table = self.cache[tile] = work_table(offsets32, tile, self.total)
+            table = self.work_tables[tile] = work_table("seq_len", self.offsets, self.offsets, 0, tile,
+                                                        total=self.total)
         return table
 
-    def positions(self, offsets, block_size):
+    def positions(self, block_size):
         """Each token's position within its block (the rope op's per-sequence positions mod block_size)."""
         pos = self.pos.get(block_size)
         if pos is None:
-            pos = self.pos[block_size] = positions_cached(offsets, self.total) % block_size
+            pos = self.pos[block_size] = offsets_cached(
+                "block_rope_pos", self.offsets, self.offsets, (self.total, block_size),
+                lambda: positions_cached(self.offsets, self.total) % block_size)
         return pos
-
-    @staticmethod
-    def of(offsets, total):
-        return offsets_cached("_gem_block_tables", "GEM_BLOCK_WORK_CACHE", offsets, offsets, (int(total),),
-                              lambda: _Tables(total))
 
 
 _DUMMY: dict = {}
@@ -606,16 +496,15 @@ def _rope_tables(rotary_dim: int, base: float, rows: int, device):
 _METAS: dict = {}
 
 
-def _meta(q, k, rotary_dim, interleaved, causal, stream):
-    key = (q.shape[1], k.shape[1], q.shape[2], q.dtype, rotary_dim, interleaved, causal, stream,
-           triton_interpreting())
+def _meta(q, k, rotary_dim, interleaved, causal):
+    key = (q.shape[1], k.shape[1], q.shape[2], q.dtype, rotary_dim, interleaved, causal, triton_interpreting())
     meta = _METAS.get(key)
     if meta is None:
-        meta = _METAS[key] = _make_meta(q, k, rotary_dim, interleaved, causal, stream)
+        meta = _METAS[key] = _make_meta(q, k, rotary_dim, interleaved, causal)
     return meta
 
 
-def _make_meta(q, k, rotary_dim, interleaved, causal, stream):
+def _make_meta(q, k, rotary_dim, interleaved, causal):
     d = q.shape[2]
     half = rotary_dim // 2
     return dict(  # noqa: C408 -- kernel meta-parameters read best as keywords
@@ -623,24 +512,22 @@ def _make_meta(q, k, rotary_dim, interleaved, causal, stream):
         HALF_B=max(16, next_pow2(max(half, 1))),
         PASS_B=max(16, next_pow2(max(d - rotary_dim, 1))),
         CAUSAL=causal, ROPE=rotary_dim > 0, HAS_PASS=d > rotary_dim, INTERLEAVED=interleaved,
-        ROT_STREAM=rotary_dim > 0 and stream == "inkernel",
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=triton_interpreting() and q.dtype == torch.bfloat16,
+        DOT_PREC=dot_prec(q.dtype),
     )
 
 
-def _rotated(x, tables, offsets, max_len, block_size, rope_base, rotary_dim, interleaved, stream):
-    """The copy of x that a kernel streams: x rotated by one rope-kernel pass (a temporary), or x itself when the
-    kernel rotates streamed tiles (inkernel) or there is no rope.
+def _rotated(x, tables, max_len, block_size, rope_base, rotary_dim, interleaved):
+    """The copy of x that the kernels read: x rotated by one rope-kernel pass (a temporary), or x itself without
+    rope.
 
     Every rotation here (copies and in-kernel) is by the position within the block, not within the sequence: a
     RoPE score depends only on the distance j - i, and blocks start at sequence starts, so both give the same
     attention. The cos/sin rows read are then at most block_size (256 KB at 512 x 64 fp32 pairs) and stay in L2,
-    where a 62K-token sequence read 32 MB of tables."""
-    if rotary_dim == 0 or stream == "inkernel":
+    where a 62K-token sequence would read 32 MB of tables."""
+    if rotary_dim == 0:
         return x
-    return _rope_triton(x, offsets, _rope_rows(max_len, block_size), rope_base, rotary_dim, interleaved, False,
-                        tables.positions(offsets, block_size))
+    return _rope_triton(x, tables.offsets, _rope_rows(max_len, block_size), rope_base, rotary_dim, interleaved,
+                        False, tables.positions(block_size))
 
 
 def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
@@ -648,84 +535,70 @@ def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary
 
 
 def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
-    """(o, lse, K_rot): K_rot is the rotated copy of k the forward streamed, None when it streamed k itself."""
-    stream = rope_stream_mode()
-    bwd_stationary_mode()  # a bad GEM_BLOCK_BWD_STATIONARY fails here, before any work
+    """(o, lse, K_rot): K_rot is the rotated copy of k the forward streamed, None without rope."""
     t, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0 or offsets.numel() < 2:
         return o.zero_(), lse.zero_(), None
-    tables = _Tables.of(offsets, t)
-    user, offsets = offsets, offsets.to(torch.int32)
+    tables = _Tables(offsets, t)
+    offsets32 = offsets.to(torch.int32)
     cos, sin = _rope_tables(rotary_dim, rope_base, _rope_rows(max_len, block_size), q.device)
-    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
-    k_s = _rotated(k, tables, user, max_len, block_size, rope_base, rotary_dim, interleaved, stream)  # streamed
-    inner = head_order() == "inner"
+    meta = _meta(q, k, rotary_dim, interleaved, causal)
+    k_s = _rotated(k, tables, max_len, block_size, rope_base, rotary_dim, interleaved)  # streamed
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
-        work = tables.work(offsets, bm)
-        _fwd_kernel[_grid(work.shape[0], h, inner)](
-            q, k_s, v, o, lse, offsets, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, HEAD_INNER=inner, **reg_cap(cfg), **meta)
+        work = tables.work(bm)
+        _fwd_kernel[(work.shape[0] * h,)](
+            q, k_s, v, o, lse, offsets32, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
 
-    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream)
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
     return o, lse, (k_s if k_s is not k else None)
 
 
 def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved,
          k_rot=None):
-    """k_rot: the forward's rotated copy of k (pre-rotated streaming only), reused instead of a rope pass."""
-    stream = rope_stream_mode()
+    """k_rot: the forward's rotated copy of k, reused instead of a rope pass."""
     t, h, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or offsets.numel() < 2:
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
-    tables = _Tables.of(offsets, t)
-    user, offsets = offsets, offsets.to(torch.int32)
+    tables = _Tables(offsets, t)
+    offsets32 = offsets.to(torch.int32)
     delta = torch.empty_like(lse)  # written by the dQ pass
     cos, sin = _rope_tables(rotary_dim, rope_base, _rope_rows(max_len, block_size), q.device)
-    meta = _meta(q, k, rotary_dim, interleaved, causal, stream)
+    meta = _meta(q, k, rotary_dim, interleaved, causal)
     args = (cos, sin, scale * _LOG2E, scale, t, block_size, rotary_dim // 2, rotary_dim)
 
-    # Stationary tiles: rotated on load (GEM_BLOCK_BWD_STATIONARY=rotate), or read from the same rotated copies the
-    # other pass streams (copy, the default with pre-rotated streaming): only dQ/dK's inverse rotation stays.
-    stat = bwd_stationary_mode() if rotary_dim > 0 and stream == "prerotated" else "rotate"
-    inner = head_order() == "inner"
-
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
-    def dkdv(cfg, q_s, k_t):
+    # Both read the stationary and the streamed tiles from the rotated copies: only dQ/dK's inverse rotation stays.
+    def dkdv(cfg, q_s, k_s):
         bm, bn, warps, stages = cfg[:4]
-        work = tables.work(offsets, bn)  # one program per key tile
-        _bwd_dkdv_kernel[_grid(work.shape[0], k.shape[1], inner)](
-            q_s, k_t, v, do, lse, delta, dk, dv, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", HEAD_INNER=inner, **reg_cap(cfg), **meta)
+        work = tables.work(bn)  # one program per key tile
+        _bwd_dkdv_kernel[(work.shape[0] * k.shape[1],)](
+            q_s, k_s, v, do, lse, delta, dk, dv, offsets32, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **reg_cap(cfg), **meta)
 
-    def dq_pass(cfg, q_t, k_s):
+    def dq_pass(cfg, q_s, k_s):
         bm, bn, warps, stages = cfg[:4]
-        work = tables.work(offsets, bm)  # one program per query tile
-        _bwd_dq_kernel[_grid(work.shape[0], h, inner)](
-            q_t, k_s, v, o, do, lse, delta, dq, offsets, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, ROT_STAT=stat == "rotate", HEAD_INNER=inner, **reg_cap(cfg), **meta)
+        work = tables.work(bm)  # one program per query tile
+        _bwd_dq_kernel[(work.shape[0] * h,)](
+            q_s, k_s, v, o, do, lse, delta, dq, offsets32, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            num_stages=stages, **reg_cap(cfg), **meta)
 
-    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved, stream) + (stat,)
-    rot = (tables, user, max_len, block_size, rope_base, rotary_dim, interleaved, stream)
+    key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
+    rot = (tables, max_len, block_size, rope_base, rotary_dim, interleaved)
     # K_rot: the eager forward's (k-sized, small under GQA), else made here. Q_rot is recomputed, not saved by the
-    # forward (activation memory weighs more than a ~35 us pass): with stat "rotate" only after the dQ pass (which
-    # writes delta) is done, so a recomputed K_rot is freed first; with "copy" before it, as the dQ pass reads it.
-    k_s = k_rot if k_rot is not None and stream == "prerotated" else _rotated(k, *rot)
-    q_s = _rotated(q, *rot) if stat == "copy" else None
-    run = functools.partial(dq_pass, q_t=q if q_s is None else q_s, k_s=k_s)
-    run(_TUNER.pick("dq", key, lambda: configs("dq", block_size), run, q.device))
-    if q_s is None:
-        del run, k_s  # frees a recomputed K_rot before Q_rot is made
-        k_s = None
-        q_s = _rotated(q, *rot)
-    run = functools.partial(dkdv, q_s=q_s, k_t=k if k_s is None else k_s)
-    run(_TUNER.pick("dkdv", key, lambda: configs("dkdv", block_size), run, q.device))
+    # forward: activation memory weighs more than a rope pass.
+    k_s = k_rot if k_rot is not None else _rotated(k, *rot)
+    q_s = _rotated(q, *rot)
+    for kind, fn in (("dq", dq_pass), ("dkdv", dkdv)):  # dQ first: it writes delta
+        run = functools.partial(fn, q_s=q_s, k_s=k_s)
+        run(_TUNER.pick(kind, key, lambda kind=kind: configs(kind, block_size), run, q.device))
     return dq, dk, dv
 
 

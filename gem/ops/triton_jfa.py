@@ -2,10 +2,8 @@
 
 Scheme (see gem/ops/jfa.py for the mask semantics):
 - Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
-  pass. A small table of sorted int64 keys maps program -> batch * NT + tile: by default the heaviest sequences
-  first, each sequence's tiles adjacent in index order (so the programs in flight share K/V in L2), or the
-  heaviest tiles first (GEM_JFA_ORDER=tile); it is built on the device (no host sync) once per offsets tensor and
-  cached on it.
+  pass. A small table of sorted int64 keys maps program -> batch * NT + tile, the heaviest sequences first, each
+  sequence's tiles adjacent in index order, so the programs in flight share K/V in L2 (gem.ops.triton_utils).
 - Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
   window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
   (the causal diagonal).
@@ -16,20 +14,23 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - Softmax in base 2 with log2(e) folded into the scale; lse is stored in natural log, [H, Tq] fp32.
 - Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
   dQ is a separate pass. No atomics.
-- Variants (GEM_JFA_VARIANT, see VARIANTS): one forward kernel with pointer or TMA loads; two backward forms;
-  "auto" (the default) picks per pass.
+- The forward loads K/V tiles through per-sequence TMA descriptors where the tensors allow it (_tma_ok), else
+  through pointers. The backward has two forms (_bwd_form): "base" for long rows with no left window (delta from
+  a preprocessing kernel, dK/dV pass first, K/V loaded transposed) and "v2" elsewhere (the forward's loads, delta
+  fused into the dQ pass, which runs first, lean masks on edge tiles, TMA loads at D 128).
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import OFFSETS_CACHE_MAX, cdiv, eager_tables, offsets_cached, triton_interpreting
+from gem.ops._common import cdiv, eager_tables, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
+from gem.ops.triton_utils import dot, dot_acc, dot_prec, edge_runs, len_bucket, window_mask, work_table
 
 LOG2E = 1.4426950408889634
 
@@ -37,40 +38,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mm(a, b, DOT_PREC: tl.constexpr):
-    if DOT_PREC == "interp":  # the CPU interpreter mis-multiplies bf16/fp16 operands: do it in fp32
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=DOT_PREC)
-
-
-@triton.jit
 def _vis(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """[len(rows), len(cols)] visibility: in-sequence and inside the (bottom-right aligned) window."""
-    ii = rows[:, None] + shift
     m = (rows[:, None] < Lq) & (cols[None, :] < Lk)
-    if HAS_LEFT:
-        m = m & (cols[None, :] >= ii - win_left)
-    if HAS_RIGHT:
-        m = m & (cols[None, :] <= ii + win_right)
-    return m
+    return window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
 def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Transposed _vis: [len(cols), len(rows)]."""
-    ii = rows[None, :] + shift
     m = (rows[None, :] < Lq) & (cols[:, None] < Lk)
-    if HAS_LEFT:
-        m = m & (cols[:, None] >= ii - win_left)
-    if HAS_RIGHT:
-        m = m & (cols[:, None] <= ii + win_right)
-    return m
+    return window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
 def _work_item(WORK, w):
-    """Entry w of a work table (sorted int64 keys, see _work_keys) as b * NT + tile, or -1."""
+    """Entry w of a work table (sorted int64 keys, gem.ops.triton_utils) as b * NT + tile, or -1."""
     key = tl.load(WORK + w)
     return tl.where(key < 0, -1, 4294967295 - (key & 4294967295)).to(tl.int32)
 
@@ -94,41 +77,37 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 
 @triton.jit
-def _work_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, win_left, win_right, span_cap,
-                      Q_SIDE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GROUPED: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """Sort key per tile (b, t) of the A sequences, or -1 when the tile starts past the sequence end; sorted
-    descending, one launch instead of a dozen. Per tile: (partner rows visited + 1) << 32 | ~index (heaviest tiles
-    first, ties by index). GROUPED: the sequence's weight, min(La, 65535) x min(partner span, 32767), << 32 |
-    ~index: heaviest sequences first, each sequence's tiles adjacent in index order, so the programs in flight
-    share their sequences' K/V (or Q/dO) in L2."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    b = idx // NT
-    start = (idx % NT) * block
-    a0 = tl.load(OFF_A + b, mask=ok, other=0).to(tl.int32)
-    la = tl.load(OFF_A + b + 1, mask=ok, other=0).to(tl.int32) - a0
-    b0 = tl.load(OFF_B + b, mask=ok, other=0).to(tl.int32)
-    lb = tl.load(OFF_B + b + 1, mask=ok, other=0).to(tl.int32) - b0
-    last = tl.minimum(start + block, la) - 1
-    lo = tl.zeros_like(start)
-    hi = lb
-    if Q_SIDE:  # q tiles over keys (A = queries): shift = Lk - Lq
-        if HAS_LEFT:
-            lo = tl.maximum(start + (lb - la) - win_left, 0)
-        if HAS_RIGHT:
-            hi = tl.minimum(last + (lb - la) + win_right + 1, lb)
-    else:  # k tiles over queries (A = keys): shift = Lk - Lq = la - lb
-        if HAS_RIGHT:
-            lo = tl.maximum(start - (la - lb) - win_right, 0)
-        if HAS_LEFT:
-            hi = tl.minimum(last - (la - lb) + win_left + 1, lb)
-    if GROUPED:  # span_cap: left + right + 1 for two-sided windows, from the host (no int32 wrap here)
-        cost = tl.minimum(la, 65535).to(tl.int64) * tl.minimum(tl.minimum(lb, span_cap), 32767).to(tl.int64)
-    else:
-        cost = (tl.maximum(hi - lo, 0) + 1).to(tl.int64)
-    key = tl.where(start < la, cost * 4294967296 + (4294967295 - idx.to(tl.int64)), -1)
-    tl.store(KEYS + idx, key, mask=ok)
+def _q_item(OFF_Q, OFF_K, item, h, NT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HEAD_D: tl.constexpr):
+    """A (q tile, head) work item: its first row, its sequence's bounds, kv head and tile offsets."""
+    b = item // NT
+    m0 = (item % NT) * BLOCK_M
+    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
+    shift = Lk - Lq
+    kvh = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    in_q = offs_m < Lq
+    return m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q
+
+
+@triton.jit
+def _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh):
+    """Pointers to one sequence's K and V rows of kv head kvh."""
+    return (K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh,
+            V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh)
+
+
+@triton.jit
+def _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    """TMA descriptors of one sequence's K and V rows: rows >= Lk come back as zeros (the subtraction scheme's
+    masked rows). Lk = 0 never loads (no tiles); the shape only has to be valid."""
+    desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
+                                       block_shape=[BLOCK_N, HEAD_D])
+    desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
+                                       block_shape=[BLOCK_N, HEAD_D])
+    return desc_k, desc_v
 
 
 @triton.jit
@@ -136,34 +115,26 @@ def _vis2(rows, cols, shift, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HA
           RIGHT_CLOSED: tl.constexpr):
     """_vis for the v2 kernels, without the checks they do not need: rows past Lq are never stored and rows do not
     mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
-    ii = rows[:, None] + shift
     m = cols[None, :] >= 0
     if not RIGHT_CLOSED:
         m = cols[None, :] < Lk
-    if HAS_LEFT:
-        m = m & (cols[None, :] >= ii - win_left)
-    if HAS_RIGHT:
-        m = m & (cols[None, :] <= ii + win_right)
-    return m
+    return window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
 def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Transposed _vis2 for dK/dV: no in-sequence checks at all (queries past Lq have lse = +inf, so p = 0, and
     keys past Lk are never stored)."""
-    ii = rows[None, :] + shift
     m = cols[:, None] >= 0
-    if HAS_LEFT:
-        m = m & (cols[:, None] >= ii - win_left)
-    if HAS_RIGHT:
-        m = m & (cols[:, None] <= ii + win_right)
-    return m
+    return window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
-def _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N: tl.constexpr,
+def _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key tiles seen by query rows [m0, rows_last]: start column, tile count, fully visible tiles [k_lo, k_hi)."""
+    """Key tiles seen by the query rows of the tile at m0: start column, tile count, fully visible tiles
+    [k_lo, k_hi)."""
+    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo = 0
     hi = Lk
     if HAS_LEFT:
@@ -171,14 +142,7 @@ def _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N: tl.constex
     if HAS_RIGHT:
         hi = tl.minimum(rows_last + shift + win_right + 1, Lk)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    k_lo = 0
-    k_hi = n_t
-    if HAS_LEFT:  # every row sees the whole tile from its left edge on
-        k_lo = tl.cdiv(tl.maximum(rows_last + shift - win_left - lo, 0), BLOCK_N)
-    if HAS_RIGHT:  # ... and up to its right edge
-        k_hi = tl.maximum(m0 + shift + win_right + 1 - lo, 0) // BLOCK_N
-    k_lo = tl.minimum(k_lo, n_t)
-    k_hi = tl.minimum(tl.maximum(k_hi, k_lo), n_t)
+    k_lo, k_hi = edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
     return lo, n_t, k_lo, k_hi
 
 
@@ -193,14 +157,9 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
     if HAS_LEFT:
         hi = tl.minimum(cols_last - shift + win_left + 1, Lq)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
-    k_lo = 0
-    k_hi = n_t
-    if HAS_RIGHT:
-        k_lo = tl.cdiv(tl.maximum(cols_last - shift - win_right - lo, 0), BLOCK_M)
-    if HAS_LEFT:
-        k_hi = tl.maximum(n0 - shift + win_left + 1 - lo, 0) // BLOCK_M
-    k_lo = tl.minimum(k_lo, n_t)
-    k_hi = tl.minimum(tl.maximum(k_hi, k_lo), n_t)
+    # the mirror of _col_runs: query i sees key j for j - shift - right <= i <= j - shift + left
+    k_lo, k_hi = edge_runs(n0 - shift, cols_last - shift, lo, n_t, 0, win_right, win_left, HAS_RIGHT, HAS_LEFT,
+                           BLOCK_M)
     return lo, n_t, k_lo, k_hi
 
 
@@ -210,14 +169,6 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
 # transposed, P @ V accumulates straight into acc. TMA: per-sequence tensor descriptors of shape [Lk, D], so rows
 # past Lk come back as zeros from the copy engine (the subtraction scheme's masked rows) with no address math or
 # predicates.
-
-
-@triton.jit
-def _mm_acc(a, b, acc, DOT_PREC: tl.constexpr):
-    if DOT_PREC == "interp":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -233,7 +184,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
         in_k = cols < Lk
         k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-    s = _mm(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
+    s = dot(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
     if MASKED:
         vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         s = tl.where(vis, s, float("-inf"))
@@ -244,7 +195,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
     p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _mm_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
+    acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -286,30 +237,15 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
               GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    b = item // NT
-    m0 = (item % NT) * BLOCK_M
-    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
-    shift = Lk - Lq
-    kvh = h // GROUP
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    in_q = offs_m < Lq
+    m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
+                                                                                  BLOCK_M, BLOCK_N, HEAD_D)
     q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=in_q[:, None], other=0.0)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    desc_k = None
-    desc_v = None
+    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    desc_k, desc_v = None, None
     if TMA:
-        # rows >= Lk are out of the descriptor: zero-filled. Lk = 0 never loads (no tiles); keep the shape valid.
-        desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-        desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
+    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
                                          offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo,
@@ -322,8 +258,8 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
             acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
                                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo,
-                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA,
-                                                 BLOCK_M, BLOCK_N, HEAD_D)
+                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
+                                                 TMA, BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -382,10 +318,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
             q = desc_q.load([m, col])
         else:
             q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=in_q[:, None], other=0.0)
-        sT = _mm(k, tl.trans(q), DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        sT = dot(k, tl.trans(q), DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
     else:
         qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
-        sT = _mm(k, qT, DOT_PREC) * qk_scale
+        sT = dot(k, qT, DOT_PREC) * qk_scale
     pT = tl.math.exp2(sT - lse2[None, :])
     if MASKED:
         if ROWMAJOR:
@@ -393,15 +329,15 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
         else:
             vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         pT = tl.where(vis, pT, 0.0)
-    dpT = _mm(v, tl.trans(do), DOT_PREC)
+    dpT = dot(v, tl.trans(do), DOT_PREC)
     if ROWMAJOR:
-        dv = _mm_acc(pT.to(do.dtype), do, dv, DOT_PREC)
+        dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
-        dk = _mm_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
+        dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
     else:
-        dv += _mm(pT.to(do.dtype), do, DOT_PREC)
+        dv += dot(pT.to(do.dtype), do, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
-        dk += _mm(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
+        dk += dot(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
     return dk, dv
 
 
@@ -488,11 +424,11 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
         else:
             k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), DOT_PREC) * qk_scale - lse2[:, None]
+        s = dot(q, tl.trans(k), DOT_PREC) * qk_scale - lse2[:, None]
     else:
         kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
         vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
-        s = _mm(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
+        s = dot(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
     if CLAMP:  # zero-loaded keys: p <= 1 holds for real keys, the clamp keeps masked ones finite (times k = 0)
         s = tl.minimum(s, 0.0)
     p = tl.math.exp2(s)
@@ -503,13 +439,13 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
             vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         p = tl.where(vis, p, 0.0)
     if ROWMAJOR:
-        dp = _mm(do, tl.trans(v), DOT_PREC)
+        dp = dot(do, tl.trans(v), DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq = _mm_acc(ds.to(k.dtype), k, dq, DOT_PREC)
+        dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
     else:
-        dp = _mm(do, vT, DOT_PREC)
+        dp = dot(do, vT, DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
+        dq += dot(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
     return dq
 
 
@@ -526,16 +462,8 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
     item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
-    b = item // NT
-    m0 = (item % NT) * BLOCK_M
-    q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
-    shift = Lk - Lq
-    kvh = h // GROUP
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    in_q = offs_m < Lq
+    m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
+                                                                                  BLOCK_M, BLOCK_N, HEAD_D)
     rows = (q_start + offs_m[:, None]).to(tl.int64)
     q = tl.load(Q + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=in_q[:, None], other=0.0)
     do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=in_q[:, None], other=0.0)
@@ -546,17 +474,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=in_q)
     else:
         delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    desc_k = None
-    desc_v = None
-    if TMA:  # rows >= Lk come back as zeros; Lk = 0 never loads
-        desc_k = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-        desc_v = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Lk, 1), HEAD_D], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, HEAD_D])
-    rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo, n_t, k_lo, k_hi = _col_runs(m0, rows_last, shift, Lk, win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    desc_k, desc_v = None, None
+    if TMA:
+        desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
+    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
@@ -568,10 +490,11 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
                       False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
-    for t in range(k_full, k_hi):  # the fully visible tile crossing Lk
+    for t in range(k_full, k_hi):  # the fully visible tile crossing Lk: masked, or clamped for the sub scheme
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      MASK_EDGE, SUB, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+                      MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
+                      ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
                       lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
@@ -584,87 +507,26 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 # ----------------------------------------------------------------------------------------------- host side
 
 
-def work_order() -> str:
-    """GEM_JFA_ORDER: "seq" (default) runs the heaviest sequences first with each sequence's tiles adjacent; "tile"
-    runs the heaviest tiles of all sequences first (longest-processing-time order)."""
-    order = os.environ.get("GEM_JFA_ORDER", "seq")
-    if order not in ("seq", "tile"):
-        raise ValueError(f"GEM_JFA_ORDER={order!r}: expected 'seq' or 'tile'")
-    return order
+def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int):
+    """The work table of one pass over tiles of `block` rows of offsets_a's sequences (gem.ops.triton_utils)."""
+    return work_table("seq_span", offsets_a, offsets_b, max_len_a, block, left=left, right=right)
 
 
-def _work_keys(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool,
-               order: str = "seq"):
-    """Work table over the tiles of `block` rows of offsets_a's sequences (in `order`, see work_order), from one
-    Triton launch and one sort: sorted int64 keys (weight << 32 | ~item) that the kernels decode (_work_item);
-    -1 = no tile."""
-    nt = max(1, cdiv(max_len_a, block))
-    n = (offsets_a.numel() - 1) * nt
-    keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
-    kb = 16 if triton_interpreting() else 1024
-    span_cap = min(left + right + 1, 2**31 - 1) if left >= 0 and right >= 0 else 2**31 - 1
-    _work_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, max(left, 0), max(right, 0), span_cap,
-                                      Q_SIDE=q_side, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-                                      GROUPED=order == "seq", BLOCK=kb)
-    return torch.sort(keys, descending=True).values, nt
+# The backward form per call: "base" from this max_len_q up when there is no left window (full or causal rows; v2
+# was measured ahead up to 4096 rows, and not timed above that, where "base" stays). A module constant so tests can
+# move it.
+_BWD_BASE_MIN_LEN = 8192
 
 
-_WORK_CACHE_MAX = OFFSETS_CACHE_MAX
+def _bwd_form(max_len_q: int, left: int) -> str:
+    """"base" or "v2" (see the module doc): a left window bounds the rows each tile visits, where the v2 backward's
+    lean edge masks and fused delta win."""
+    return "base" if max_len_q >= _BWD_BASE_MIN_LEN and left < 0 else "v2"
 
 
-def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, q_side: bool):
-    """_work_keys for one pass, built once per offsets tensor pair (gem.ops._common.offsets_cached; knob
-    GEM_JFA_WORK_CACHE=0 turns the cache off)."""
-    order = work_order()
-    return offsets_cached("_gem_jfa_work", "GEM_JFA_WORK_CACHE", offsets_a, offsets_b,
-                          (q_side, max_len_a, block, left, right, order),
-                          lambda: _work_keys(offsets_a, offsets_b, max_len_a, block, left, right, q_side, order))
-
-
-# Kernel variants, chosen per call by GEM_JFA_VARIANT (default "auto"); each one is tested against the reference.
-# The forward is one kernel (q pre-scaled, K as [BLOCK_N, D] rows + trans in the dot, P @ V into acc, a flat grid
-# ordered item-major, in the work order of work_order()); the backward has two forms.
-#   auto      per pass, from the H200 sweep (docs/PERF.md): forward "tma"; backward "base" for long rows with no left
-#             window (max_len_q >= _AUTO_BWD_BASE_MIN_LEN: full or causal), else that of "tma" (short rows and
-#             sliding windows); see _auto_choice
-#   base      forward with pointer loads; backward in its first form: delta from a preprocessing kernel, dK/dV
-#             pass first, K/V loaded pointer-transposed, the scale applied per score tile
-#   rowmajor  forward with pointer loads; backward v2: same loads as the forward, k pre-scaled in dK/dV, delta
-#             fused into the dQ pass (which runs first), lean masks on edge tiles
-#   tma       rowmajor with per-sequence TMA descriptors for the tiles streamed in the loops (forward K/V, dQ pass
-#             K/V, dK/dV pass q/dO): the copy engine zero-fills rows past the sequence end
-# Every variant falls back from TMA to pointer loads when the tensors are not 16-byte aligned or their heads not
-# adjacent (_tma_ok), on the CPU too, so that the interpreter runs what the GPU runs.
-# The sweep also measured the first forward kernel and a persistent-grid forward; neither won anywhere, so both
-# were removed. Work tables are cached on the offsets tensor (_cached_table): layers and the backward share them.
-VARIANTS = ("auto", "base", "rowmajor", "tma")
-
-# auto backward: "base" from this max_len_q up. Session 14 (H200, D=128, sequence-grouped order and the 3-stage
-# 4-warp dK/dV tile): v2 now wins at N=4096 too (bwd 3.154 vs 3.299 ms full, 1.792 vs 1.933 causal); it was not
-# timed above that, where "base" stays (session 8 had it ahead at N=4096). A module constant so tests can move it.
-_AUTO_BWD_BASE_MIN_LEN = 8192
-
-
-def variant() -> str:
-    v = os.environ.get("GEM_JFA_VARIANT", "auto")
-    if v not in VARIANTS:
-        raise ValueError(f"GEM_JFA_VARIANT={v!r}: expected one of {VARIANTS}")
-    return v
-
-
-def _auto_choice(direction: str, max_len_q: int, left: int, right: int) -> str:
-    """The variant that "auto" runs for one pass ("fwd" or "bwd")."""
-    if direction == "fwd":
-        return "tma"
-    if direction != "bwd":
-        raise ValueError(f"direction={direction!r}: expected 'fwd' or 'bwd'")
-    # a left window bounds the rows each tile visits: the v2 backward's lean edge masks and fused delta win there
-    return "base" if max_len_q >= _AUTO_BWD_BASE_MIN_LEN and left < 0 else "tma"
-
-
-# Head dims whose v2 backward takes TMA loads on the GPU (others take the pointer loads of "rowmajor"). At D = 64
-# the TMA backward faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; causal and
-# windowed ran, as did D = 128): scripts/jfa_fault_matrix.py, docs/PERF.md. The interpreter still runs it.
+# Head dims whose v2 backward takes TMA loads on the GPU (others take pointer loads). At D = 64 the TMA backward
+# faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; tools/jfa_fault_matrix.py).
+# The interpreter still runs it.
 _TMA_BWD_HEAD_DIMS = (128,)
 
 
@@ -679,8 +541,8 @@ def _fwd_configs(d: int, masked: bool = False):
         return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 8, 2, 128)]
     if d <= 128:
         # A 5th entry is ptxas's register cap (maxnreg). At 253 registers an 8-warp program fills the SM's register
-        # file: one program per SM, latency-bound on short jagged rows (ncu, session 14). Capped at 128, two
-        # (128, 64, 8, 2) programs (~96 KB of shared memory each) fit on one SM.
+        # file: one program per SM, latency-bound on short jagged rows. Capped at 128, two (128, 64, 8, 2) programs
+        # (~96 KB of shared memory each) fit on one SM.
         cfgs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 64, 8, 2, 128)]
         if masked:
             # causal diagonals and window edges: a 64-row tile on one warpgroup masks half the rows' worth of key
@@ -690,42 +552,34 @@ def _fwd_configs(d: int, masked: bool = False):
     return [(64, 64, 4, 2), (128, 32, 8, 2)]
 
 
-def _bwd_configs(d: int, var: str = "base"):
+def _bwd_configs(d: int, form: str = "base"):
     """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages): each pass takes its half of
     every entry as a candidate (_pass_configs); the first entry is the default."""
     if triton_interpreting():
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
-        if var == "base":
-            # (session 11 timed a 2-stage and a 32-row dK/dV candidate here too: 8-27% slower at N 4K-16K, dropped)
+        if form == "base":
             return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
         # (32, 128, ...): the one 8-warp v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
-        # ones spill 88-168 bytes per thread). (32, 64, ..., 4, 2): a 4-warp dK/dV tile (24 bytes spilled, 240 for
-        # 64 x 64): two programs per SM, so one's K/V load and dK/dV store overlap the other's loop (untimed)
-        # (32, 64, ..., 4, 3): the same 4-warp tiles one stage deeper; the tuner took its dK/dV half at every D 128
-        # key on the H200 (full N1024 0.589 vs 0.651 ms, causal 0.412 vs 0.424, SWA 16K 0.399 vs 0.415); a 4-stage
-        # form lost to it everywhere (session 14)
-        # On 4 warps both SWA passes sit at 255 registers and dK/dV spills (ncu, session 14: its two fp32 64 x 128
-        # accumulators take 128 registers per thread). Tried and dropped in session 15 (never in the tuner's best
-        # four dK/dV tiles, windowed or not): the same tiles on 8 warps, and 32-key dK/dV tiles (its dQ half,
-        # (64, 32, 4, 3), came second at every windowed key: 0.269 vs 0.258 ms at 16K)
+        # ones spill). The 4-warp (32, 64, ...) tiles run two programs per SM, so one's K/V load and dK/dV store
+        # overlap the other's loop; the 3-stage one is the tuner's usual dK/dV pick at D 128 on the H200.
         return [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 64, 8, 2),
                 (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3)]
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
-def _pass_configs(d: int, var: str, which: str):
+def _pass_configs(d: int, form: str, which: str):
     """One backward pass's candidates, (BLOCK_M, BLOCK_N, num_warps, num_stages), projected from _bwd_configs: the
     dK/dV and dQ passes are tuned apart, so a pass may pair its best tile with the other's."""
     out = []
-    for bm1, bn1, bm2, bn2, warps, stages in _bwd_configs(d, var):
+    for bm1, bn1, bm2, bn2, warps, stages in _bwd_configs(d, form):
         cfg = (bm1, bn1, warps, stages) if which == "dkdv" else (bm2, bn2, warps, stages)
         if cfg not in out:
             out.append(cfg)
     return out
 
 
-_TUNER = ConfigTuner("gem.ops.jfa", "GEM_JFA_AUTOTUNE")
+_TUNER = ConfigTuner("gem.ops.jfa")
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -740,47 +594,38 @@ def _tma_ok(*tensors) -> bool:
                and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) for t in tensors)
 
 
-def _len_bucket(n: int) -> int:
-    return 1 << max(4, (max(n, 1) - 1).bit_length())
-
-
-def _dot_prec(dtype) -> str:
-    if triton_interpreting():
-        return "interp"
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
+         max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
+         mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty((h, tq), device=q.device, dtype=torch.float32)
     if tq == 0 or offsets_q.numel() <= 1:
         return out, lse
-    var = variant()
-    if var == "auto":
-        var = _auto_choice("fwd", max_len_q, left, right)
-    tma = var == "tma" and _tma_ok(k, v)
+    tma = _tma_ok(k, v)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
-              "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d}
+              "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
-        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right, True)
+        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right)
         _jfa_fwd_kernel[(work.numel() * h,)](
             q, k, v, out, lse, offsets_q, offsets_k, work, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0),
             max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **reg_cap(cfg), **common)
 
-    key = (tma, d, q.dtype, _len_bucket(max_len_q), _len_bucket(max_len_k), left, right, mask_inf)
+    key = (tma, d, q.dtype, len_bucket(max_len_q), len_bucket(max_len_k), left, right, mask_inf)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))
     return out, lse
 
 
-def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+         offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, scale: float, left: int,
+         right: int, mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     tk, h_kv, _ = k.shape
     group = h // h_kv
@@ -792,11 +637,9 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         return dq, dk.zero_(), dv.zero_()
     if tq == 0:  # keys without any query: zero gradient
         return dq, dk.zero_(), dv.zero_()
-    var = variant()
-    if var == "auto":
-        var = _auto_choice("bwd", max_len_q, left, right)
-    v2 = var != "base"
-    tma = var == "tma" and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
+    form = _bwd_form(max_len_q, left)
+    v2 = form == "v2"
+    tma = v2 and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
@@ -806,53 +649,47 @@ def _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scal
         _jfa_bwd_pre_kernel[(cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
-    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": _dot_prec(q.dtype), "HEAD_D": d,
+    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d,
               "ROWMAJOR": v2, "TMA": tma}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
     scalars = (scale * LOG2E, scale, max(left, 0), max(right, 0))
 
-    # The two passes are separate kernels, each tuned on its own (tiles, warps and stages).
-    def dkdv(cfg):
-        bm1, bn1, warps, stages = cfg
-        work_k, nt_k = _cached_table(offsets_k, offsets_q, max_len_k, bn1, left, right, False)
-        grid_k = (work_k.numel() * h_kv,) if v2 else (work_k.numel(), h_kv)
-        _jfa_bwd_dkdv_kernel[grid_k](
-            q, k, v, do, lse2, delta, dk, dv, offsets_q, offsets_k, work_k, *in_strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *scalars, nt_k,
-            H_GRID=h_kv, GROUP=group, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=warps, num_stages=stages, **common)
+    # The two passes are separate kernels, each tuned on its own (tiles, warps and stages): per pass, its kernel, the
+    # sides its work table tiles (keys for dK/dV, queries for dQ), which config entry is the tile height, its heads,
+    # its outputs and its own constexprs.
+    passes = {
+        "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, 1, h_kv, (dk, dv), {}),
+        "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, 0, h, (dq, out),
+                   dict(SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0)),
+    }
 
-    def dq_pass(cfg):
-        bm2, bn2, warps, stages = cfg
-        work_q, nt_q = _cached_table(offsets_q, offsets_k, max_len_q, bm2, left, right, True)
-        grid_q = (work_q.numel() * h,) if v2 else (work_q.numel(), h)
-        _jfa_bwd_dq_kernel[grid_q](
-            q, k, v, do, lse2, delta, dq, out, offsets_q, offsets_k, work_q, *in_strides,
-            dq.stride(0), dq.stride(1), out.stride(0), out.stride(1), lse.stride(0), *scalars, nt_q,
-            H_GRID=h, GROUP=group, SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0,
-            BLOCK_M=bm2, BLOCK_N=bn2, num_warps=warps, num_stages=stages, **common)
+    def launch(kind, cfg):
+        kernel, off_a, off_b, max_len_a, tile_of, heads, (out1, out2), extra = passes[kind]
+        bm, bn, warps, stages = cfg
+        work, nt = _cached_table(off_a, off_b, max_len_a, cfg[tile_of], left, right)
+        kernel[(work.numel() * heads,) if v2 else (work.numel(), heads)](
+            q, k, v, do, lse2, delta, out1, out2, offsets_q, offsets_k, work, *in_strides, out1.stride(0),
+            out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
-    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, _len_bucket(max_len_q),
-           _len_bucket(max_len_k), left, right, group)
-    form = "v2" if v2 else "base"
+    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, len_bucket(max_len_q),
+           len_bucket(max_len_k), left, right, group)
     # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
-    for kind, run in ((("bwd_dq", dq_pass), ("bwd_dkdv", dkdv)) if v2 else (("bwd_dkdv", dkdv), ("bwd_dq", dq_pass))):
+    for kind in ("bwd_dq", "bwd_dkdv") if v2 else ("bwd_dkdv", "bwd_dq"):
         if kind == "bwd_dkdv" and not tk:
             continue
-        which = kind[4:]
-        run(_TUNER.pick(kind, key, lambda which=which: _pass_configs(d, form, which), run, q.device))
+        run = functools.partial(launch, kind)
+        run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device))
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------- torch op
 
 
-@torch.library.custom_op("gem::jfa_fwd", mutates_args=())
-def jfa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-               max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
-               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+# the custom ops wrap the annotated functions themselves (their schemas come from the annotations)
+jfa_fwd_op = torch.library.custom_op("gem::jfa_fwd", _fwd, mutates_args=())
 
 
 @jfa_fwd_op.register_fake
@@ -860,12 +697,7 @@ def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, m
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("gem::jfa_bwd", mutates_args=())
-def jfa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int,
-               scale: float, left: int, right: int,
-               mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)
+jfa_bwd_op = torch.library.custom_op("gem::jfa_bwd", _bwd, mutates_args=())
 
 
 @jfa_bwd_op.register_fake

@@ -6,7 +6,6 @@ blocks 64/128/256/512 at L 16K. Every competitor applies the same RoPE (NeoX, po
   block + rope op      gem.ops.rope on q and k, then block_attention without rope
   block + torch rope   RoPE in plain PyTorch (cos/sin gathered once per batch), then block_attention without rope
   block + compiled rope  the same PyTorch RoPE under torch.compile, then block_attention without rope
-  block RoPE in-kernel the fused op with every tile rotated in registers (GEM_BLOCK_ROPE_STREAM=inkernel)
   block no RoPE        block_attention without any RoPE (the floor)
   JFA full causal      gem.ops.jagged_attention(causal=True) + rope op (the O(L^2) baseline)
   JFA window           gem.ops.jagged_attention(window=(block-1, 0)) + rope op (sliding window, same cost order)
@@ -24,7 +23,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, bench_ms, compile_static, device_ms, env, jagged_lengths, offsets_of, peak_mem_mb
+from scripts.bench.common import Row, bench_ms, compile_static, device_ms, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "block"
 H, D = 4, 128
@@ -182,8 +181,6 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only:
              ("block + rope op", lambda: _ours_unfused(q, k, v, off, max_len, block)),
              ("block + torch rope", lambda: _torch_rope_unfused(q, k, v, off, max_len, block, compiled=False)),
              ("block + compiled rope", lambda: _torch_rope_unfused(q, k, v, off, max_len, block, compiled=True)),
-             # every tile rotated in registers, streamed ones too (GEM_BLOCK_ROPE_STREAM=inkernel)
-             ("block RoPE in-kernel", lambda: _ours_fused(q, k, v, off, max_len, block)),
              ("block no RoPE", lambda: _ours_unfused(q, k, v, off, max_len, block, rope_op=False))]
     if competitors:
         impls += [("JFA full causal", lambda: _jfa(q, k, v, off, max_len, block, window=False)),
@@ -194,8 +191,7 @@ def _case_rows(length: int, block: int, *, tokens: int, competitors: bool, only:
                  if name == "block fused RoPE" or any(o.lower() in name.lower() for o in only)]
     rows = []
     for name, make in impls:
-        with env({"GEM_BLOCK_ROPE_STREAM": "inkernel"} if name == "block RoPE in-kernel" else None):
-            rows.append(_measure(case, name, make, (q, k, v), flops, info))
+        rows.append(_measure(case, name, make, (q, k, v), flops, info))
     by_name = {r.impl: r for r in rows}
     fused, unfused = rows[0], by_name.get("block + rope op")
     for key, a, b in (("unfused/fused fwd", unfused.fwd_ms if unfused else math.nan, fused.fwd_ms),

@@ -5,25 +5,23 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 
 @contextlib.contextmanager
-def env(settings: dict | None):
-    """Environment settings (kernel knobs) in force inside the block, restored after; None leaves all alone."""
-    old = {name: os.environ.get(name) for name in settings or {}}
-    os.environ.update(settings or {})
+def patched(obj, attrs: dict | None):
+    """obj's attributes set to `attrs` inside the block (a benchmark row timing another choice of a kernel's host
+    code), restored after; None leaves all alone."""
+    old = {name: getattr(obj, name) for name in attrs or {}}
+    for name, value in (attrs or {}).items():
+        setattr(obj, name, value)
     try:
         yield
     finally:
         for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            setattr(obj, name, value)
 
 
 def jagged_lengths(n: int, tokens: int, *, low: int = 1, seed: int = 0, device="cuda") -> torch.Tensor:
@@ -139,30 +137,3 @@ def print_table(rows: list[Row], title: str = "") -> None:
 def dump_json(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([r.__dict__ for r in rows], f, indent=1)
-
-
-def log_tunings() -> None:
-    """From now on, print every triton.autotune tuner's timings as it tunes a key, fastest first, with the key's
-    tile constexprs (kernel_probe; bench_attention under GEM_TUNE_LOG=1)."""
-    from triton.runtime.autotuner import Autotuner
-
-    real = Autotuner.run
-    if getattr(real, "_gem_logs", False):  # already wrapped
-        return
-
-    def run(self, *args, **kwargs):
-        before = getattr(self, "configs_timings", None)
-        out = real(self, *args, **kwargs)
-        timings = getattr(self, "configs_timings", None)
-        if timings and timings is not before:
-            ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
-            cells = [f"[{cfg}] {(t[0] if isinstance(t, list) else t):.3f}" for cfg, t in ranked]
-            key = " ".join(f"{k}={kwargs[k]}" for k in ("BLOCK_N", "BLOCK_M", "SHORT_KV", "TILES", "FLAT", "MASKED",
-                                                         "GROUP", "NARROW", "SCALE_Q") if k in kwargs)
-            fn = getattr(self, "base_fn", self.fn)
-            name = getattr(fn, "__name__", type(fn).__name__)
-            print(f"tuned {name} {key}: " + "; ".join(cells), flush=True)
-        return out
-
-    run._gem_logs = True
-    Autotuner.run = run

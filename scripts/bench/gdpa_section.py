@@ -5,20 +5,16 @@ Cases (bf16, H 4, D 128, about 64K tokens):
   cross  GELU(tanh), jagged q ~ U[1, N] (N 256..1024) x short K/V ~ U[1, M] (M 64..256)
   fixed  GELU(tanh) cross, jagged q ~ U[1, 1024] x exactly 256 keys per sequence (a fixed set of feature tokens)
   skew   SiLU self, lognormal lengths: longest-first work order vs sequence order
-Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu
-(GEM_GDPA_TANH=exact; the default takes one tanh.approx instruction for bf16); the cross case also with the
-short-K/V paths forced off (the tiled forward and the two-pass backward), with every sequence of the short-K/V
-kernels on the full K/V tile (GEM_GDPA_NARROW=0; by default a sequence with at most a half or a quarter of the
-tile's keys takes that narrower tile), and with 64- and 128-row q tiles in the
-forward and the dQ pass (GEM_GDPA_FWD_BLOCK_M, GEM_GDPA_DQ_BLOCK_M; the default takes 64 rows on the short-K/V path
-up to 64 keys and, at D > 64, on the tiled forward and the dQ pass; 128 otherwise). A row's knobs hold for its
-forward and backward alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's
-offsets: after the first call a timed call launches only its kernels.
+Each of ours also runs with approx="poly6" and with the exp + divide form of gelu_tanh / silu (the kernels' form
+for fp16/fp32, patched in here; bf16 takes one tanh.approx instruction); the cross case also with the short-K/V
+paths forced off (the tiled forward and the two-pass backward). A row's patch holds for its forward and backward
+alike. Work tables are cached per offsets tensor, as in a model whose layers share one batch's offsets: after the
+first call a timed call launches only its kernels.
 Times are eager (CUDA events around each call, Python launch overhead included, as a user sees them), and each row
 also carries its kernels' device time (dev_fwd_ms, dev_bwd_ms; torch.profiler) with the speedups by it; the cross
 cases hold 512K query tokens (also with --quick) so that kernels, not launches, dominate.
-The padded torch.compile row is compiled per case for that case's shapes (common.compile_static): sharing one code
-object, every case after the first would run a dynamic-shape recompile, slower than a static graph.
+The padded torch.compile row is compiled per case for that case's shapes (common.compile_static): a static graph
+per case, no dynamic-shape recompiles.
 TFLOP/s count real tokens: fwd = 4*H*D*sum(Lq*Lk) (halved when causal), bwd = 2.5 x fwd.
 Memory roofline: the first row times a device copy of 1 GiB (read + write, torch.profiler), and each of our rows
 carries fwd_TBps / bwd_TBps: the least traffic any implementation moves (each input read once, each output written
@@ -33,6 +29,7 @@ import traceback
 
 import torch
 
+from gem.ops import triton_gdpa
 from scripts.bench.common import (
     Row,
     attn_flops,
@@ -40,8 +37,8 @@ from scripts.bench.common import (
     compile_static,
     copy_rate,
     device_ms,
-    env,
     jagged_lengths,
+    patched,
     offsets_of,
     peak_mem_mb,
 )
@@ -131,10 +128,10 @@ def _case_rows(case, lq, lk, *, activation, causal, extra_impls=(), compare=True
     least = {"fwd": 2 * qb + 2 * kb, "bwd": 3 * qb + 4 * kb}  # bytes: each input read once, each output written once
     rows = []
     impls = [("gdpa", {}), ("gdpa poly6", {"approx": "poly6"}),
-             ("gdpa exp+div (GEM_GDPA_TANH=exact)", {"env": {"GEM_GDPA_TANH": "exact"}})] + list(extra_impls)
+             ("gdpa exp+div", {"patch": {"tanh_form": lambda *a: False}})] + list(extra_impls)
     for name, kw in impls:
         kw = dict(kw)
-        with env(kw.pop("env", None)):  # a row's knobs hold for its forward and backward
+        with patched(triton_gdpa, kw.pop("patch", None)):  # a row's patch holds for its forward and backward
             rows.append(
                 _measure(
                     SECTION,
@@ -232,19 +229,13 @@ def run(args) -> list[Row]:
             lk,
             activation="gelu_tanh",
             causal=False,
-            extra_impls=[("gdpa long-K/V path", {"short_kv": False}),
-                         ("gdpa full K/V tiles (GEM_GDPA_NARROW=0)", {"env": {"GEM_GDPA_NARROW": "0"}}),
-                         ("gdpa 64-row q tiles", {"env": {"GEM_GDPA_FWD_BLOCK_M": "64", "GEM_GDPA_DQ_BLOCK_M": "64"}}),
-                         ("gdpa 128-row q tiles",
-                          {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})],
+            extra_impls=[("gdpa long-K/V path", {"short_kv": False})],
         )
     case = "cross GELU(tanh) N=1024 M=256 fixed"
     if wanted(case):
         lq = jagged_lengths(1024, CROSS_TOKENS, seed=1024)
         lk = torch.full_like(lq, 256)
-        rows += _case_rows(case, lq, lk, activation="gelu_tanh", causal=False,
-                           extra_impls=[("gdpa 128-row q tiles",
-                                         {"env": {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}})])
+        rows += _case_rows(case, lq, lk, activation="gelu_tanh", causal=False)
     case = "skew SiLU lognormal"
     if wanted(case):
         lq = _lognormal_lengths(tokens, 256, 1.2, 8192)

@@ -8,17 +8,13 @@ not in the backward figure). Padded SDPA times the attention call on already pad
 unpadding excluded); FlexAttention's block mask is built once outside the timed region.
 TFLOP/s count real tokens only: fwd = 4*H*D*sum(L^2) (halved when causal; SWA counts visible pairs), bwd = 2.5 x fwd.
 
---jfa-variants all (or a comma list of gem.ops.triton_jfa.VARIANTS) adds one row per kernel variant
-("ours [variant]", default mask mode), each timed with GEM_JFA_VARIANT set for its forward and backward.
 --jfa-anchors varlen_attn (comma list, or "none") keeps only those competitors (default: all of them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-import os
 import traceback
 
 import torch
@@ -228,55 +224,12 @@ def _measure(section, case, impl, make, b, fwd_flops, args) -> Row:
     return row
 
 
-@contextlib.contextmanager
-def _variant_env(variant):
-    old = os.environ.get("GEM_JFA_VARIANT")
-    if variant is not None:
-        os.environ["GEM_JFA_VARIANT"] = variant
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("GEM_JFA_VARIANT", None)
-        else:
-            os.environ["GEM_JFA_VARIANT"] = old
-
-
-def _variants(args) -> list[str]:
-    """Kernel variants to time as extra rows (--jfa-variants all / a comma list); none by default."""
-    spec = getattr(args, "jfa_variants", None)
-    if not spec:
-        return []
-    from gem.ops.triton_jfa import VARIANTS
-
-    names = list(VARIANTS) if spec == "all" else [v.strip() for v in spec.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        raise ValueError(f"unknown JFA variants {bad}: known {VARIANTS}")
-    return names
-
-
 def _keep(impl, args) -> bool:
     """Our own rows always; competitors as --jfa-anchors says."""
     spec = getattr(args, "jfa_anchors", None)
     if impl.startswith("ours") or not spec or spec == "all":
         return True
     return impl in [a.strip() for a in spec.split(",")]
-
-
-def _measure_ours(section, case, b, flops, args, rows):
-    """The default rows of our kernel, then one row per requested variant (default mask mode)."""
-    for variant in _variants(args):
-        with _variant_env(variant):
-            r = _measure(section, case, f"ours [{variant}]", _ours("auto"), b, flops, args)
-        r.extra["N"] = b["max_len_n"]
-        rows.append(r)
-
-
-def _add_variant_ratios(rows):
-    for r in list(rows):
-        if r.impl.startswith("ours ["):
-            _add_ratios(rows, ours=r.impl, others=("varlen_attn", "ours (sub mask)"))
 
 
 def _add_ratios(rows, ours="ours (sub mask)", others=("varlen_attn", "padded SDPA", "padded SDPA (mask)",
@@ -312,9 +265,7 @@ def run_jfa(args) -> list[Row]:
             r = _measure("jfa", case, impl, make, b, flops, args)
             r.extra["N"] = n
             case_rows.append(r)
-        _measure_ours("jfa", case, dict(b, max_len_n=n), flops, args, case_rows)
         _add_ratios(case_rows)
-        _add_variant_ratios(case_rows)
         rows += case_rows
         del b
     return rows
@@ -349,7 +300,6 @@ def run_swa(args) -> list[Row]:
             r = _measure("swa", case, impl, make, b, flops, args)
             r.extra["N"] = n
             case_rows.append(r)
-        _measure_ours("swa", case, dict(b, max_len_n=n), flops, args, case_rows)
         full = dict(b, window=None)
         r = _measure("swa", case, "ours full causal", _ours("sub"), full, attn_flops(lengths, 4, 128, causal=True),
                      args)
@@ -357,7 +307,6 @@ def run_swa(args) -> list[Row]:
         case_rows.append(r)
         _add_ratios(case_rows)
         _add_ratios(case_rows, ours="ours (-inf mask)")  # the default mask of windowed calls
-        _add_variant_ratios(case_rows)
         rows += case_rows
         del b, full
     return rows

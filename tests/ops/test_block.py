@@ -239,14 +239,12 @@ def test_gpu_fp32_head_dims(d):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("order", ["outer", "inner"])
 @pytest.mark.parametrize("block_size", [128, 512])
-def test_gpu_every_config(block_size, order, monkeypatch):
+def test_gpu_every_config(block_size, monkeypatch):
     """Every candidate of the three kernels compiles and matches (the tuner would silently drop one that fails):
-    the i-th config of each list together, with and without RoPE, in both head orders."""
+    the i-th config of each list together, with and without RoPE."""
     import gem.ops.triton_block as tb
 
-    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
     lists = {kind: tb.configs(kind, block_size) for kind in ("fwd", "dkdv", "dq")}
     for i in range(max(len(c) for c in lists.values())):
         picked = {kind: [c[i % len(c)]] for kind, c in lists.items()}
@@ -260,10 +258,10 @@ def test_gpu_every_config(block_size, order, monkeypatch):
 
 @pytest.mark.parametrize("lengths,tile", [([5, 0, 35, 1], 16), ([], 16), ([0, 0], 8), ([100, 17], 32)])
 def test_work_table_lists_every_tile_once(lengths, tile):
-    from gem.ops.triton_block import work_table
+    from gem.ops.triton_utils import work_table
 
     offsets = _offsets(lengths)
-    work = work_table(offsets, tile, sum(lengths)).tolist()
+    work = work_table("seq_len", offsets, offsets, 0, tile, total=sum(lengths), cached=False).tolist()
     expected = [[b, j] for b, n in enumerate(lengths) for j in range(-(-n // tile))]
     assert work[: len(expected)] == expected
     assert all(row == [-1, -1] for row in work[len(expected):])
@@ -303,10 +301,10 @@ def test_tuner_picks_and_caches_per_key(monkeypatch, winner):
 def test_tuner_off_keeps_first_config(monkeypatch):
     import gem.ops.triton_block as tb
 
-    monkeypatch.setenv("GEM_BLOCK_AUTOTUNE", "0")
+    monkeypatch.setenv("GEM_AUTOTUNE", "0")
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(32, 16, 4, 1), (16, 32, 4, 1)])
     monkeypatch.setattr(tb._TUNER, "best", {})
-    monkeypatch.setattr(tb._TUNER, "bench", lambda fn: pytest.fail("timed with GEM_BLOCK_AUTOTUNE=0"))
+    monkeypatch.setattr(tb._TUNER, "bench", lambda fn: pytest.fail("timed with GEM_AUTOTUNE=0"))
     _check([25, 9], block_size=16, rope_cfg=RopeConfig())
     assert set(tb._TUNER.best.values()) == {(32, 16, 4, 1)}
 
@@ -332,11 +330,11 @@ def test_gpu_config_lists(monkeypatch, block_size):
 def test_work_tables_built_once_per_offsets(monkeypatch):
     # layers share offsets: the forward's and backward's tables are built once and reused by later calls;
     # an in-place write to the offsets rebuilds them (and the result stays right)
-    from gem.ops import triton_block
+    from gem.ops import triton_utils
 
     built = []
-    real = triton_block.work_table
-    monkeypatch.setattr(triton_block, "work_table", lambda *a: built.append(a[1]) or real(*a))
+    real = triton_utils._seq_len_table
+    monkeypatch.setattr(triton_utils, "_seq_len_table", lambda *a: built.append(a[1]) or real(*a))
     lengths = [40, 1, 0, 23]
     q, k, v, _, off = _inputs(lengths, 2, 2, 32, torch.float32)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -356,10 +354,10 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# RoPE of the streamed operand: pre-rotated copies (default) or rotated per tile in-kernel (GEM_BLOCK_ROPE_STREAM).
+# RoPE: the streamed operand from a rotated copy (a rope-kernel pass), the stationary one rotated on load in the
+# forward and read from the rotated copies in the backward.
 
 
-@pytest.mark.parametrize("mode", ["prerotated", "prerotated/rotate", "inkernel"])
 @pytest.mark.parametrize(
     "lengths,h,hkv,block_size,causal,rope_cfg,dtype",
     [
@@ -369,79 +367,32 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
         ([21, 1, 6], 4, 2, 4, True, RopeConfig(rotary_dim=16), torch.bfloat16),
     ],
 )
-def test_rope_stream_modes_match_reference(monkeypatch, mode, lengths, h, hkv, block_size, causal, rope_cfg, dtype):
+def test_rope_rotated_copies_match_reference(monkeypatch, lengths, h, hkv, block_size, causal, rope_cfg, dtype):
     from gem.ops import triton_block
 
-    stream, _, stationary = mode.partition("/")
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", stream)
-    monkeypatch.setenv("GEM_BLOCK_BWD_STATIONARY", stationary or "copy")
     passes = []
     real = triton_block._rope_triton
     monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
-    rot_stat = []
-
-    class Spy:  # records whether each backward pass rotated its stationary tile on load
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: rot_stat.append(kw["ROT_STAT"]) or self.kernel[grid](*a, **kw)
-
-    for name in ("_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-        monkeypatch.setattr(triton_block, name, Spy(getattr(triton_block, name)))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, causal=causal, rope_cfg=rope_cfg, dtype=dtype)
-    assert set(rot_stat) == {mode != "prerotated"}  # copy: both passes read the rotated copies
-    # prerotated: K_rot for the forward (kept for the dQ pass), then Q_rot for the dK/dV pass; inkernel: none
-    assert passes == ([hkv, h] if stream == "prerotated" else [])
+    assert passes == [hkv, h]  # K_rot for the forward (kept for the dQ pass), then Q_rot for the backward
 
 
-def test_saved_k_rot_only_reused_by_a_prerotated_backward(monkeypatch):
-    # the eager forward keeps K_rot; a backward run in another stream mode must not stream it as if it were k
+def test_saved_k_rot_reused_by_the_backward(monkeypatch):
+    """The eager forward keeps K_rot; the backward streams it instead of rotating k again, with the same results."""
+    from gem.ops import triton_block
+
     q, k, v, do, offsets = _inputs([23, 1, 9], 4, 2, 32, torch.float32, seed=4)
     kw = {"block_size": 8, "rope": RopeConfig(rotary_dim=16)}
     ref = _run(lambda a, b, c: block_attention_reference(a, b, c, offsets, 23, **kw), q, k, v, do)
-    for fwd_mode, bwd_mode in (("prerotated", "inkernel"), ("inkernel", "prerotated"), ("prerotated", "prerotated")):
-        a, b, c = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", fwd_mode)
-        out = block_attention(a, b, c, offsets, 23, kernel="triton", **kw)
-        monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", bwd_mode)
-        out.backward(do)
-        for name, x, y in zip(("out", "dq", "dk", "dv"), (out, a.grad, b.grad, c.grad), ref):
-            what = f"{fwd_mode}/{bwd_mode} {name}"
-            torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5, msg=lambda m, w=what: f"{w}: {m}")
-
-
-def test_bwd_stationary_bad_value(monkeypatch):
-    monkeypatch.setenv("GEM_BLOCK_BWD_STATIONARY", "cached")
-    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="GEM_BLOCK_BWD_STATIONARY='cached'"):  # at the forward
-        block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
-
-
-def test_rope_stream_bad_value(monkeypatch):
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", "fused")
-    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="GEM_BLOCK_ROPE_STREAM='fused'"):
-        block_attention(q, k, v, offsets, 5, block_size=4, rope=RopeConfig(), kernel="triton")
-
-
-@pytest.mark.parametrize("env,values,no_rope_keys", [("GEM_BLOCK_ROPE_STREAM", ("prerotated", "inkernel"), 1),
-                                                     ("GEM_BLOCK_HEAD_ORDER", ("outer", "inner"), 2)])
-def test_knobs_tuned_apart(monkeypatch, env, values, no_rope_keys):
-    """Each value of a knob that changes the kernels gets its own tuner keys (fwd, dkdv, dq); without rope the
-    stream mode changes nothing (one key set), the head order still does."""
-    import gem.ops.triton_block as tb
-
-    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(16, 16, 4, 1)])
-    monkeypatch.setattr(tb._TUNER, "best", {})
-    for value in values:
-        monkeypatch.setenv(env, value)
-        _check([9, 4], block_size=8, rope_cfg=RopeConfig())
-    assert len(tb._TUNER.best) == 6
-    for value in values:
-        monkeypatch.setenv(env, value)
-        _check([9, 4], block_size=8)
-    assert len(tb._TUNER.best) == 6 + 3 * no_rope_keys
+    passes = []
+    real = triton_block._rope_triton
+    monkeypatch.setattr(triton_block, "_rope_triton", lambda x, *a: passes.append(x.shape[1]) or real(x, *a))
+    a, b, c = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = block_attention(a, b, c, offsets, 23, kernel="triton", **kw)
+    out.backward(do)
+    assert passes == [2, 4]  # k once (forward), q once (backward)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), (out, a.grad, b.grad, c.grad), ref):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_cached_tables_do_not_keep_offsets_alive():
@@ -462,7 +413,6 @@ def test_rotated_copies_reuse_cached_positions(monkeypatch):
     # the K_rot / Q_rot passes take positions from the rope op's per-offsets cache: built once for all layers
     from gem.ops import rotary
 
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", "prerotated")
     built = []
     real = rotary.positions_of
     monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
@@ -474,14 +424,12 @@ def test_rotated_copies_reuse_cached_positions(monkeypatch):
     assert built == [32]
 
 
-@pytest.mark.parametrize("mode", ["prerotated", "inkernel"])
-def test_rope_reads_table_rows_of_one_block_only(monkeypatch, mode):
+def test_rope_reads_table_rows_of_one_block_only(monkeypatch):
     # The kernels rotate by the position within the block (the same scores as by the position within the
     # sequence): a sequence ~10 blocks long must ask for no cos/sin rows past block_size and still match the
     # reference, which rotates by the position within the sequence.
     from gem.ops import rotary, triton_block
 
-    monkeypatch.setenv("GEM_BLOCK_ROPE_STREAM", mode)
     lengths, cfg = [157, 1, 0, 40], RopeConfig(rotary_dim=24)
     _check(lengths, h=2, hkv=1, block_size=16, causal=True, rope_cfg=cfg)
     q, k, v, do, off = _inputs(lengths, 2, 1, 32, torch.float32)
@@ -522,10 +470,9 @@ def test_scores_far_below_zero():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Program order over heads (GEM_BLOCK_HEAD_ORDER): a (W, H) grid, or a flat one with a tile's heads adjacent.
+# Programs: a flat grid with the heads of one work item adjacent (they share its K/V and RoPE rows in L2).
 
 
-@pytest.mark.parametrize("order", ["outer", "inner"])
 @pytest.mark.parametrize(
     "lengths,h,hkv,block_size,rope_cfg,dtype",
     [
@@ -534,29 +481,23 @@ def test_scores_far_below_zero():
         ([21, 1, 6], 3, 1, 4, None, torch.bfloat16),  # odd head count, no rope
     ],
 )
-def test_head_orders_match_reference(monkeypatch, order, lengths, h, hkv, block_size, rope_cfg, dtype):
+def test_flat_grids_match_reference(monkeypatch, lengths, h, hkv, block_size, rope_cfg, dtype):
     import gem.ops.triton_block as tb
 
-    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", order)
     launches = []
 
-    class Spy:  # records each launch's grid and order flag
+    class Spy:  # records each launch's grid
         def __init__(self, kernel):
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((grid, kw["HEAD_INNER"])) or self.kernel[grid](*a, **kw)
+            return lambda *a, **kw: launches.append(grid) or self.kernel[grid](*a, **kw)
 
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
         monkeypatch.setattr(tb, name, Spy(getattr(tb, name)))
     _check(lengths, h=h, hkv=hkv, block_size=block_size, rope_cfg=rope_cfg, dtype=dtype)
-    assert len(launches) >= 3 and {flag for _, flag in launches} == {order == "inner"}
-    # "inner": flat grids of W * heads programs; "outer": (W, heads)
-    heads = {h, hkv}
-    if order == "inner":
-        assert all(len(g) == 1 and any(g[0] % n == 0 for n in heads) for g, _ in launches), launches
-    else:
-        assert all(len(g) == 2 and g[1] in heads for g, _ in launches), launches
+    # flat grids of W * heads programs
+    assert len(launches) >= 3 and all(len(g) == 1 and any(g[0] % n == 0 for n in {h, hkv}) for g in launches)
 
 
 def test_register_cap_reaches_block_launches(monkeypatch):
@@ -586,10 +527,3 @@ def test_register_cap_reaches_block_launches(monkeypatch):
         monkeypatch.setattr(tb, name, Spy(name, getattr(tb, name)))
     _check([9, 4, 0], block_size=8, rope_cfg=RopeConfig())
     assert caps == {"_fwd_kernel": 128, "_bwd_dkdv_kernel": None, "_bwd_dq_kernel": 96}
-
-
-def test_head_order_bad_value(monkeypatch):
-    monkeypatch.setenv("GEM_BLOCK_HEAD_ORDER", "zigzag")
-    q, k, v, _, offsets = _inputs([5], 2, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="GEM_BLOCK_HEAD_ORDER='zigzag'"):
-        block_attention(q, k, v, offsets, 5, block_size=4, kernel="triton")

@@ -1,5 +1,6 @@
 """The Triton kernels compile for the H200 (sm_90, down to cubins through ptxas) with the GPU's launch configs,
-on this GPU-less machine: scripts/compile_check.py --quick (JFA's default variant, GDPA, BlockAttention, the rope op; bf16)."""
+on this GPU-less machine: tools/compile_check.py --quick (JFA's backward forms, GDPA, BlockAttention, the rope op;
+bf16)."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile afresh: a cached kernel proves nothing
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/compile_check.py"), "--quick"], env=env, cwd=ROOT,
+    r = subprocess.run([sys.executable, str(ROOT / "tools/compile_check.py"), "--quick"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=1500, check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]

@@ -73,11 +73,12 @@ def test_each_activation_fwd_bwd(activation):
 @pytest.mark.parametrize("activation", ("gelu_tanh", "silu"))
 @pytest.mark.parametrize("short_kv,causal", [(True, False), (False, True)])
 def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
-    # GEM_GDPA_TANH=approx: gelu_tanh and silu written with one tanh (on CPU that tanh goes through exp), forward
-    # and the derivative the backward recomputes; both K/V paths and a masked case.
+    # gelu_tanh and silu written with one tanh, as the GPU runs them for bf16 (on CPU that tanh goes through exp):
+    # forward and the derivative the backward recomputes; both K/V paths and a masked case.
     from gem.ops import triton_gdpa
 
-    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
+    forms = triton_gdpa.ACT_TANH_FORM
+    monkeypatch.setattr(triton_gdpa, "tanh_form", lambda act, approx, dtype: not approx and act in forms)
     seen = []
     real = triton_gdpa._consts
     monkeypatch.setattr(triton_gdpa, "_consts", lambda *a: seen.append(real(*a)["ACT"]) or real(*a))
@@ -85,119 +86,75 @@ def test_tanh_form_matches_reference(monkeypatch, activation, short_kv, causal):
     assert seen and set(seen) == {triton_gdpa.ACT_TANH_FORM[activation]}
 
 
-@pytest.mark.parametrize("narrow", ["1", "0"])
-@pytest.mark.parametrize("causal,tile", [(False, 64), (True, 64), (False, 128)])
-def test_short_kv_narrow_tiles(monkeypatch, narrow, causal, tile):
-    """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
-    a quarter of it that holds its keys: lengths at and one past each width's edge (16 and 32 of a 64-key tile,
-    32 and 64 of a 128-key one), 0 and 1, under GQA; GEM_GDPA_NARROW=0 keeps every sequence on the full tile."""
+def _spy_kind(monkeypatch, kind):
+    """Records (launch keywords, grid) of every launch of one GDPA kernel kind, and launches it."""
     from gem.ops import triton_gdpa
 
-    monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})  # no pick keyed by these spies outlives the test
+    kernel, names = triton_gdpa._KINDS[kind]
     seen = []
 
-    class Spy:  # the launches' NARROW flag: both short-K/V kernels must get the knob's value
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getattr__(self, name):  # configs, cache, best_config, fn: the tuner's own
-            return getattr(self.kernel, name)
-
+    class Spy:
         def __getitem__(self, grid):
-            launch = self.kernel[grid]
-            return lambda *a, **kw: seen.append(kw["NARROW"]) or launch(*a, **kw)
+            launch = kernel[grid]
+            return lambda *a, **kw: seen.append((kw, grid)) or launch(*a, **kw)
 
-    monkeypatch.setattr(triton_gdpa, "_fwd_short", Spy(triton_gdpa._fwd_short))
-    monkeypatch.setattr(triton_gdpa, "_bwd_short", Spy(triton_gdpa._bwd_short))
+    monkeypatch.setitem(triton_gdpa._KINDS, kind, (Spy(), names))
+    return seen
+
+
+@pytest.mark.parametrize("causal,tile", [(False, 64), (True, 64), (False, 128)])
+def test_short_kv_narrow_tiles(monkeypatch, causal, tile):
+    """The short-K/V forward and one-pass backward give each sequence the narrowest of its K/V tile, a half and
+    a quarter of it that holds its keys: lengths at and one past each width's edge (16 and 32 of a 64-key tile,
+    32 and 64 of a 128-key one), 0 and 1, under GQA."""
+    fwd, bwd = _spy_kind(monkeypatch, "fwd_short"), _spy_kind(monkeypatch, "bwd_short")
     q4, q2 = tile // 4, tile // 2
     lk = [1, q4, q4 + 1, q2, q2 + 1, tile, 0, 9]
     lq = [3, 20, 1, 17, 40, 33, 5, 0]
     _check(lq, lk, h=4, hk=2, activation="gelu", causal=causal, short_kv=True)
-    assert seen == [narrow == "1"] * 2
+    # both short-K/V kernels ran, on the whole tile (the narrow widths are picked per sequence inside them)
+    assert fwd and bwd and {kw["BLOCK_N"] for kw, _ in fwd + bwd} == {tile}
 
 
 @pytest.mark.parametrize("keys_major", [True, False])
-@pytest.mark.parametrize("narrow,scale_q,kw", [("1", "0", {"causal": True}), ("0", "1", {"window": (3, 2)}),
-                                               ("1", "1", {"activation": "relu2"}), ("1", "0", {"window": (0, 5)})])
-def test_one_pass_backward_forms(monkeypatch, keys_major, narrow, scale_q, kw):
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": (3, 2)}, {"activation": "relu2"}, {"window": (0, 5)}])
+def test_one_pass_backward_forms(monkeypatch, keys_major, kw):
     """The one-pass backward computing scores keys-major (S^T = K Q^T; KT) or row-major, pinned by its config:
-    masks (causal, two-sided windows), narrow and full K/V tiles, q scaled or not, lengths 0 and 1 and at the narrow
-    tiles' edges, GQA 4:2, several q tiles per sequence."""
-    import triton
-
+    masks (causal, two-sided windows), narrow and full K/V tiles, lengths 0 and 1 and at the narrow tiles' edges,
+    GQA 4:2, several q tiles per sequence."""
     from gem.ops import triton_gdpa
 
-    tuned = triton_gdpa._bwd_short
-    monkeypatch.setattr(tuned, "configs", [triton.Config({"BLOCK_M": 16, "KT": keys_major}, num_warps=1,
-                                                         num_stages=1)])
-    monkeypatch.setattr(tuned, "cache", {})
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
-    monkeypatch.setenv("GEM_GDPA_NARROW", narrow)
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
-    used = []
-    real_fn_run = tuned.fn.run
-
-    def run(*a, grid, **launch_kw):
-        used.append((launch_kw["KT"], launch_kw["BLOCK_N"], grid[0]))
-        return real_fn_run(*a, grid=grid, **launch_kw)
-
-    monkeypatch.setattr(tuned.fn, "run", run)
+    monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short",
+                        [{"BLOCK_M": 16, "KT": keys_major, "num_warps": 1, "num_stages": 1}])
+    monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
+    used = _spy_kind(monkeypatch, "bwd_short")
     _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True,
            **{"activation": "gelu", **kw})
-    assert used == [(keys_major, 64, 16)]  # one program per (sequence, kv head)
+    # one program per (sequence, kv head); a key's first call also launches once in the tuner
+    assert {(k["KT"], k["BLOCK_N"], grid[0]) for k, grid in used} == {(keys_major, 64, 16)}
 
 
-def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
-    """After a key's first call (through triton.autotune, which picks the config) the same call launches the picked
-    config directly, with the same outputs; a swapped configs list (as the every-config test does) or another key
-    (here a new constexpr: causal) goes through the tuner again."""
+def test_configs_tuned_per_key(monkeypatch):
+    """GDPA's kernels go through the shared ConfigTuner: a key's first call times every candidate and launches the
+    fastest, later calls launch it untimed with the same outputs, and another key (here causal: MASKED) tunes
+    again."""
     from gem.ops import triton_gdpa
 
-    tuned = triton_gdpa._fwd_short
-    through, direct = [], []
-    real_run, real_fn_run = type(tuned).run, tuned.fn.run
-    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
-    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
-    q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
+    one = {"BLOCK_M": 16, "KT": False, "num_warps": 1, "num_stages": 1}
+    two = {"BLOCK_M": 16, "KT": True, "num_warps": 2, "num_stages": 1}
+    monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short", [one, two])
+    monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
+    monkeypatch.delenv("GEM_AUTOTUNE", raising=False)
+    timed = []
 
-    def call(**kw):
-        return gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=True, activation="silu", **kw).detach()
+    def bench(fn):  # a fake clock: `two` is the faster config
+        before = len(launched)
+        fn()
+        timed.append(launched[before][0]["num_warps"])
+        return 1.0 if launched[before][0]["num_warps"] == 2 else 2.0
 
-    first = call()
-    assert through.count(tuned) == 1 and len(direct) == 1
-    again = call()
-    assert through.count(tuned) == 1 and len(direct) == 2  # launched without the tuner
-    assert direct[1] == tuned.best_config.num_warps
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
-    _close(again, gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu"), torch.float32, "direct launch")
-    call(causal=True)  # a new key: MASKED changes
-    assert through.count(tuned) == 2
-    monkeypatch.setattr(tuned, "configs", list(tuned.configs))  # a new list object: pick again
-    torch.testing.assert_close(call(), first, rtol=0, atol=0)
-    assert through.count(tuned) == 3
-
-
-def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
-    """With several configs: the config the tuner timed fastest is launched, directly after the first call; a
-    cleared tuner cache tunes again (here to the other config), also after another key has refilled the cache."""
-    import triton
-
-    from gem.ops import triton_gdpa
-
-    tuned = triton_gdpa._bwd_short
-    one = triton.Config({"BLOCK_M": 16, "KT": False}, num_warps=1, num_stages=1)
-    two = triton.Config({"BLOCK_M": 16, "KT": False}, num_warps=2, num_stages=1)
-    monkeypatch.setattr(tuned, "configs", [one, two])
-    monkeypatch.setattr(tuned, "cache", {})
-    monkeypatch.setattr(triton_gdpa, "_PICKED", {})
-    fastest = [two]  # the fake timer's pick
-    monkeypatch.setattr(tuned, "_bench", lambda *a, config, **kw: [1.0 if config is fastest[0] else 2.0] * 3)
-    through, direct = [], []
-    real_run, real_fn_run = type(tuned).run, tuned.fn.run
-    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **kw: through.append(self) or real_run(self, *a, **kw))
-    monkeypatch.setattr(tuned.fn, "run", lambda *a, **kw: direct.append(kw["num_warps"]) or real_fn_run(*a, **kw))
+    monkeypatch.setattr(triton_gdpa._TUNER, "bench", bench)
+    launched = _spy_kind(monkeypatch, "bwd_short")
     q, k, v, oq, mq, ok, mk = _inputs([3, 20, 1, 0], [5, 9, 2, 4], h=2, hk=1)
 
     def bwd(**kw):
@@ -205,64 +162,34 @@ def test_tuned_launch_follows_the_tuner_cache(monkeypatch):
         return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     first = bwd()
-    assert through.count(tuned) == 1 and direct == [2]
+    assert timed == [1, 2] and launched[-1][0]["num_warps"] == 2  # both timed, the fastest launched
     again = bwd()
-    assert through.count(tuned) == 1 and direct == [2, 2]  # the pick, launched without the tuner
+    assert timed == [1, 2] and len(launched) == 4 and launched[-1][0]["num_warps"] == 2  # untimed
     ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
-    refs = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
-    for name, got, prev, want in zip(("dq", "dk", "dv"), again, first, refs):
+    for name, got, prev, want in zip(("dq", "dk", "dv"), again, first,
+                                     torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
         torch.testing.assert_close(got, prev, rtol=0, atol=0)
-        _close(got, want, torch.float32, f"direct launch {name}")
-    tuned.cache.clear()
-    fastest[0] = one
-    bwd(causal=True)  # another key refills the cache
-    assert through.count(tuned) == 2 and direct[-1] == 1
-    torch.testing.assert_close(bwd(), first, rtol=0, atol=0)  # the first key's old pick is gone with the cache
-    assert through.count(tuned) == 3 and direct[-1] == 1
+        _close(got, want, torch.float32, name)
+    bwd(causal=True)
+    assert timed == [1, 2, 1, 2]
 
 
-@pytest.mark.parametrize("knob", ["GEM_GDPA_NARROW", "GEM_GDPA_FWD_SCALE_Q"])
-def test_short_kv_knob_bad_value(monkeypatch, knob):
-    monkeypatch.setenv(knob, "yes")
-    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
-    with pytest.raises(ValueError, match=f"{knob}='yes'"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-
-
-def test_narrow_knob_checked_by_the_backward(monkeypatch):
-    q, k, v, oq, mq, ok, mk = _inputs([3], [4])
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    monkeypatch.setenv("GEM_GDPA_NARROW", "yes")
-    with pytest.raises(ValueError, match="GEM_GDPA_NARROW='yes'"):
-        out.sum().backward()
-
-
-@pytest.mark.parametrize("scale_q", ["0", "1"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_short_kv_forward_scaling_q_or_s(monkeypatch, scale_q, causal):
-    """The short-K/V forward scales S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1)."""
-    monkeypatch.setenv("GEM_GDPA_FWD_SCALE_Q", scale_q)
+def test_short_kv_forward(causal):
+    """The short-K/V forward (the scale applied to S), GQA, sequences of 0 and 1 and up to a 64-key tile."""
     _check([3, 20, 1, 0, 40], [1, 17, 33, 5, 64], h=4, hk=2, activation="silu", causal=causal, short_kv=True)
 
 
-def test_tanh_mode_picks_the_form(monkeypatch):
+def test_tanh_form_on_gpu_bf16_only(monkeypatch):
+    from gem.ops import triton_gdpa
     from gem.ops.triton_gdpa import tanh_form
 
-    monkeypatch.setenv("GEM_GDPA_TANH", "approx")
-    assert tanh_form("silu", "", torch.float32) and not tanh_form("gelu", "", torch.bfloat16)
-    assert not tanh_form("silu", "poly6", torch.bfloat16)  # poly6 keeps its own polynomial
-    monkeypatch.setenv("GEM_GDPA_TANH", "exact")
-    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
-    monkeypatch.setenv("GEM_GDPA_TANH", "auto")  # the interpreter has no tanh.approx: auto keeps exp + divide
-    assert not tanh_form("gelu_tanh", "", torch.bfloat16)
-    from gem.ops import triton_gdpa
-
+    assert not tanh_form("gelu_tanh", "", torch.bfloat16)  # the interpreter has no tanh.approx: exp + divide
     monkeypatch.setattr(triton_gdpa, "triton_interpreting", lambda: False)  # on the GPU: bf16 only
     assert tanh_form("gelu_tanh", "", torch.bfloat16) and tanh_form("silu", "", torch.bfloat16)
     assert not tanh_form("silu", "", torch.float16) and not tanh_form("silu", "", torch.float32)
-    monkeypatch.setenv("GEM_GDPA_TANH", "fast")
-    with pytest.raises(ValueError, match="GEM_GDPA_TANH"):
-        tanh_form("silu", "", torch.bfloat16)
+    assert not tanh_form("gelu", "", torch.bfloat16)  # no tanh in it
+    assert not tanh_form("silu", "poly6", torch.bfloat16)  # poly6 keeps its own polynomial
 
 
 @pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
@@ -393,25 +320,24 @@ def test_deterministic_and_order_invariant():
             assert torch.equal(a, b)
 
 
-def test_work_table_orders_longest_first():
-    from gem.ops.triton_gdpa import work_table
+def test_work_table_orders_costliest_first():
+    from gem.ops.triton_utils import work_table
 
-    lens = torch.tensor([5, 40, 0, 17])
-    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True, order="tile")
-    seqs = table[:, 0].tolist()
-    assert seqs == [1, 1, 1, 3, 0, 3, -1, -1, -1, -1, -1, -1]  # full tiles of the longest first, empty last
-    plain = work_table(lens, lens, 40, 16, -1, -1, ordered=False)
+    def table(*args, **kw):
+        return work_table("tile_span", off, off, *args, cached=False, **kw)
+
+    off = _offsets([5, 40, 0, 17])
+    plain = table(40, 16, ordered=False)
     assert plain[:, 0].tolist()[:6] == [0, 1, 1, 1, 3, 3]
-    cut = work_table(lens, lens, 40, 16, -1, -1, ordered=True, total=62, order="tile")  # keeps 62 // 16 + 4 rows
-    assert cut[:, 0].tolist() == [1, 1, 1, 3, 0, 3, -1]
-    # "seq" (the default): costliest sequences first, each one's tiles adjacent and costliest first
-    table = work_table(lens, lens, 40, 16, -1, -1, ordered=True)
-    assert table.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
-    assert table[6:, 0].tolist() == [-1] * 6
-    causal = work_table(lens, lens, 40, 16, -1, 0, ordered=True)  # later q tiles see more keys
+    # costliest sequences first, each one's tiles adjacent and costliest first; empty tiles last
+    full = table(40, 16)
+    assert full.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
+    assert full[6:, 0].tolist() == [-1] * 6
+    assert table(40, 16, total=62)[:, 0].tolist() == [1, 1, 1, 3, 3, 0, -1]  # keeps 62 // 16 + 4 rows
+    causal = table(40, 16, left=-1, right=0)  # later q tiles see more keys
     # costs rows x keys seen: sequence 1's tiles 256, 512, 320; sequence 3's 256, 17
     assert causal.tolist()[:6] == [[1, 1], [1, 2], [1, 0], [3, 0], [3, 1], [0, 0]]
-    keys = work_table(lens, lens, 40, 16, -1, 0, ordered=True, transpose=True)  # earlier key tiles: more queries
+    keys = table(40, 16, left=-1, right=0, transpose=True)  # earlier key tiles: more queries
     assert keys.tolist()[:6] == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 1], [0, 0]]
 
 
@@ -540,12 +466,8 @@ def test_gpu_tanh_form_wide_scores(activation):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("short_kv,flat", [(None, None), (False, None), (False, "4")])
-def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
-    if flat is None:  # the defaults
-        monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
-    else:
-        monkeypatch.setenv("GEM_GDPA_FLAT", flat)
+@pytest.mark.parametrize("short_kv", [None, False])
+def test_gpu_cross_short_kv(d, short_kv):
     g = torch.Generator().manual_seed(2)
     lq = torch.randint(1, 1024, (12,), generator=g).tolist() + [0, 5]
     lk = torch.randint(1, 256, (12,), generator=g).tolist() + [7, 0]
@@ -566,8 +488,8 @@ def test_gpu_cross_short_kv(monkeypatch, d, short_kv, flat):
 @pytest.mark.gpu
 @gpu
 def test_gpu_every_config(monkeypatch):
-    """Every config of every autotuned kernel compiles and matches: autotuning may pick any of them, and GPU tests
-    otherwise run only the first (GEM_GDPA_AUTOTUNE=0). Config i of each list runs together (lists cycle)."""
+    """Every config of every kernel compiles and matches: the tuner may pick any of them, and GPU tests otherwise run
+    only the first (GEM_AUTOTUNE=0). Config i of each list runs together (lists cycle)."""
     from gem.ops import triton_gdpa as tg
 
     g = torch.Generator().manual_seed(4)
@@ -577,11 +499,11 @@ def test_gpu_every_config(monkeypatch):
     lk_256 = torch.randint(1, 257, (10,), generator=g).tolist() + [256, 0]
     lk_long = torch.randint(1, 300, (10,), generator=g).tolist() + [5, 0]
     kw = {"h": 4, "hk": 2, "dtype": torch.bfloat16, "device": "cuda", "activation": "gelu_tanh"}
-    for i in range(max(len(c) for c in tg.ALL_CONFIGS.values())):
-        for name, cfgs in tg.ALL_CONFIGS.items():
-            kernel = getattr(tg, name)
-            monkeypatch.setattr(kernel, "configs", [cfgs[i % len(cfgs)]])
-            kernel.cache.clear()
+    every = dict(tg.CONFIGS)
+    for i in range(max(len(c) for c in every.values())):
+        for kind, cfgs in every.items():
+            monkeypatch.setitem(tg.CONFIGS, kind, [cfgs[i % len(cfgs)]])
+        monkeypatch.setattr(tg._TUNER, "best", {})
         _check(lq, lk_short, d=128, short_kv=True, **kw)  # short forward, one-pass backward
         # the short forward on 128- and 256-key tiles (narrow bodies of 32-128 keys), two-pass backward
         _check(lq, lk_128, d=128, short_kv=True, **kw)
@@ -591,10 +513,7 @@ def test_gpu_every_config(monkeypatch):
         _check(lq, lk_long, d=64, short_kv=False, **kw)  # 128-row tiled forward and dQ (D <= 64)
         _check(lq, lk_short, d=128, short_kv=True, causal=True, **kw)  # the one-pass backward, masked
         _check(lq, lk_128, d=64, short_kv=True, **kw)  # the one-pass backward on a 128-key tile (D 64)
-        with monkeypatch.context() as m:  # the fused-loop forms of the tiled forward and dQ pass
-            m.setenv("GEM_GDPA_FLAT", "4")
-            _check(lq, lk_long, d=128, short_kv=False, **kw)
-            _check(lq, lk_long, d=64, short_kv=False, **kw)
+        _check(lq, lk_256, d=128, short_kv=False, **kw)  # the tiled forward's fused loop (up to 256 keys)
 
 
 @pytest.mark.gpu
@@ -620,54 +539,35 @@ def test_reference_cpu_default_matches():
     torch.testing.assert_close(out, want)
 
 
-@pytest.mark.parametrize("block_m", ["32", "64"])
-def test_q_tile_height_knobs(monkeypatch, block_m):
-    """GEM_GDPA_FWD_BLOCK_M / GEM_GDPA_DQ_BLOCK_M change only the tiling (for the benchmark): results still match."""
-    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", block_m)
-    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", block_m)
-    _check([70, 0, 33, 1], [9, 4, 0, 17], activation="gelu")
-    _check([70, 5], [9, 300], activation="silu", short_kv=False)
+@pytest.mark.parametrize("tiles", [0, 2, 4])
+def test_fused_forward_loop(monkeypatch, tiles):
+    """The unmasked long-K/V forward walks several q tiles per program in one fused loop (pinned here; by default
+    for short key loops on a large grid). Sequences with more, fewer and no q tiles than a program holds, keys
+    empty, one tile and several."""
+    from gem.ops import triton_gdpa
 
-
-@pytest.mark.parametrize("tiles", ["0", "1", "2", "4"])
-def test_fused_loop_knob(monkeypatch, tiles):
-    """GEM_GDPA_FLAT: the unmasked long-K/V forward and dQ pass walk several q tiles per program in one fused loop.
-    Sequences with more, fewer and no q tiles than a program holds, keys empty, one tile and several."""
-    monkeypatch.setenv("GEM_GDPA_FLAT", tiles)
+    monkeypatch.setattr(triton_gdpa, "_fused_tiles", lambda *a: tiles)
     _check([70, 0, 33, 1, 5, 49], [9, 40, 0, 17, 1, 33], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     # masked calls keep the per-tile loop
     _check([40, 7], [40, 9], activation="silu", causal=True, short_kv=False)
 
 
-@pytest.mark.parametrize("order", ["tile", "seq"])
-def test_work_orders_match_reference(monkeypatch, order):
-    """GEM_GDPA_ORDER only reorders the programs: both orders give the reference."""
-    monkeypatch.setenv("GEM_GDPA_ORDER", order)
+def test_work_order_matches_reference():
+    """Ordered work tables, masked and not, windows wider than any sequence."""
     _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", short_kv=False)
     _check([40, 7, 23], [40, 9, 23], activation="silu", causal=True, short_kv=False)
     for window in ((2**31 - 1, 0), (2**30, 2**30)):  # wider than any sequence: clamped, no int32 wrap
         for short_kv in (True, False):
             _check([40, 7, 23], [40, 9, 23], activation="silu", window=window, short_kv=short_kv)
-    monkeypatch.setenv("GEM_GDPA_ORDER", "lpt")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    with pytest.raises(ValueError, match="GEM_GDPA_ORDER"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
 
 
-@pytest.mark.parametrize("scale_q", ["0", "1"])
-def test_bwd_scale_placement_knob(monkeypatch, scale_q):
-    """GEM_GDPA_BWD_SCALE_Q: the dK/dV passes scale S (default) or each loaded q tile; both match the reference, on
-    the one-pass and the tiled backward, with a scale that is not folded anywhere else."""
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", scale_q)
+def test_bwd_scale_placement():
+    """The dK/dV passes scale S and dK, not the loaded q: on the one-pass and the tiled backward, with a scale that
+    is not folded anywhere else."""
     for short_kv in (True, False):
         _check([70, 0, 33, 1], [9, 4, 0, 17], h=4, hk=2, activation="gelu_tanh", scale=0.37, short_kv=short_kv)
         _check([40, 7], [40, 9], activation="silu", causal=True, scale=1.9, short_kv=short_kv)
         _check([40, 7], [40, 9], activation="gelu", window=(6, 3), scale=0.6, short_kv=short_kv)  # both edges
-    monkeypatch.setenv("GEM_GDPA_BWD_SCALE_Q", "yes")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    with pytest.raises(ValueError, match="GEM_GDPA_BWD_SCALE_Q"):
-        out.sum().backward()
 
 
 def test_fused_loop_default_keeps_waves(monkeypatch):
@@ -675,47 +575,26 @@ def test_fused_loop_default_keeps_waves(monkeypatch):
     (4 "SMs" on CPU)."""
     from gem.ops import triton_gdpa as tg
 
-    monkeypatch.delenv("GEM_GDPA_FLAT", raising=False)
     cpu = torch.device("cpu")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, True) == 8
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu, True) == 4  # no more tiles than a sequence has
-    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu, True) == 0  # too few programs: one tile each
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, True) == 0  # long key loops: no fused loop
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu, False) == 0  # the dQ pass: only on request
-    monkeypatch.setenv("GEM_GDPA_FLAT", "2")
-    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu, False) == 2
-
-
-def test_forward_q_tile_height_knob_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("GEM_GDPA_FWD_BLOCK_M", "48")
-    q, k, v, oq, mq, ok, mk = _inputs([5], [3])
-    with pytest.raises(ValueError, match="GEM_GDPA_FWD_BLOCK_M"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton")
-    monkeypatch.delenv("GEM_GDPA_FWD_BLOCK_M")
-    monkeypatch.setenv("GEM_GDPA_FLAT", "3")
-    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
-    with pytest.raises(ValueError, match="GEM_GDPA_FLAT"):  # also where no loop would fuse
-        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", causal=True)
-    monkeypatch.delenv("GEM_GDPA_FLAT")
-    monkeypatch.setenv("GEM_GDPA_DQ_BLOCK_M", "100")
-    out = gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=False)
-    with pytest.raises(ValueError, match="GEM_GDPA_DQ_BLOCK_M"):
-        out.sum().backward()
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 256, cpu) == 8
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 300, 256, cpu) == 4  # no more tiles than a sequence has
+    assert tg._fused_tiles(2000, 128, 1, 8, 1024, 256, cpu) == 0  # too few programs: one tile each
+    assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu) == 0  # long key loops: no fused loop
 
 
 def test_work_tables_built_once_per_offsets(monkeypatch):
     # the layers of a model share offsets: one table per pass, reused by later calls and the backward;
     # an in-place write to the offsets (a new batch in the same buffer) rebuilds them and stays correct
-    from gem.ops import triton_gdpa
+    from gem.ops import triton_gdpa, triton_utils
 
     built = []
     real = triton_gdpa.offsets_cached
 
-    def counting(attr, knob, oa, ob, key, build):
-        return real(attr, knob, oa, ob, key, lambda: built.append(key) or build())
+    def counting(attr, oa, ob, key, build):
+        return real(attr, oa, ob, key, lambda: built.append(key) or build())
 
     monkeypatch.setattr(triton_gdpa, "offsets_cached", counting)
+    monkeypatch.setattr(triton_utils, "offsets_cached", counting)
     lq, lk = [40, 0, 17, 33], [9, 5, 0, 30]
     q, k, v, oq, mq, ok, mk = _inputs(lq, lk)
     counts = []
@@ -732,7 +611,7 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
     assert len(built) > 2 * counts[0]  # the write bumped oq's version: rebuilt
     ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
     _close(out, ref, torch.float32, "out after an in-place offsets write")
-    monkeypatch.setenv("GEM_GDPA_WORK_CACHE", "0")
+    monkeypatch.setenv("GEM_OFFSETS_CACHE", "0")
     n = len(built)
     gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
     assert len(built) == n + 1

@@ -74,6 +74,20 @@ SELF_CASES = [
 ]
 
 
+def _pin_form(form, monkeypatch):
+    """Pins what the dispatch picks per call: "base" the long-row backward (as for rows of _BWD_BASE_MIN_LEN and
+    more), "rowmajor" the v2 backward with pointer loads (as for tensors TMA cannot take), "tma" the v2 backward with
+    TMA loads (the dispatch for shorter rows), "auto" nothing."""
+    from gem.ops import triton_jfa
+
+    if form == "base":
+        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0)
+    elif form in ("rowmajor", "tma"):
+        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+        if form == "rowmajor":
+            monkeypatch.setattr(triton_jfa, "_tma_ok", lambda *tensors: False)
+
+
 @pytest.mark.parametrize("case", SELF_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_self_attention_matches_reference(case):
     case = dict(case)
@@ -109,11 +123,9 @@ def test_clamp_window_keeps_every_mask():
                                visible_mask(lq, lk, max_q, max_k, cl, cr)), (left, right)
 
 
-@pytest.mark.parametrize("order", ["tile", "seq"])
-def test_work_orders_match_reference(order, monkeypatch):
-    """GEM_JFA_ORDER only reorders the programs: both orders give the reference, self and cross, masked or not,
-    windows wider than any sequence included (their sizes must not wrap in the table's int32 arithmetic)."""
-    monkeypatch.setenv("GEM_JFA_ORDER", order)
+def test_work_order_matches_reference():
+    """Self and cross, masked or not, windows wider than any sequence included (their sizes must not wrap in the
+    work table's int32 arithmetic)."""
     lens = [40, 0, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=2)
     for kw in ({"causal": True}, {"window": (5, 3)}, {}, {"window": (2**30, 2**30)}, {"window": (2**31 - 1, 0)}):
@@ -147,9 +159,9 @@ def test_bfloat16(causal):
     window=st.one_of(st.none(), st.integers(0, 20), st.tuples(st.integers(0, 20), st.integers(0, 20))),
     seed=st.integers(0, 1000),
 )
-@pytest.mark.parametrize("variant", ["base", "tma", "auto"])
-def test_hypothesis_shapes(variant, lens, group, causal, window, seed, monkeypatch):
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+@pytest.mark.parametrize("form", ["base", "tma", "auto"])
+def test_hypothesis_shapes(form, lens, group, causal, window, seed, monkeypatch):
+    _pin_form(form, monkeypatch)
     q, k, v = _inputs(lens, h=2, h_kv=2 // group, seed=seed)
     got, want = _run(q, k, v, lens, causal=causal, window=window, seed=seed)
     _check(got, want, torch.float32)
@@ -172,11 +184,11 @@ def test_large_negative_scores(mask_mode, causal):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("variant", ["base", "rowmajor", "tma"])
-def test_bfloat16_large_scores_keep_their_precision(variant, monkeypatch):
+@pytest.mark.parametrize("form", ["base", "rowmajor", "tma"])
+def test_bfloat16_large_scores_keep_their_precision(form, monkeypatch):
     """Scores near -300: scaling q (or k) by scale*log2(e) in bf16 before the dot rounds it, an error proportional
     to |score| (several % of the output here, as on the H200); the kernels scale the fp32 scores instead."""
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     lens = [20, 3, 37]
     q, k, v = _inputs(lens, h=1, h_kv=1, d=64, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -299,9 +311,9 @@ def test_reference_kernel_on_cpu_matches_triton():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------- kernel variants
+# ------------------------------------------------------------------------------------- kernel forms
 
-VARIANT_CASES = [
+FORM_CASES = [
     {"lens": [5, 0, 17, 1, 33]},
     {"lens": [5, 0, 17, 1, 33], "causal": True},
     {"lens": [40, 15, 0, 2], "window": (5, 3)},
@@ -313,14 +325,14 @@ VARIANT_CASES = [
 ]
 
 
-# every case on every variant but auto (the default elsewhere in this file)
-_VARIANT_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma") for c in VARIANT_CASES]
+# every case on every form but auto (the default elsewhere in this file)
+_FORM_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma") for c in FORM_CASES]
 
 
-@pytest.mark.parametrize("variant,case", _VARIANT_PARAMS,
-                         ids=[f"{v}-" + "-".join(f"{k}={x}" for k, x in c.items()) for v, c in _VARIANT_PARAMS])
-def test_variants_match_reference(variant, case, monkeypatch):
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+@pytest.mark.parametrize("form,case", _FORM_PARAMS,
+                         ids=[f"{v}-" + "-".join(f"{k}={x}" for k, x in c.items()) for v, c in _FORM_PARAMS])
+def test_forms_match_reference(form, case, monkeypatch):
+    _pin_form(form, monkeypatch)
     case = dict(case)
     lens, lens_k = case.pop("lens"), case.pop("lens_k", None)
     shape = {k: case.pop(k) for k in ("h", "h_kv", "d", "dtype") if k in case}
@@ -332,10 +344,10 @@ def test_variants_match_reference(variant, case, monkeypatch):
 
 def test_tma_needs_adjacent_heads_and_falls_back(monkeypatch):
     """Heads that are not adjacent in memory (a slice of a wider tensor) cannot share one descriptor: the tma
-    variant then takes pointer loads, and still matches the reference."""
+    form then takes pointer loads, and still matches the reference."""
     from gem.ops.triton_jfa import _tma_ok
 
-    monkeypatch.setenv("GEM_JFA_VARIANT", "tma")
+    _pin_form("tma", monkeypatch)
     lens = [13, 0, 6]
     g = torch.Generator().manual_seed(5)
     wide = [torch.randn(sum(lens), 4, 32, generator=g) for _ in range(3)]
@@ -346,10 +358,10 @@ def test_tma_needs_adjacent_heads_and_falls_back(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("variant", ["rowmajor", "tma"])
-def test_variants_large_negative_scores(variant, monkeypatch):
+@pytest.mark.parametrize("form", ["rowmajor", "tma"])
+def test_forms_large_negative_scores(form, monkeypatch):
     """The subtraction scheme's cancellation fallback in the v2 forward, and the v2 backward's clamp."""
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     lens = [20, 3, 37]
     q, k, v = _inputs(lens, h=1, h_kv=1)
     with torch.no_grad():
@@ -359,74 +371,67 @@ def test_variants_large_negative_scores(variant, monkeypatch):
     _check(got, want, torch.float32, tol=1e-3)
 
 
-def test_variants_agree_and_v2_backward_is_deterministic(monkeypatch):
+def test_forms_agree_and_v2_backward_is_deterministic(monkeypatch):
     lens = [17, 33, 5]
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     results = {}
-    for variant in ["base", "tma", "tma"]:
-        monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    for form in ["base", "tma", "tma"]:
+        _pin_form(form, monkeypatch)
         out = jagged_attention(q, k, v, off, 33, causal=True, kernel="triton")
         res = (out, *torch.autograd.grad(out, (q, k, v), g))
-        if variant in results:
-            for a, b in zip(results[variant], res):
+        if form in results:
+            for a, b in zip(results[form], res):
                 assert torch.equal(a, b)
-        results[variant] = res
+        results[form] = res
     for a, b in zip(results["base"], results["tma"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_auto_choice():
-    from gem.ops.triton_jfa import _AUTO_BWD_BASE_MIN_LEN as n
-    from gem.ops.triton_jfa import VARIANTS, _auto_choice
+def test_bwd_form():
+    from gem.ops.triton_jfa import _BWD_BASE_MIN_LEN as n
+    from gem.ops.triton_jfa import _bwd_form
 
-    for max_len in (1, n - 1, n, 8 * n):
-        for left, right in ((-1, -1), (-1, 0), (-1, 5), (0, 0), (512, 0), (100, 30)):
-            assert _auto_choice("fwd", max_len, left, right) == "tma"
-    assert _auto_choice("bwd", n, -1, -1) == "base"  # long, full
-    assert _auto_choice("bwd", 2 * n, -1, 0) == "base"  # long, causal
-    assert _auto_choice("bwd", n - 1, -1, -1) == "tma"  # short
-    assert _auto_choice("bwd", n - 1, -1, 0) == "tma"
-    assert _auto_choice("bwd", 2 * n, 512, 0) == "tma"  # sliding window
-    assert _auto_choice("bwd", 2 * n, 100, 30) == "tma"
-    assert {_auto_choice(p, 4 * n, -1, -1) for p in ("fwd", "bwd")} <= set(VARIANTS)
-    with pytest.raises(ValueError, match="direction"):
-        _auto_choice("dq", n, -1, -1)
+    assert _bwd_form(n, -1) == "base"  # long, full or causal
+    assert _bwd_form(2 * n, -1) == "base"
+    assert _bwd_form(n - 1, -1) == "v2"  # short
+    assert _bwd_form(2 * n, 512) == "v2"  # sliding window
+    assert _bwd_form(2 * n, 0) == "v2"
 
 
 def _count_builders(monkeypatch):
-    """Counts work table builds (_work_keys) and backward launches per form ("base" / "v2", from _bwd_configs)."""
-    from gem.ops import triton_jfa
+    """Counts work table builds and backward launches per form ("base" / "v2", from _bwd_configs)."""
+    from gem.ops import triton_jfa, triton_utils
 
     calls = {"keys": 0}
-    keys, configs = triton_jfa._work_keys, triton_jfa._bwd_configs
+    keys, configs = triton_utils._seq_span_table, triton_jfa._bwd_configs
 
     def counted(*args):
         calls["keys"] += 1
         return keys(*args)
 
-    def bwd_form(d, var):
-        calls[var] = calls.get(var, 0) + 1
-        return configs(d, var)
+    def bwd_form(d, form):
+        calls[form] = calls.get(form, 0) + 1
+        return configs(d, form)
 
-    monkeypatch.setattr(triton_jfa, "_work_keys", counted)
+    monkeypatch.setattr(triton_utils, "_seq_span_table", counted)
     monkeypatch.setattr(triton_jfa, "_bwd_configs", bwd_form)
     return calls
 
 
-@pytest.mark.parametrize("variant", ["base", "tma"])
-def test_backward_passes_tuned_apart(variant, monkeypatch):
+@pytest.mark.parametrize("form", ["base", "tma"])
+def test_backward_passes_tuned_apart(form, monkeypatch):
     """The dK/dV and dQ passes pick their configs independently: here a pairing no single entry of the list has."""
     from gem.ops import triton_jfa
 
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
-    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "1")
-    monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
+    _pin_form(form, monkeypatch)
+    monkeypatch.delenv("GEM_AUTOTUNE", raising=False)
+    monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
     monkeypatch.setattr(triton_jfa._TUNER, "best", {})
     want = {"bwd_dkdv": (32, 16, 4, 1), "bwd_dq": (16, 16, 4, 1)}  # dK/dV from the 2nd entry, dQ from the 1st
     # candidates are timed in list order, pass by pass: v2 (tma) runs dQ first (it writes delta), base dK/dV first
-    clock = iter([1.0, 2.0, 2.0, 1.0] if variant == "tma" else [2.0, 1.0, 1.0, 2.0])
+    clock = iter([1.0, 2.0, 2.0, 1.0] if form == "tma" else [2.0, 1.0, 1.0, 2.0])
 
     def fake_bench(fn):
         fn()
@@ -446,7 +451,7 @@ def test_register_cap_config_launches(monkeypatch):
     maxnreg launch option on the GPU only (the interpreter rejects nothing, but it has no registers to cap)."""
     from gem.ops import _tune, triton_jfa
 
-    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "0")
+    monkeypatch.setenv("GEM_AUTOTUNE", "0")
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False: [(16, 16, 4, 1, 128)])
     monkeypatch.setattr(triton_jfa._TUNER, "best", {})
     lens = [5, 0, 37, 1, 20]
@@ -486,11 +491,10 @@ def test_gpu_forward_register_caps_leave_room_for_two_programs(monkeypatch):
 @pytest.mark.parametrize("base_min_len", [0, 1 << 30])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 6)])
 def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypatch):
-    """auto: the base backward only for long rows without a left window, the v2 one otherwise."""
+    """The base backward only for long rows without a left window, the v2 one otherwise."""
     from gem.ops import triton_jfa
 
-    monkeypatch.delenv("GEM_JFA_VARIANT", raising=False)
-    monkeypatch.setattr(triton_jfa, "_AUTO_BWD_BASE_MIN_LEN", base_min_len)
+    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", base_min_len)
     monkeypatch.setattr(triton_jfa._TUNER, "best", {})  # candidates are listed only for a key not yet tuned
     calls = _count_builders(monkeypatch)
     lens = [5, 0, 17, 1, 33]
@@ -503,28 +507,15 @@ def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypa
     assert calls.get("v2", 0) == (0 if base_bwd else 2)
 
 
-def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right, q_side, order="tile"):
-    """Reference for _work_keys: b * NT + tile of every tile of `block` rows, descending by the number of partner rows
-    it visits (+1) ("tile") or by the sequence's weight ("seq": La x partner span, capped), ties in index order;
-    -1 pads."""
+def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right):
+    """Reference for the "seq_span" work table: b * NT + tile of every tile of `block` rows, heaviest sequences first
+    (La x partner span, capped), each sequence's tiles adjacent in index order; -1 pads."""
     nt = max(1, -(-max_len_a // block))
     la = (offsets_a[1:] - offsets_a[:-1])[:, None].long()
     lb = (offsets_b[1:] - offsets_b[:-1])[:, None].long()
     start = torch.arange(nt)[None, :] * block
-    last = torch.minimum(start + block, la) - 1
-    if q_side:  # rows of q visit keys [row + shift - left, row + shift + right]
-        shift = lb - la
-        lo = (start + shift - left).clamp(min=0) if left >= 0 else torch.zeros_like(last)
-        hi = torch.minimum(last + shift + right + 1, lb) if right >= 0 else lb.expand_as(last)
-    else:  # key rows are visited by queries [key - shift - right, key - shift + left]
-        shift = la - lb
-        lo = (start - shift - right).clamp(min=0) if right >= 0 else torch.zeros_like(last)
-        hi = torch.minimum(last - shift + left + 1, lb) if left >= 0 else lb.expand_as(last)
-    if order == "seq":
-        span = torch.minimum(lb, torch.tensor(left + right + 1)) if left >= 0 and right >= 0 else lb
-        weight = (la.clamp(max=65535) * span.clamp(max=32767)).expand_as(last)
-    else:
-        weight = (hi - lo).clamp(min=0) + 1
+    span = torch.minimum(lb, torch.tensor(left + right + 1)) if left >= 0 and right >= 0 else lb
+    weight = (la.clamp(max=65535) * span.clamp(max=32767)).expand(-1, nt)
     cost = torch.where(start < la, weight, -1).flatten()
     perm = torch.argsort(cost, descending=True, stable=True)
     return torch.where(cost[perm] >= 0, perm, -1), nt
@@ -534,53 +525,27 @@ def _decode(keys):
     return torch.where(keys < 0, -1, 2**32 - 1 - (keys & (2**32 - 1)))
 
 
-def test_work_table_orders_heaviest_tiles_first():
-    """Causal: a q tile costs its end position (late tiles of long rows first); a k tile costs Lq - its start."""
-    from gem.ops.triton_jfa import _work_keys
+def test_work_table_groups_sequences():
+    """Heaviest sequences first, each sequence's tiles adjacent (shared K/V stays in L2), either side."""
+    from gem.ops.triton_utils import work_table
 
     off = _offsets([300, 100, 0, 129])
-    keys, nt = _work_keys(off, off, 300, 128, -1, 0, True, "tile")
-    items = _decode(keys)
-    assert nt == 3
-    # (sequence, tile): (0, 2) ends at 300, (0, 1) at 256, (3, 1) at 129, (0, 0) and (3, 0) at 128, (1, 0) at 100
-    want = [0 * 3 + 2, 0 * 3 + 1, 3 * 3 + 1, 0 * 3 + 0, 3 * 3 + 0, 1 * 3 + 0]
-    assert items.tolist() == want + [-1] * (items.numel() - len(want))
-    items = _decode(_work_keys(off, off, 300, 128, -1, 0, False, "tile")[0])
-    # k tile costs: (0, 0) 300, (0, 1) 172, (3, 0) 129, (1, 0) 100, (0, 2) 44, (3, 1) 1
-    assert items.tolist()[:6] == [0, 1, 9, 3, 2, 10]
-    # not causal: every tile of a sequence costs its length, longer sequences first
-    items = _decode(_work_keys(off, off, 300, 128, -1, -1, True, "tile")[0])
-    assert items.tolist()[:6] == [0, 1, 2, 9, 10, 3]
-
-
-def test_work_table_groups_sequences_by_default(monkeypatch):
-    """"seq" order: heaviest sequences first, each sequence's tiles adjacent (shared K/V stays in L2)."""
-    from gem.ops import triton_jfa
-
-    off = _offsets([300, 100, 0, 129])
-    monkeypatch.delenv("GEM_JFA_ORDER", raising=False)
-    assert triton_jfa.work_order() == "seq"
-    for q_side in (True, False):
-        items = _decode(triton_jfa._work_keys(off, off, 300, 128, -1, 0, q_side)[0])
-        assert items.tolist() == [0, 1, 2, 9, 10, 3] + [-1] * 6
-    monkeypatch.setenv("GEM_JFA_ORDER", "lpt")
-    with pytest.raises(ValueError, match="GEM_JFA_ORDER"):
-        triton_jfa.work_order()
+    items = _decode(work_table("seq_span", off, off, 300, 128, left=-1, right=0, cached=False)[0])
+    assert items.tolist() == [0, 1, 2, 9, 10, 3] + [-1] * 6
 
 
 # (2**30, 2**30): wider than any sequence; the public ops clamp wider ones (clamp_window) before the table
 @pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 0), (3, 7), (-1, 2), (20, -1), (2**30, 2**30)])
 def test_work_keys_match_the_torch_reference(left, right):
     """The one-launch table decodes to the reference order, both sides, cross lengths, empty sequences."""
-    from gem.ops.triton_jfa import _work_keys
+    from gem.ops.triton_utils import work_table
 
     off_q, off_k = _offsets([300, 100, 0, 129, 17]), _offsets([40, 100, 7, 0, 300])
-    for order in ("tile", "seq"):
-        for a, b, q_side in ((off_q, off_k, True), (off_k, off_q, False)):
-            keys, nt = _work_keys(a, b, 300, 32, left, right, q_side, order)
-            want, nt_want = _torch_work_table(a, b, 300, 32, left, right, q_side, order)
-            assert nt == nt_want
-            assert _decode(keys).tolist() == want.tolist()
+    for a, b in ((off_q, off_k), (off_k, off_q)):
+        keys, nt = work_table("seq_span", a, b, 300, 32, left=left, right=right, cached=False)
+        want, nt_want = _torch_work_table(a, b, 300, 32, left, right)
+        assert nt == nt_want
+        assert _decode(keys).tolist() == want.tolist()
 
 
 # ------------------------------------------------------------------------------------- work table cache
@@ -601,17 +566,18 @@ def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False,
     return (ref, *torch.autograd.grad(ref, (q64, k64, v64), g))
 
 
-@pytest.mark.parametrize("variant", ["auto", "base"])
-def test_work_cache_reuses_tables_of_the_same_offsets(variant, monkeypatch):
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+@pytest.mark.parametrize("form", ["auto", "base"])
+def test_work_cache_reuses_tables_of_the_same_offsets(form, monkeypatch):
+    _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens = [5, 0, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
     first = _fwd_bwd(q, k, v, off, 33, causal=True)
     built = dict(calls)
-    # interpreter blocks are all 16: the forward's q side table serves the dQ pass too, plus the k side one
-    assert built["keys"] == 2
+    # interpreter blocks are all 16 and the table's order depends only on the sequences' lengths: in self attention
+    # the forward's table serves both backward passes
+    assert built["keys"] == 1
     for _ in range(2):  # another layer, another step: no rebuild, same bits
         again = _fwd_bwd(q, k, v, off, 33, causal=True)
         assert calls["keys"] == built["keys"]
@@ -622,9 +588,9 @@ def test_work_cache_reuses_tables_of_the_same_offsets(variant, monkeypatch):
     _check(first, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["auto", "base"])
-def test_work_cache_misses_after_in_place_change(variant, monkeypatch):
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+@pytest.mark.parametrize("form", ["auto", "base"])
+def test_work_cache_misses_after_in_place_change(form, monkeypatch):
+    _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens = [5, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=1)
@@ -637,10 +603,10 @@ def test_work_cache_misses_after_in_place_change(variant, monkeypatch):
     _check(got, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["auto", "base"])
-def test_work_cache_never_shared_between_offsets_tensors(variant, monkeypatch):
+@pytest.mark.parametrize("form", ["auto", "base"])
+def test_work_cache_never_shared_between_offsets_tensors(form, monkeypatch):
     """Equal shapes (and equal values) in another tensor rebuild; so does another offsets_k with the same offsets_q."""
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens_a, lens_b = [5, 17, 1, 33], [33, 1, 21, 1]
     q, k, v = _inputs(lens_a, h=2, h_kv=1)
@@ -673,51 +639,46 @@ def test_work_cache_bounds_and_opt_outs(monkeypatch):
 
 
 def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
+    from gem.ops import _common
+    from gem.ops._common import OFFSETS_CACHE_MAX
 
     calls = _count_builders(monkeypatch)
     off = _offsets([300, 100, 0, 129])
-    blocks = [16 * (i + 1) for i in range(2 * triton_jfa._WORK_CACHE_MAX)]
+    blocks = [16 * (i + 1) for i in range(2 * OFFSETS_CACHE_MAX)]
     for block in blocks:
-        triton_jfa._cached_table(off, off, 300, block, -1, 0, True)
-    assert len(cached_tables(off, "_gem_jfa_work")) == triton_jfa._WORK_CACHE_MAX
+        triton_jfa._cached_table(off, off, 300, block, -1, 0)
+    assert len(cached_tables(off, "work:seq_span")) == OFFSETS_CACHE_MAX
     n = calls["keys"]
-    keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0, True)
+    keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)
     assert calls["keys"] == n  # the newest entries stay
-    want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0, True, "seq")
+    want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0)
     assert _decode(keys).tolist() == want.tolist() and nt == nt_want
-    triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0, True)
+    triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0)
     assert calls["keys"] == n + 1  # the oldest went
 
     # offsets_b tensors that share an id (one freed, the next allocated in its place) never share an entry
-    monkeypatch.setattr(triton_jfa, "id", lambda obj: 0, raising=False)
+    monkeypatch.setattr(_common, "id", lambda obj: 0, raising=False)
     lens_b = ([40, 0, 300, 7], [300, 7, 40, 0])
-    got = [_decode(triton_jfa._cached_table(off, _offsets(lb), 300, 16, -1, 0, True)[0]) for lb in lens_b]
-    want = [_torch_work_table(off, _offsets(lb), 300, 16, -1, 0, True, "seq")[0] for lb in lens_b]
+    got = [_decode(triton_jfa._cached_table(off, _offsets(lb), 300, 16, -1, 0)[0]) for lb in lens_b]
+    want = [_torch_work_table(off, _offsets(lb), 300, 16, -1, 0)[0] for lb in lens_b]
     assert not torch.equal(want[0], want[1])  # the sequences' weights depend on offsets_b
     for a, b in zip(got, want):
         assert a.tolist() == b.tolist()
     monkeypatch.undo()
     calls = _count_builders(monkeypatch)
 
-    monkeypatch.setenv("GEM_JFA_WORK_CACHE", "0")
+    monkeypatch.setenv("GEM_OFFSETS_CACHE", "0")
     for _ in range(2):
-        triton_jfa._cached_table(off, off, 300, 16, -1, 0, True)
+        triton_jfa._cached_table(off, off, 300, 16, -1, 0)
     assert calls["keys"] == 2
-    monkeypatch.delenv("GEM_JFA_WORK_CACHE")
+    monkeypatch.delenv("GEM_OFFSETS_CACHE")
 
     with torch.inference_mode():  # no version counter: never cached
         off_inf = _offsets([3, 4])
         for _ in range(2):
-            triton_jfa._cached_table(off_inf, off_inf, 4, 16, -1, -1, True)
-    assert not cached_tables(off_inf, "_gem_jfa_work")
+            triton_jfa._cached_table(off_inf, off_inf, 4, 16, -1, -1)
+    assert not cached_tables(off_inf, "work:seq_span")
     assert calls["keys"] == 4
-
-
-def test_unknown_variant_raises(monkeypatch):
-    monkeypatch.setenv("GEM_JFA_VARIANT", "fastest")
-    q, k, v = _inputs([4], h=2, h_kv=1)
-    with pytest.raises(ValueError, match="GEM_JFA_VARIANT"):
-        jagged_attention(q, k, v, _offsets([4]), 4, kernel="triton")
 
 
 @pytest.mark.parametrize(
@@ -763,7 +724,7 @@ gpu = pytest.mark.gpu
 
 @pytest.fixture
 def no_autotune(monkeypatch):
-    monkeypatch.setenv("GEM_JFA_AUTOTUNE", "0")  # default configs: the tests check results, not speed
+    monkeypatch.setenv("GEM_AUTOTUNE", "0")  # default configs: the tests check results, not speed
 
 
 def _need_gpu():
@@ -781,10 +742,10 @@ _GPU_PARAMS += [("rowmajor", 128, c, w) for c, w in _GPU_MASKS[1::2]]
 
 
 @gpu
-@pytest.mark.parametrize("variant,d,causal,window", _GPU_PARAMS)
-def test_gpu_matches_reference(d, causal, window, variant, no_autotune, monkeypatch):
+@pytest.mark.parametrize("form,d,causal,window", _GPU_PARAMS)
+def test_gpu_matches_reference(d, causal, window, form, no_autotune, monkeypatch):
     _need_gpu()
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     g = torch.Generator().manual_seed(d)
     lens = torch.randint(1, 2049, (6,), generator=g).tolist() + [0, 1, 2048, 129]
     q, k, v = _inputs(lens, h=4, h_kv=2, d=d, dtype=torch.bfloat16, device="cuda")
@@ -793,11 +754,11 @@ def test_gpu_matches_reference(d, causal, window, variant, no_autotune, monkeypa
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["auto", "base", "rowmajor", "tma"])
+@pytest.mark.parametrize("form", ["auto", "base", "rowmajor", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
+def test_gpu_dtypes_and_cross(dtype, form, no_autotune, monkeypatch):
     _need_gpu()
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     lens_q, lens_k = [300, 0, 1, 777, 64], [1000, 5, 0, 100, 64]
     q, k, v = _inputs(lens_q, lens_k, h=4, h_kv=1, d=64, dtype=dtype, device="cuda")
     got, want = _run(q, k, v, lens_q, lens_k, causal=True)
@@ -805,10 +766,10 @@ def test_gpu_dtypes_and_cross(dtype, variant, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["auto", "base", "tma"])
-def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
+@pytest.mark.parametrize("form", ["auto", "base", "tma"])
+def test_gpu_large_negative_and_determinism(form, no_autotune, monkeypatch):
     _need_gpu()
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     lens = [1000, 3, 517]
     q, k, v = _inputs(lens, h=2, h_kv=2, d=128, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
@@ -822,16 +783,16 @@ def test_gpu_large_negative_and_determinism(variant, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["base", "tma"])
-def test_gpu_variants_every_config(variant, monkeypatch):
+@pytest.mark.parametrize("form", ["base", "tma"])
+def test_gpu_forms_every_config(form, monkeypatch):
     """Every config in the lists compiles and matches (the tuner would silently drop one that fails)."""
     _need_gpu()
     from gem.ops import triton_jfa
 
-    monkeypatch.setenv("GEM_JFA_VARIANT", variant)
+    _pin_form(form, monkeypatch)
     lens = [1, 700, 2048, 63, 0, 1500]
     q, k, v = _inputs(lens, h=4, h_kv=4, d=128, dtype=torch.bfloat16, device="cuda")
-    form = "base" if variant == "base" else "v2"
+    form = "base" if form == "base" else "v2"
     fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128, True), triton_jfa._bwd_configs(128, form)
     for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
@@ -862,7 +823,7 @@ def test_tables_cached_only_in_eager_calls_and_offsets_stay_picklable(monkeypatc
     calls = _count_builders(monkeypatch)
     for _ in range(2):
         triton_jfa.jfa_fwd_op(q, k, v, off, off, 17, 17, 0.25, -1, 0, False)
-    assert calls["keys"] == 2 and not cached_tables(off, "_gem_jfa_work")
+    assert calls["keys"] == 2 and not cached_tables(off, "work:seq_span")
     _fwd_bwd(q, k, v, off, 17, causal=True)
-    assert cached_tables(off, "_gem_jfa_work")
+    assert cached_tables(off, "work:seq_span")
     torch.save(off, io.BytesIO())

@@ -158,7 +158,7 @@ def _count_position_builds(monkeypatch, cache):
     """positions_of calls over 3 eager fwd+bwd rope calls on one offsets tensor, then after an in-place write."""
     from gem.ops import rotary
 
-    monkeypatch.setenv("GEM_ROPE_POS_CACHE", cache)
+    monkeypatch.setenv("GEM_OFFSETS_CACHE", cache)
     built = []
     real = rotary.positions_of
     monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
@@ -183,7 +183,7 @@ def test_positions_built_once_per_offsets(monkeypatch):
 
 
 def test_positions_cache_off_rebuilds(monkeypatch):
-    # GEM_ROPE_POS_CACHE=0: one build per kernel call (so the test above would fail without the cache)
+    # GEM_OFFSETS_CACHE=0: one build per kernel call (so the test above would fail without the cache)
     assert _count_position_builds(monkeypatch, "0") == [2, 4, 6, 7]
 
 
@@ -288,7 +288,7 @@ def _record_launches(monkeypatch, cost=None):
 
     def bench(fn):
         if cost is None:
-            raise AssertionError("timed with GEM_ROPE_AUTOTUNE=0")
+            raise AssertionError("timed with GEM_AUTOTUNE=0")
         fn()
         timed.append(launched[-1])
         return cost[launched[-1]]
@@ -298,7 +298,7 @@ def _record_launches(monkeypatch, cost=None):
 
 
 def test_tuner_picks_fastest_and_caches_per_key(monkeypatch):
-    monkeypatch.delenv("GEM_ROPE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("GEM_AUTOTUNE", raising=False)
     _force(monkeypatch, *TUNE_CANDS)
     launched, timed = _record_launches(monkeypatch, dict(zip(TUNE_CANDS, (3.0, 1.0, 2.0))))
     cfg = RopeConfig(rotary_dim=16)
@@ -321,7 +321,7 @@ def test_tuner_picks_fastest_and_caches_per_key(monkeypatch):
 
 
 def test_autotune_off_keeps_first_config(monkeypatch):
-    monkeypatch.setenv("GEM_ROPE_AUTOTUNE", "0")
+    monkeypatch.setenv("GEM_AUTOTUNE", "0")
     _force(monkeypatch, *TUNE_CANDS)
     launched, timed = _record_launches(monkeypatch)
     cfg = RopeConfig()
@@ -333,7 +333,7 @@ def test_autotune_off_keeps_first_config(monkeypatch):
 
 
 def test_tuner_prints_nothing_by_default(monkeypatch, capsys):
-    monkeypatch.delenv("GEM_ROPE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("GEM_AUTOTUNE", raising=False)
     monkeypatch.delenv("GEM_TUNE_LOG", raising=False)
     _force(monkeypatch, *TUNE_CANDS)
     rope(torch.randn(20, 2, 32), _offsets([20]), 20, kernel="triton")

@@ -1,8 +1,7 @@
 """Per-kernel device time of gem's attention ops on one GPU: where a case's milliseconds go.
 
-    python scripts/kernel_probe.py [--cases gdpa,gdpa_flat,gdpa_short,gdpa_narrow,gdpa_scale,order,jfa,block,
-                                    block_small] [--match TEXT] [--iters 20] [--host]
-    bash scripts/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
+    python tools/kernel_probe.py [--cases gdpa,gdpa_short,jfa,block,block_small] [--match TEXT] [--iters 20] [--host]
+    bash tools/ncu_probe.sh --cases jfa --match causal      # hardware counters of the same calls (ncu)
 
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
 calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from scripts.bench.common import bench_ms, jagged_lengths, log_tunings, offsets_of
+from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
 
 H, D = 4, 128
 
@@ -61,68 +60,16 @@ def _gdpa_cases():
     return out
 
 
-def _gdpa_flat_cases():
-    """The unmasked long-K/V forward and dQ pass, one q tile per program against the fused loops (GEM_GDPA_FLAT)."""
-    from gem.ops.gdpa import gdpa
-
-    out = []
-    lq = jagged_lengths(1024, 8 * 65536, seed=1024)
-    g = torch.Generator().manual_seed(256)
-    lk = torch.randint(1, 257, (lq.numel(),), generator=g).to("cuda")
-    q, k, v, oq, mq, ok, mk = _qkv(lq, lk)
-    for approx, variants in ((None, (("0", "128"), ("8", "128"), ("0", "64"), ("8", "64"))),
-                             ("poly6", (("8", "128"), ("8", "64")))):
-        for flat, rows in variants:
-            out.append((f"gdpa cross gelu_tanh N=1024 M=256{' poly6' if approx else ''} flat={flat} rows={rows}",
-                        (q, k, v), lambda approx=approx: gdpa(q, k, v, oq, mq, ok, mk, activation="gelu_tanh",
-                                                              approx=approx, kernel="triton"),
-                        {"GEM_GDPA_FLAT": flat, "GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
-    ls = jagged_lengths(2048, 65536, seed=2048)
-    qs, ks, vs, os_, ms, _, _ = _qkv(ls, ls)
-    for causal in (False, True):
-        for rows in ("128", "64"):
-            out.append((f"gdpa self silu N=2048 {'causal' if causal else 'full'} rows={rows}", (qs, ks, vs),
-                        lambda causal=causal: gdpa(qs, ks, vs, os_, ms, os_, ms, activation="silu", causal=causal,
-                                                   kernel="triton"),
-                        {"GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
-    ls = jagged_lengths(512, 65536, seed=512)
-    q5, k5, v5, o5, m5, _, _ = _qkv(ls, ls)
-    for rows in ("128", "64"):
-        out.append((f"gdpa self silu N=512 causal rows={rows}", (q5, k5, v5),
-                    lambda: gdpa(q5, k5, v5, o5, m5, o5, m5, activation="silu", causal=True, kernel="triton"),
-                    {"GEM_GDPA_FWD_BLOCK_M": rows, "GEM_GDPA_DQ_BLOCK_M": rows}))
-    return out
-
-
 def _gdpa_short_cases():
-    """The short-K/V forward (whole K/V in one tile) forced on past its default reach, and its q tile heights."""
+    """The short-K/V paths (whole K/V in one tile) by default and forced on or off."""
     from gem.ops.gdpa import gdpa
 
     out = []
     for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c256")):
-        forced = (None, True) if "M=256" in name else (None,)
-        for short in forced:
-            for rows in ("32", "64", "128"):
-                out.append((f"gdpa {name} short_kv={short} rows={rows}", (q, k, v),
-                            lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw, short=short:
-                            gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=short, **kw),
-                            {"GEM_GDPA_FWD_BLOCK_M": rows}))
-    return out
-
-
-def _gdpa_narrow_cases():
-    """The short-K/V kernels with each sequence on the narrowest K/V tile that holds it (default) or all on the
-    full tile (GEM_GDPA_NARROW=0); the forward scaling S (default) or each loaded q tile (GEM_GDPA_FWD_SCALE_Q=1)."""
-    from gem.ops.gdpa import gdpa
-
-    out = []
-    variants = (("default", {}), ("narrow=0", {"GEM_GDPA_NARROW": "0"}),
-                ("fwd q scaled", {"GEM_GDPA_FWD_SCALE_Q": "1"}))
-    for name, (q, k, v, oq, mq, ok, mk), kw in _gdpa_inputs(("c64", "c128")):
-        for label, env in variants:
-            out.append((f"gdpa {name} {label}", (q, k, v),
-                        lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
-                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), env))
+        for short in (None, True, False):
+            out.append((f"gdpa {name} short_kv={short}", (q, k, v),
+                        lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw, short=short:
+                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", short_kv=short, **kw)))
     return out
 
 
@@ -143,44 +90,6 @@ def _gdpa_inputs(names):
               "s2k": ("self silu N=2048 causal", lambda: causal_self(2048), {"activation": "silu", "causal": True}),
               "s512": ("self silu N=512 causal", lambda: causal_self(512), {"activation": "silu", "causal": True})}
     return [(shapes[n][0], shapes[n][1](), shapes[n][2]) for n in names]
-
-
-def _gdpa_scale_cases():
-    """The dK/dV passes scaling S (default) against scaling each loaded q tile (GEM_GDPA_BWD_SCALE_Q=1)."""
-    from gem.ops.gdpa import gdpa
-
-    out = []
-    inputs = _gdpa_inputs(("c64", "c256", "s2k", "s512"))
-    for flag in ("1", "0"):
-        for name, (q, k, v, oq, mq, ok, mk), kw in inputs:
-            out.append((f"gdpa {name} bwd scale_q={flag}", (q, k, v),
-                        lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk, kw=kw:
-                        gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), {"GEM_GDPA_BWD_SCALE_Q": flag}))
-    return out
-
-
-def _order_cases():
-    """Work order: each sequence's tiles adjacent, heaviest sequences first ("seq", default) against the heaviest
-    tiles of all sequences first ("tile"), JFA and GDPA (GEM_JFA_ORDER / GEM_GDPA_ORDER)."""
-    from gem.ops.gdpa import gdpa
-    from gem.ops.jfa import jagged_attention
-
-    lq = jagged_lengths(1024, 131072, seed=1024)
-    j1k = _qkv(lq, lq)
-    lq = jagged_lengths(4096, 131072, seed=4096)
-    j4k = _qkv(lq, lq)
-    gdpa_inputs = _gdpa_inputs(("c256", "s2k"))
-    out = []
-    for order in ("tile", "seq"):
-        env = {"GEM_JFA_ORDER": order, "GEM_GDPA_ORDER": order}
-        for name, (q, k, v, oq, mq, _, _), kw in (("N=1024 causal", j1k, {"causal": True}), ("N=1024 full", j1k, {}),
-                                                  ("N=4096 causal", j4k, {"causal": True})):
-            out.append((f"jfa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, kw=kw:
-                        jagged_attention(q, k, v, oq, mq, kernel="triton", **kw), env))
-        for name, (q, k, v, oq, mq, ok, mk), kw in gdpa_inputs:
-            out.append((f"gdpa {name} order={order}", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq, ok=ok, mk=mk,
-                        kw=kw: gdpa(q, k, v, oq, mq, ok, mk, kernel="triton", **kw), env))
-    return out
 
 
 def _jfa_cases():
@@ -210,19 +119,13 @@ def _block_cases():
         q, k, v, oq, mq, _, _ = _qkv(lq, lq)
         out.append((f"block L={n} b512 rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
             q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
-        # head by head (GEM_BLOCK_HEAD_ORDER=outer; the default runs a tile's heads side by side)
-        out.append((f"block L={n} b512 rope, heads outer", (q, k, v),
-                    lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(q, k, v, oq, mq, block_size=512,
-                                                                       rope=RopeConfig(), kernel="triton"),
-                    {"GEM_BLOCK_HEAD_ORDER": "outer"}))
-        if n >= 32768:  # the kernels without RoPE at the lengths where event times and device times disagreed
+        if n >= 32768:  # the kernels without RoPE at the longest lengths
             out.append((f"block L={n} b512 no rope", (q, k, v), lambda q=q, k=k, v=v, oq=oq, mq=mq: block_attention(
                 q, k, v, oq, mq, block_size=512, kernel="triton")))
     lq = jagged_lengths(1024, 65536, low=512, seed=1024)
     q, k, v, oq, mq, _, _ = _qkv(lq, lq)
-    # the backward's stationary tiles rotated on load instead of read from the rotated copies
-    out.append(("block L=1024 b512 rope, bwd stationary rotate", (q, k, v), lambda: block_attention(
-        q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton"), {"GEM_BLOCK_BWD_STATIONARY": "rotate"}))
+    out.append(("block L=1024 b512 rope", (q, k, v), lambda: block_attention(
+        q, k, v, oq, mq, block_size=512, rope=RopeConfig(), kernel="triton")))
     out.append(("block L=1024 b512 no rope", (q, k, v), lambda: block_attention(q, k, v, oq, mq, block_size=512,
                                                                               kernel="triton")))
     return out
@@ -247,9 +150,8 @@ def _block_small_cases():
     return out
 
 
-CASES = {"gdpa": _gdpa_cases, "gdpa_flat": _gdpa_flat_cases, "gdpa_short": _gdpa_short_cases,
-         "gdpa_narrow": _gdpa_narrow_cases, "jfa": _jfa_cases, "block": _block_cases, "block_small": _block_small_cases,
-         "gdpa_scale": _gdpa_scale_cases, "order": _order_cases}
+CASES = {"gdpa": _gdpa_cases, "gdpa_short": _gdpa_short_cases, "jfa": _jfa_cases, "block": _block_cases,
+         "block_small": _block_small_cases}
 
 
 def _kernel_table(fn, iters: int) -> list[tuple[str, float, int]]:
@@ -321,18 +223,17 @@ def main() -> int:
     ap.add_argument("--match", default="", help="only the cases whose name contains one of these (comma-separated)")
     ap.add_argument("--ncu", action="store_true",
                     help="no timing: one fwd+bwd per case between cudaProfilerStart/Stop, after the warm-up that "
-                         "compiles and tunes, for `ncu --profile-from-start off` (scripts/ncu_probe.sh)")
+                         "compiles and tunes, for `ncu --profile-from-start off` (tools/ncu_probe.sh)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernel_probe: needs CUDA")
         return 2
-    log_tunings()
+    os.environ.setdefault("GEM_TUNE_LOG", "1")  # what the tuners chose, and by how much
     for group in a.cases.split(","):
-        for name, inputs, fwd, *env in CASES[group]():  # env: variables set for the whole case
+        for name, inputs, fwd in CASES[group]():
             if a.match and not any(m in name for m in a.match.split(",")):
                 continue
-            saved = {key: os.environ.get(key) for key in (env[0] if env else {})}
-            os.environ.update(env[0] if env else {})
+
             def both(fwd=fwd, inputs=inputs):
                 o = fwd()
                 torch.autograd.grad(o, inputs, torch.ones_like(o))
@@ -351,11 +252,6 @@ def main() -> int:
                     _time_case(name, fwd, both, a)
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
                 print(f"\n## {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            for key, val in saved.items():
-                if val is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = val
             torch.cuda.empty_cache()
     return 0
 

@@ -1,6 +1,6 @@
 """Probe: the memory rate GDPA's short-K/V kernels could reach with their own access pattern and no math.
 
-    python scripts/stream_probe.py [--cases 64,128] [--iters 10]
+    python tools/stream_probe.py [--cases 64,128] [--iters 10]
 
 Two Triton kernels move exactly the least traffic of GDPA's short-K/V forward and one-pass backward, laid out as
 those kernels are: one program per (sequence, head), longest q first; each loads its sequence's K/V tile once,

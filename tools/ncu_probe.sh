@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hardware counters (Nsight Compute) of gem's attention kernels: one fwd+bwd per kernel_probe case, after its warm-up
 # (compile, autotune), so only the tuned launches are profiled. Needs ncu (the H200 image has it).
-#   bash scripts/ncu_probe.sh [kernel_probe args: --cases jfa --match causal]
+#   bash tools/ncu_probe.sh [kernel_probe args: --cases jfa --match causal]
 # Writes $OUT/ncu.ncu-rep and $OUT/ncu_details.txt (speed of light, occupancy, launch, warp stall reasons per
 # kernel), $OUT/ncu_raw.csv (every collected metric, one row per kernel) and $OUT/ncu_source.csv (stall samples
 # per source line).
@@ -18,7 +18,7 @@ cd "$ROOT"
     --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section InstructionStats --section SourceCounters --import-source yes \
-    python3 scripts/kernel_probe.py --ncu "$@"
+    python3 tools/kernel_probe.py --ncu "$@"
 "$NCU" --import "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt"
 "$NCU" --import "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" || echo "ncu_probe: raw page failed"
 # per source line (the kernels' Python lines): warp stall samples, where the time goes inside a kernel

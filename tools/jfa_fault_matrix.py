@@ -1,9 +1,9 @@
-"""Which JFA shapes and variants fault or go wrong on this GPU: each case runs forward + backward in its own process
+"""Which JFA shapes and kernel forms fault or go wrong on this GPU: each case runs forward + backward in its own process
 (a device fault leaves the CUDA context unusable for everything after it) with CUDA_LAUNCH_BLOCKING=1, so the
 traceback names the launch that faulted. One line per case: ok | FAULT | WRONG, the case, and the detail.
 
-    python scripts/jfa_fault_matrix.py            # every case
-    python scripts/jfa_fault_matrix.py --case 3   # one case, in this process
+    python tools/jfa_fault_matrix.py            # every case
+    python tools/jfa_fault_matrix.py --case 3   # one case, in this process
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (variant, d, h, h_kv, lengths, max_q, causal, window); "fwd:" before the variant runs the forward only.
+# (form, d, h, h_kv, lengths, max_q, causal, window); "fwd:" before the form runs the forward only. Forms patch what
+# the dispatch picks per call (_FORMS): "tma" the v2 backward with TMA loads at this D (the GPU takes them at D 128
+# only: _TMA_BWD_HEAD_DIMS), "rowmajor" the v2 backward with pointer loads, "base" the long-row backward, "auto" none.
 _LONG = [1131, 1801, 602, 1418, 97, 1976, 0, 1, 2048, 129]  # like the GPU test: max 2048, a 0 and a 1
 CASES = [
     ("tma", 64, 4, 2, _LONG, 2048, False, None),
@@ -41,6 +43,12 @@ _FORCED = [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64
 CASES += [("tma", 64, 4, 2, _LONG, 2048, False, None, cfg) for cfg in _FORCED]
 
 
+_FORMS = {"tma": lambda d: {"_TMA_BWD_HEAD_DIMS": (d,), "_BWD_BASE_MIN_LEN": 2**31},
+          "rowmajor": lambda d: {"_tma_ok": lambda *t: False, "_BWD_BASE_MIN_LEN": 2**31},
+          "base": lambda d: {"_BWD_BASE_MIN_LEN": 0},
+          "auto": lambda d: {}}
+
+
 def run_case(i: int) -> None:
     import torch
 
@@ -48,14 +56,14 @@ def run_case(i: int) -> None:
     from gem.ops import jagged_attention
     from tests.ops.test_jfa import _check, _inputs, _offsets, _run
 
-    var, d, h, h_kv, lens, max_q, causal, window, *forced = CASES[i]
-    if forced:  # TMA backward at this D, one config
-        import gem.ops.triton_jfa as tj
+    import gem.ops.triton_jfa as tj
 
-        tj._TMA_BWD_HEAD_DIMS = (d,)
+    var, d, h, h_kv, lens, max_q, causal, window, *forced = CASES[i]
+    if forced:  # one backward config
         tj._bwd_configs = lambda *_a, **_k: [forced[0]]
     fwd_only = var.startswith("fwd:")
-    os.environ["GEM_JFA_VARIANT"] = var.removeprefix("fwd:")
+    for name, value in _FORMS[var.removeprefix("fwd:")](d).items():
+        setattr(tj, name, value)
     q, k, v = _inputs(lens, h=h, h_kv=h_kv, d=d, dtype=torch.bfloat16, device="cuda")
     if fwd_only:
         with torch.no_grad():
@@ -75,7 +83,7 @@ def main() -> int:
     if args.case is not None:
         run_case(args.case)
         return 0
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", GEM_JFA_AUTOTUNE="0",
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", GEM_AUTOTUNE="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     bad = 0
     for i, case in enumerate(CASES):

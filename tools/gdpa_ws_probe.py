@@ -1,6 +1,6 @@
 """Probe: what would GDPA's forward gain from Triton's warp specialization and from a one-instruction tanh?
 
-    python scripts/gdpa_ws_probe.py [--quick] [--only persist,True]
+    python tools/gdpa_ws_probe.py [--quick] [--only persist,True]
 
 A dense micro-kernel with GDPA's forward loop (acc += act(q k^T * scale) v, no softmax), on tensor descriptors (TMA),
 so that `tl.range(..., warp_specialize=True)` can split it into a load partition and an MMA/activation partition.

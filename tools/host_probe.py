@@ -1,6 +1,6 @@
 """Where an eager attention call's host time goes, piece by piece, on one GPU.
 
-    python scripts/host_probe.py [--reps 5] [--calls 20] [--profile] [--ops block,gdpa]
+    python tools/host_probe.py [--reps 5] [--calls 20] [--profile] [--ops block,gdpa]
 
 Each line is the host microseconds per call of one piece, measured with the GPU asleep (the calls queue behind a
 GPU sleep, so the host never waits for the device): the median of --reps runs of --calls calls. Pieces: torch

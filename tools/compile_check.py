@@ -5,9 +5,9 @@ compile (Triton's warmup path, against a stand-in driver that reports an sm_90 t
 ptxas. Catches what the interpreter cannot: compile errors of the real lowering (layouts, pipelining, TMA, dtype
 rules) and shared memory over the H200's 227 KB per block. It cannot catch what only shows when a kernel runs.
 
-    python scripts/compile_check.py [--ops jfa,gdpa,block]   # a line per op call, then a summary; exit 1 on failure
+    python tools/compile_check.py [--ops jfa,gdpa,block]   # a line per op call, then a summary; exit 1 on failure
 
-Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU run on the ops changed.
+Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU session on the ops changed.
 
 Run without TRITON_INTERPRET (it refuses otherwise): the config lists are the GPU's only then.
 """
@@ -103,18 +103,25 @@ def _cases():
 
     lens = [300, 1, 0, 77, 129]
     cases = []
-    for variant in triton_jfa.VARIANTS:
+    # JFA's backward forms: "auto" as dispatched for these short rows (v2), "base" as for rows of 8K and more, and
+    # "pointer" with pointer loads (tensors TMA cannot take)
+    forms = {"auto": {}, "base": {"_BWD_BASE_MIN_LEN": 0}, "pointer": {"_tma_ok": lambda *t: False}}
+    for form, patch in forms.items():
         # bf16 only: ptxas spent minutes on the fp32 (ieee-dot) forward here; the GPU tests cover fp32
         for d, dtype in ((128, torch.bfloat16), (64, torch.bfloat16)):
             for left, right in ((-1, -1), (-1, 0), (19, 0)):
-                def jfa(variant=variant, d=d, dtype=dtype, left=left, right=right):
-                    os.environ["GEM_JFA_VARIANT"] = variant
-                    q, k, v = qkv(lens, lens, 4, 2, d, dtype)
-                    off = offsets(lens)
-                    out, lse = triton_jfa._fwd(q, k, v, off, off, 300, 300, 0.1, left, right, False)
-                    triton_jfa._bwd(torch.randn_like(out), q, k, v, out, lse, off, off, 300, 300, 0.1, left, right,
-                                    False)
-                cases.append(("jfa", f"jfa {variant} d={d} {str(dtype)[6:]} window=({left},{right})", jfa))
+                if form == "base" and left >= 0:
+                    continue  # the base backward runs without a left window only
+                def jfa(patch=patch, d=d, dtype=dtype, left=left, right=right):
+                    from scripts.bench.common import patched
+
+                    with patched(triton_jfa, patch):
+                        q, k, v = qkv(lens, lens, 4, 2, d, dtype)
+                        off = offsets(lens)
+                        out, lse = triton_jfa._fwd(q, k, v, off, off, 300, 300, 0.1, left, right, False)
+                        triton_jfa._bwd(torch.randn_like(out), q, k, v, out, lse, off, off, 300, 300, 0.1, left,
+                                        right, False)
+                cases.append(("jfa", f"jfa {form} d={d} {str(dtype)[6:]} window=({left},{right})", jfa))
     # short: a 64-key tile (a sequence past 32 keys), so the narrow 16- and 32-key branches compile too
     for short, lk in ((1, [9, 4, 0, 50, 1]), (0, [300, 70, 5, 1, 0])):
         for left, right in ((-1, -1), (-1, 0)):
@@ -143,40 +150,31 @@ def _cases():
         args = (offsets(lens), offsets(lk), 300, max(lk), "gelu_tanh", "", -1, -1, 0.1, 1.0, True)
         triton_gdpa._gdpa_bwd(torch.randn_like(q), q, k, v, *args, 1)
 
-    for longest in (14, 30, 50):  # 16-, 32- and 64-key tiles (registers grow with the tile width)
+    for longest in (14, 30, 50):  # 16-, 32- and 64-key tiles
         cases.append(("gdpa", f"gdpa one-pass bwd d=128 longest key {longest}",
                       lambda longest=longest: gdpa_one_pass(longest)))
     cases.append(("gdpa", "gdpa one-pass bwd d=64 longest key 100", lambda: gdpa_one_pass(100, 64)))  # 128-key tile
 
-    def gdpa_env(settings):  # one unmasked long-K/V forward and backward under kernel knobs
-        from scripts.bench.common import env
+    def gdpa_long():  # an unmasked long-K/V forward of up to 256 keys (the fused q-tile loop) and backward
+        lk = [200, 70, 5, 1, 0]
+        q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
+        args = (offsets(lens), offsets(lk), 300, 200, "gelu_tanh", "", -1, -1, 0.1, 1.0, True, 0)
+        out = triton_gdpa._gdpa_fwd(q, k, v, *args)
+        triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
 
-        with env(settings):
-            lk = [300, 70, 5, 1, 0]
-            q, k, v = qkv(lens, lk, 4, 2, 128, torch.bfloat16)
-            args = (offsets(lens), offsets(lk), 300, 300, "gelu_tanh", "", -1, -1, 0.1, 1.0, True, 0)
-            out = triton_gdpa._gdpa_fwd(q, k, v, *args)
-            triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
-
-    # the fused (q tile, K/V tile) loops of the forward and dQ pass; the 8-warp 128-row q tiles (default: 64 rows)
-    for env in ({"GEM_GDPA_FLAT": "4"}, {"GEM_GDPA_FWD_BLOCK_M": "128", "GEM_GDPA_DQ_BLOCK_M": "128"}):
-        label = "gdpa gelu_tanh " + " ".join(f"{key}={val}" for key, val in env.items())
-        cases.append(("gdpa", label, lambda env=env: gdpa_env(env)))
+    cases.append(("gdpa", "gdpa gelu_tanh long K/V", gdpa_long))
     for d, dtype, rope, causal in ((128, torch.bfloat16, RopeConfig(), True), (128, torch.bfloat16, None, False),
                                    (64, torch.bfloat16, RopeConfig(rotary_dim=32, interleaved=True), True),
                                    (128, torch.float32, RopeConfig(rotary_dim=64), False),
                                    (96, torch.float32, RopeConfig(rotary_dim=48), True)):
-        for stream in triton_block.ROPE_STREAM_MODES if rope else ("prerotated",):  # both RoPE kernel variants
-            def block(d=d, dtype=dtype, rope=rope, causal=causal, stream=stream):
-                os.environ["GEM_BLOCK_ROPE_STREAM"] = stream
-                q, k, v = qkv(lens, lens, 4, 2, d, dtype)
-                off = offsets(lens)
-                rd = rope.resolve_dim(d) if rope else 0
-                args = (off, 300, 128, causal, 0.1, 10000.0, rd, bool(rope and rope.interleaved))
-                out, lse = triton_block._fwd(q, k, v, *args)
-                triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
-            label = f"block d={d} {str(dtype)[6:]} rope={rope is not None}{f' {stream}' if rope else ''} causal={causal}"
-            cases.append(("block", label, block))
+        def block(d=d, dtype=dtype, rope=rope, causal=causal):
+            q, k, v = qkv(lens, lens, 4, 2, d, dtype)
+            off = offsets(lens)
+            rd = rope.resolve_dim(d) if rope else 0
+            args = (off, 300, 128, causal, 0.1, 10000.0, rd, bool(rope and rope.interleaved))
+            out, lse = triton_block._fwd(q, k, v, *args)
+            triton_block._bwd(torch.randn_like(out), q, k, v, out, lse, *args)
+        cases.append(("block", f"block d={d} {str(dtype)[6:]} rope={rope is not None} causal={causal}", block))
     # Every rope launch candidate (the tuner would only print "unusable" for one that fails to compile).
     from gem.ops import rotary
 
@@ -198,20 +196,20 @@ def _per_config(op, name, thunk):
         return [(op, name, thunk)]
     from gem.ops import triton_gdpa as tg
 
+    every = dict(tg.CONFIGS)
+
     def pinned(i):
-        saved = {kname: getattr(tg, kname).configs for kname in tg.ALL_CONFIGS}
         try:
-            for kname, cfgs in tg.ALL_CONFIGS.items():
-                kernel = getattr(tg, kname)
-                kernel.configs = [cfgs[i % len(cfgs)]]
-                kernel.cache.clear()
+            for kind, cfgs in every.items():
+                tg.CONFIGS[kind] = [cfgs[i % len(cfgs)]]
+            tg._TUNER.best.clear()
             thunk()
         finally:
-            for kname, cfgs in saved.items():
-                getattr(tg, kname).configs = cfgs
+            tg.CONFIGS.update(every)
+            tg._TUNER.best.clear()
 
-    n = max(len(c) for c in tg.ALL_CONFIGS.values())
-    return [(op, f"{name} cfg#{i} " + " ".join(f"{k}=[{cfgs[i % len(cfgs)]}]" for k, cfgs in tg.ALL_CONFIGS.items()),
+    n = max(len(c) for c in every.values())
+    return [(op, f"{name} cfg#{i} " + " ".join(f"{k}=[{cfgs[i % len(cfgs)]}]" for k, cfgs in every.items()),
              lambda i=i: pinned(i)) for i in range(n)]
 
 
@@ -221,14 +219,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="jfa,gdpa,block,rope", help="comma list of jfa, gdpa, block, rope")
     ap.add_argument("--quick", action="store_true",
-                    help="JFA's auto variant and bf16 only (the CPU "
-                         "suite's subset, a few minutes cold)")
+                    help="JFA's dispatched forms and bf16 only (the CPU suite's subset, a few minutes cold)")
     ap.add_argument("--resources", action="store_true",
                     help="also report each case's most registers and spill bytes per thread (cuobjdump)")
     ap.add_argument("--match", default="", help="only the cases whose label contains this text (e.g. 'jfa ds')")
     ap.add_argument("--every-config", action="store_true",
-                    help="GDPA: each case once per config index i, every autotuned kernel on its i-th config (lists "
-                         "cycle, as in the GPU every-config test), so --resources shows each candidate's registers")
+                    help="GDPA: each case once per config index i, every kernel on its i-th config (lists cycle, as "
+                         "in the GPU every-config test), so --resources shows each candidate's registers")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
     if not ops <= {"jfa", "gdpa", "block", "rope"}:
@@ -237,8 +234,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the GPU config lists are used only without it)")
         return 2
-    for knob in ("GEM_JFA_AUTOTUNE", "GEM_GDPA_AUTOTUNE", "GEM_BLOCK_AUTOTUNE", "GEM_ROPE_AUTOTUNE"):
-        os.environ[knob] = "0"  # first config: no timing (nothing runs)
+    os.environ["GEM_AUTOTUNE"] = "0"  # first config: no timing (nothing runs)
     sys.path.insert(0, str(ROOT))
     _install(a.resources)
     failed = []
@@ -246,7 +242,8 @@ def main() -> int:
     if a.every_config:
         cases = [c for op, name, thunk in cases for c in _per_config(op, name, thunk)]
     for op, name, thunk in cases:
-        if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and not name.startswith("jfa auto"))
+        if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and (name.startswith("jfa pointer")
+                                                                            or name.startswith("jfa base d=64")))
                                           or (op == "rope" and "cfg0" not in name) or "one-pass bwd" in name)):
             continue
         if a.match and a.match not in name:

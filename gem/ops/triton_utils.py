@@ -1,0 +1,222 @@
+"""What the Triton attention kernels (JFA, GDPA, BlockAttention) share: dot helpers, window masks and the split of a
+tile loop into masked and unmasked runs, length buckets, and the per-batch work tables with their cache.
+
+Work tables map a program to a (sequence, tile) item, built on the device (no host sync) and cached per offsets
+tensor pair. One builder, work_table(), serves every op; each op gives the cost that orders its items.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem.ops._common import cdiv, next_pow2, offsets_cached, triton_interpreting
+
+# ----------------------------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def dot(a, b, DOT_PREC: tl.constexpr):
+    """a @ b in fp32. DOT_PREC "upcast" (interpreter only): the CPU interpreter mis-multiplies bf16/fp16 operands,
+    so they are widened first (the same products, exact)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def dot_acc(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b (see dot)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def window_mask(m, diag, cols, left, right, HAS_LEFT, HAS_RIGHT):
+    """m & (diag - left <= cols <= diag + right), each side only where it binds. The flags may be constexprs (the
+    side is compiled in or out) or runtime booleans."""
+    if HAS_LEFT:
+        m = m & (cols >= diag - left)
+    if HAS_RIGHT:
+        m = m & (cols <= diag + right)
+    return m
+
+
+@triton.jit
+def edge_runs(p0, p_last, lo, n_t, off, below, above, HAS_BELOW, HAS_ABOVE, BLOCK: tl.constexpr):
+    """Of the n_t partner tiles (BLOCK wide, from lo) of rows [p0, p_last], row p seeing partners p + off - below ..
+    p + off + above: [t_a, t_b) lie inside every row's window (no mask); tiles before t_a cross the lower edge,
+    tiles from t_b on the upper one. Split loops let the unmasked run be pipelined with no per-tile branch."""
+    t_a = 0
+    t_b = n_t
+    if HAS_BELOW:
+        t_a = tl.cdiv(tl.maximum(p_last + off - below - lo, 0), BLOCK)
+    if HAS_ABOVE:
+        t_b = tl.maximum(p0 + off + above + 1 - lo, 0) // BLOCK
+    t_a = tl.minimum(t_a, n_t)
+    t_b = tl.minimum(tl.maximum(t_b, t_a), n_t)
+    return t_a, t_b
+
+
+# ----------------------------------------------------------------------------------------------- host helpers
+
+
+def dot_prec(dtype) -> str:
+    """The DOT_PREC constexpr of dot / dot_acc for operands of `dtype`."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if triton_interpreting() else "tf32"
+
+
+def len_bucket(n: int) -> int:
+    """A length rounded up to a power of two (>= 16): tuning keys and tile widths change only at these steps."""
+    return max(16, next_pow2(max(n, 1)))
+
+
+def num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# ----------------------------------------------------------------------------------------------- work tables
+# A table is int32 [W, 2] of (sequence, tile), spare rows (-1, -1) last, or (JFA) sorted int64 keys
+# cost << 32 | ~(b * NT + tile) that the kernel decodes. The cost orders the items, heaviest first, so a skewed
+# batch does not end on one long tail:
+#   "seq_len"   (BlockAttention) none: sequence-major order, tiles in index order;
+#   "seq_span"  (JFA) the sequence's rows x visible partners: heaviest sequences first, each sequence's tiles
+#               adjacent in index order, so the programs in flight share their K/V (or Q/dO) in L2;
+#   "tile_span" (GDPA) each tile's rows x visible partners, grouped by sequence (the costliest sequence first,
+#               its costliest tiles first).
+
+
+@triton.jit
+def _seq_span_keys_kernel(OFF_A, OFF_B, KEYS, n, NT, block, span_cap, BLOCK: tl.constexpr):
+    """Sort key per tile (b, t) of the A sequences, or -1 when the tile starts past the sequence end: the
+    sequence's weight min(La, 65535) x min(partner span, 32767) << 32 | ~index. Sorted descending in one sort."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    b = idx // NT
+    start = (idx % NT) * block
+    a0 = tl.load(OFF_A + b, mask=ok, other=0).to(tl.int32)
+    la = tl.load(OFF_A + b + 1, mask=ok, other=0).to(tl.int32) - a0
+    b0 = tl.load(OFF_B + b, mask=ok, other=0).to(tl.int32)
+    lb = tl.load(OFF_B + b + 1, mask=ok, other=0).to(tl.int32) - b0
+    # span_cap: left + right + 1 for two-sided windows, from the host (no int32 wrap here)
+    cost = tl.minimum(la, 65535).to(tl.int64) * tl.minimum(tl.minimum(lb, span_cap), 32767).to(tl.int64)
+    key = tl.where(start < la, cost * 4294967296 + (4294967295 - idx.to(tl.int64)), -1)
+    tl.store(KEYS + idx, key, mask=ok)
+
+
+@triton.jit
+def _seq_len_kernel(offsets, cum, work, tile, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.load(offsets + b + 1) - tl.load(offsets + b)
+    nt = (n + tile - 1) // tile
+    first = tl.load(cum + b) - nt
+    for j0 in range(0, nt, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < nt
+        dst = work + 2 * (first + j)
+        tl.store(dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
+        tl.store(dst + 1, j, mask=m)
+
+
+def _seq_len_table(offsets_a, block: int, total: int) -> torch.Tensor:
+    nb = offsets_a.numel() - 1
+    bound = max(1, cdiv(total, block) + nb)  # >= the real count of tiles: a grid known from shapes alone
+    work = torch.full((bound, 2), -1, dtype=torch.int32, device=offsets_a.device)
+    if nb == 0:
+        return work
+    offsets = offsets_a.to(torch.int32)
+    cum = torch.cumsum(torch.div(offsets.diff() + (block - 1), block, rounding_mode="floor"), 0, dtype=torch.int32)
+    _seq_len_kernel[(nb,)](offsets, cum, work, block, BLOCK=16 if triton_interpreting() else 128)
+    return work
+
+
+def _seq_span_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int):
+    nt = max(1, cdiv(max_len_a, block))
+    n = (offsets_a.numel() - 1) * nt
+    keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
+    kb = 16 if triton_interpreting() else 1024
+    span_cap = min(left + right + 1, 2**31 - 1) if left >= 0 and right >= 0 else 2**31 - 1
+    _seq_span_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, span_cap, BLOCK=kb)
+    return torch.sort(keys, descending=True).values, nt
+
+
+def _visible_span(pos, block, len_b, lo_off, hi_off):
+    """Visible partner positions of tiles starting at pos (clamped window, >= 0)."""
+    lo = torch.zeros_like(pos) if lo_off is None else (pos + lo_off).clamp_min(0)
+    hi = len_b.expand_as(pos) if hi_off is None else torch.minimum(pos + block + hi_off, len_b.expand_as(pos))
+    return (hi - lo).clamp_min(0)
+
+
+def _tile_span_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int, ordered: bool,
+                     transpose: bool, total: int | None) -> torch.Tensor:
+    len_a = offsets_a[1:] - offsets_a[:-1]
+    len_b = offsets_b[1:] - offsets_b[:-1]
+    nb = len_a.numel()
+    nt = -(-max_len_a // block) if max_len_a > 0 else 0
+    if nb == 0 or nt == 0:
+        return torch.full((1, 2), -1, dtype=torch.int32, device=len_a.device)
+    la = len_a.to(torch.int64)[:, None]
+    lb = len_b.to(torch.int64)[:, None]
+    tile = torch.arange(nt, device=len_a.device, dtype=torch.int64)[None, :].expand(nb, nt)
+    seq = torch.arange(nb, device=len_a.device, dtype=torch.int64)[:, None].expand(nb, nt)
+    pos = tile * block
+    valid = pos < la
+    if ordered:
+        if transpose:  # key tile: queries i with j - doff - right <= i <= j - doff + left, doff = Lk - Lq
+            doff = la - lb
+            lo_off = None if right < 0 else -doff - right
+            hi_off = None if left < 0 else -doff + left
+        else:
+            doff = lb - la
+            lo_off = None if left < 0 else doff - left
+            hi_off = None if right < 0 else doff + right
+        cost = torch.minimum(la - pos, torch.full_like(pos, block)) * _visible_span(pos, block, lb, lo_off, hi_off)
+        key = torch.where(valid, cost, -1)
+    else:
+        key = valid.to(torch.int64)
+    perm = torch.argsort(key.flatten(), descending=True, stable=True)
+    if ordered:  # then stably by sequence rank (costliest first); empty tiles last
+        seq_rank = torch.empty(nb, dtype=torch.int64, device=len_a.device)
+        seq_rank[torch.argsort(key.clamp_min(0).sum(1), descending=True, stable=True)] = torch.arange(
+            nb, device=len_a.device)
+        group = torch.where(valid, seq_rank[:, None], nb).flatten()[perm]
+        perm = perm[torch.argsort(group, stable=True)]
+    if total is not None:  # sum(ceil(L / block)) < total / block + B: no grid of B x max tiles
+        perm = perm[: max(1, min(nb * nt, total // block + nb))]
+    table = torch.stack((torch.where(valid, seq, -1), tile), -1).flatten(0, 1)[perm]
+    return table.to(torch.int32).contiguous()
+
+
+COSTS = ("seq_len", "seq_span", "tile_span")
+
+
+def work_table(cost: str, offsets_a, offsets_b, max_len_a: int, block: int, *, left: int = -1, right: int = -1,
+               transpose: bool = False, ordered: bool = True, total: int | None = None, cached: bool = True):
+    """The work items of one pass: tiles of `block` rows over offsets_a's sequences, ordered by `cost` (see above);
+    offsets_b holds the partner sequences (keys of a q tile, queries of a key tile: transpose) and left / right the
+    window (-1 unbounded). "seq_span" returns (sorted keys, tiles per sequence); the others an int32 [W, 2] table.
+    Built once per offsets tensor pair and key when cached (gem.ops._common.offsets_cached): the layers of a model
+    and the backward share it."""
+    if cost == "seq_len":
+        def build():
+            return _seq_len_table(offsets_a, block, total)
+    elif cost == "seq_span":
+        def build():
+            return _seq_span_table(offsets_a, offsets_b, max_len_a, block, left, right)
+    elif cost == "tile_span":
+        def build():
+            return _tile_span_table(offsets_a, offsets_b, max_len_a, block, left, right, ordered, transpose, total)
+    else:
+        raise ValueError(f"cost={cost!r}: expected one of {COSTS}")
+    if not cached:
+        return build()
+    key = (max_len_a, block, left, right, transpose, ordered, total)
+    return offsets_cached(f"work:{cost}", offsets_a, offsets_b, key, build)
