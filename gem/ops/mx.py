@@ -74,6 +74,15 @@ def _format(elem, where: str) -> ElemFormat:
     return FORMATS[elem]
 
 
+def _check_args(x, block, elem, where: str) -> tuple[ElemFormat, int]:
+    fmt = _format(elem, where)
+    block = _check_block(block, where)
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+        raise TypeError(f"{where}: x must be a float32, bfloat16 or float16 tensor (got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})")
+    return fmt, block
+
+
 def _to_rows(t: torch.Tensor, axis: int) -> torch.Tensor:
     """`axis` moved last, flattened to [rows, n], contiguous."""
     t = t.movedim(axis, -1)
@@ -134,11 +143,7 @@ def quantize(x: torch.Tensor, block: int = 32, elem: str = "e4m3", axis: int = -
     kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the reference) | "triton" | "reference".
     """
     where = "gem.ops.mx.quantize"
-    fmt = _format(elem, where)
-    block = _check_block(block, where)
-    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
-        raise TypeError(f"{where}: x must be a float32, bfloat16 or float16 tensor (got "
-                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})")
+    fmt, block = _check_args(x, block, elem, where)
     if x.dim() == 0:
         raise ValueError(f"{where}: x must have at least one dimension (got a scalar)")
     axis = axis % x.dim() if -x.dim() <= axis < x.dim() else None
@@ -250,11 +255,7 @@ def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float 
     the RMSNorm backward with the quantization passed straight through. weight None: no affine scale.
     """
     where = "gem.ops.mx.rms_norm_mx"
-    fmt = _format(elem, where)
-    block = _check_block(block, where)
-    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
-        raise TypeError(f"{where}: x must be a float32, bfloat16 or float16 tensor (got "
-                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})")
+    fmt, block = _check_args(x, block, elem, where)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{where}: x needs a non-empty last axis to normalize (got shape {tuple(x.shape)})")
     n = x.shape[-1]
