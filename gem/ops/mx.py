@@ -15,7 +15,11 @@ Special cases (the spec leaves some to the implementation; these are the choices
 - Empty tensors give empty outputs.
 
 Scales are returned as uint8 E8M0 bits (bias 127, 0xFF = NaN); `scale_as_e8m0` views them as
-torch.float8_e8m0fnu. Inputs may be fp32, bf16 or fp16; the math is exact in fp32.
+torch.float8_e8m0fnu. Inputs may be fp32, bf16 or fp16; the math is exact in fp32. The Triton kernels
+(gem.ops.triton_mx) agree with the reference bit for bit (NaN payloads aside).
+
+rms_norm_mx fuses an RMSNorm forward with the quantization of its output along the last axis, saving rstd for a
+backward that treats the quantization as the identity (straight-through).
 """
 
 from __future__ import annotations
