@@ -40,16 +40,17 @@ def _checkout_with_this_venv(tmp_path: Path) -> Path:
     .venv that is this interpreter's venv (its site-packages linked) with the setup stamp _env.sh expects."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    for name in ("scripts", "gem", "configs", "pyproject.toml"):
+    for name in ("scripts", "gem", "requirements", "pyproject.toml"):
         (repo / name).symlink_to(ROOT / name)
     venv = repo / ".venv"
     (venv / "bin").mkdir(parents=True)
     shutil.copy(Path(sys.prefix) / "pyvenv.cfg", venv / "pyvenv.cfg")
     (venv / "lib").symlink_to(Path(sys.prefix) / "lib")
     (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
-    want = subprocess.run(["bash", "-c", f'ROOT={repo}; eval "$(grep "^WANT=" {ROOT}/scripts/_env.sh)"; echo "$WANT"'],
+    want = subprocess.run(["bash", "-c", f'ROOT={repo}; REQ=$ROOT/requirements; '
+                                         f'eval "$(grep "^WANT=" {ROOT}/scripts/_env.sh)"; echo "$WANT"'],
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert want.startswith("torch")
+    assert len(want) == 12, want  # the stamp: a hash of the pinned requirements and pyproject.toml
     (venv / ".gem-stack").write_text(want + "\n")
     return repo
 
