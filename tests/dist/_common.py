@@ -13,6 +13,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05):
+    """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON."""
+    import torch.distributed as dist
+
+    from gem.model import GEMModel
+    from gem.parallel import init_distributed, parallelize
+
+    device = init_distributed()
+    torch.manual_seed(0)
+    model = GEMModel(model_cfg(moe_every=moe_every), embedding_device=device)
+    p = parallelize(model, json.loads(parallel), sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
+    return device, dist.get_rank(), dist.get_world_size(), p, torch.optim.SGD(p.dense_parameters(), lr=lr)
+
+
 def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2):
     from omegaconf import OmegaConf
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.dist._common import dataset, finish, model_cfg, slice_batch
+from tests.dist._common import dataset, finish, sharded_tiny_model, slice_batch
 
 _OPS = {  # op name -> (kind, which argument holds the full buffer, index of the group argument)
     "c10d._allgather_base_": ("all_gather", 0, 2),
@@ -91,17 +90,9 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=16)
     a = ap.parse_args()
 
-    from gem.model import GEMModel, multitask_loss
-    from gem.parallel import init_distributed, parallelize
+    from gem.model import multitask_loss
 
-    device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    cfg = model_cfg(moe_every=2)
-    model = GEMModel(cfg, embedding_device=device)
-    p = parallelize(model, json.loads(a.parallel), sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.05},
-                    device=device)
-    opt = torch.optim.SGD(p.dense_parameters(), lr=0.05)
+    device, rank, world, p, opt = sharded_tiny_model(a.parallel)
     counter = CountCollectives(group_names(p.dims))
     ds = dataset(a.global_batch)
     per = a.global_batch // world

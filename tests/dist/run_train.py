@@ -7,12 +7,11 @@ see the same examples per step.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 
-from tests.dist._common import dataset, finish, model_cfg, slice_batch
+from tests.dist._common import dataset, finish, sharded_tiny_model, slice_batch
 
 
 def main() -> None:
@@ -26,16 +25,10 @@ def main() -> None:
     ap.add_argument("--moe-every", type=int, default=2)
     a = ap.parse_args()
 
-    from gem.model import GEMModel, multitask_loss
-    from gem.parallel import init_distributed, parallelize
+    from gem.model import multitask_loss
 
-    device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = GEMModel(model_cfg(moe_every=a.moe_every), embedding_device=device)
-    p = parallelize(model, json.loads(a.parallel), sparse_optimizer_cfg={"name": a.sparse_opt, "lr": a.lr},
-                    device=device)
-    opt = torch.optim.SGD(p.dense_parameters(), lr=a.lr)
+    device, rank, world, p, opt = sharded_tiny_model(a.parallel, moe_every=a.moe_every, sparse_opt=a.sparse_opt,
+                                                     lr=a.lr)
     ds = dataset(a.global_batch)
     per = a.global_batch // world
     losses = []
