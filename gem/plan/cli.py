@@ -46,7 +46,6 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from gem._config import to_plain
     from gem.train.__main__ import CONFIG_DIR, _one_line, _register_resolvers
     from gem.train.trainer import build_configs
 
@@ -60,8 +59,6 @@ def compose(overrides: list[str]):
         raise PlanError(_one_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
-    # ParallelConfig.from_any keeps OmegaConf containers inside a DictConfig's values; the validators want lists
-    cfgs.parallel.sharding_types = to_plain(cfgs.parallel.sharding_types)
     return cfgs
 
 
