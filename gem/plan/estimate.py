@@ -23,9 +23,9 @@ SEARCH_SYNC_EVERY = (1, 2, 4, 8, 16)
 class PlanOptions:
     """`plan.*` keys of `gem plan`."""
 
-    # measured: the gpu_base step takes 166 ms on one H200 at batch 128 (~65K history tokens); other configs are
-    # scaled by their training FLOPs per rank
-    ref_step_ms: float = 166.0
+    # measured: the gpu_base step takes 132.7 ms on one H200 at batch 128 (~65K history tokens; docs/PERF.md);
+    # other configs are scaled by their training FLOPs per rank
+    ref_step_ms: float = 132.7
     ref_experiment: str = "gpu_base"
     top: int = 5  # --search: layouts printed
     sync_every: tuple[int, ...] = SEARCH_SYNC_EVERY  # --search: emb_sync_every choices
