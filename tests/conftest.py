@@ -7,3 +7,4 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["GEM_TUNE_CACHE"] = "0"  # tests tune afresh and never write the user's tuning cache

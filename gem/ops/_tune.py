@@ -1,38 +1,66 @@
 """The launch-config tuner of every Triton op: host side, since a grid may depend on the config (tile height ->
-work table), and a launch after the first costs a dictionary lookup."""
+work table), and a launch after the first costs a dictionary lookup.
+
+Picks are reproducible: each candidate is timed over several runs (the median kept), and a later candidate replaces
+an earlier one only when faster by more than MARGIN, so near-ties resolve the same way in every process. Tuned picks
+are kept on disk (plain JSON, one file per op and environment; docs/TUNING.md), so a later process reuses them
+instead of timing again; package-shipped picks (gem/ops/tuned/defaults.json) are consulted after that cache.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from gem.ops._common import triton_interpreting
 
+REPS = 5  # timed runs per candidate, at least
+MARGIN = 0.03  # a later candidate must be this much faster than an earlier one to be picked over it
+FORMAT = 1  # the cache files' layout version
+SHIPPED = Path(__file__).parent / "tuned" / "defaults.json"
+
 
 class ConfigTuner:
-    """Best config per (kind, key), each candidate timed once on the first call with that key and remembered.
+    """Best config per (kind, key): from memory, else the user's cache dir, else the shipped defaults, else timed
+    on the first call with that key (and then written to the cache dir).
 
     `launch(cfg)` must be idempotent (the kernels only store), since timing runs it repeatedly. With GEM_AUTOTUNE=0
-    (the `env` variable) the first candidate that compiles and launches is kept without timing (fp32 tiles can
-    exceed shared memory).
+    (the `env` variable) the first candidate that compiles and launches is kept without timing or cache (fp32 tiles
+    can exceed shared memory). Configs are tuples, NamedTuples, dicts of JSON scalars, or triton.Config-like objects;
+    a cached config is used only when it equals one of the current candidates.
     """
 
     def __init__(self, name: str, env: str = "GEM_AUTOTUNE"):
         self.name, self.env = name, env
         self.best: dict = {}
+        self._stored: dict | None = None  # key string -> JSON config, from the cache file and the shipped defaults
 
     def bench(self, fn: Callable[[], None]) -> float:
-        """Milliseconds per call: triton's do_bench on the GPU; one wall-clock run elsewhere (CPU tests)."""
+        """Median milliseconds per call over >= REPS timed runs: triton's do_bench on the GPU (L2 flushed between
+        runs), wall clock elsewhere (CPU tests)."""
         if torch.cuda.is_available() and not triton_interpreting():
             from triton.testing import do_bench
 
-            return do_bench(fn, warmup=5, rep=20)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+            times: list[float] = []
+            while len(times) < REPS:  # do_bench times as many runs as fit in `rep` ms: one, for a slow kernel
+                times += do_bench(fn, warmup=5, rep=20, return_mode="all")
+            return statistics.median(times)
+        fn()  # warm-up (compiles)
+        times = []
+        for _ in range(REPS):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
     def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device):
         """The config to launch; `cands` (or a function making them, called only when the key is new) in order."""
@@ -54,6 +82,12 @@ class ConfigTuner:
                     continue
                 self.best[full_key] = cfg
                 return cfg
+        skey = _key_string(kind, key)
+        if skey is not None:
+            cfg = self._from_disk(skey, cands, device)
+            if cfg is not None:
+                self.best[full_key] = cfg
+                return cfg
         times = []
         for cfg in cands:
             try:
@@ -64,13 +98,174 @@ class ConfigTuner:
                 print(f"{self.name}: config {cfg} for {kind} unusable: {type(e).__name__}")
         if not times:
             raise RuntimeError(f"{self.name}: no {kind} config in {cands} launches for {key}")
-        times.sort(key=lambda x: x[0])
-        best = times[0][1]
+        best = choose(times)
         self.best[full_key] = best
+        if skey is not None:
+            self._to_disk(skey, best, device)
         if os.environ.get("GEM_TUNE_LOG", "0") == "1":  # benchmarks print what the tuner chose, and by how much
-            ranked = ", ".join(f"{c} {t:.3f}" for t, c in times[:4])
-            print(f"{self.name} tuned {kind} {key}: {ranked} ms", flush=True)
+            ranked = ", ".join(f"{c} {t:.3f}" for t, c in sorted(times, key=lambda x: x[0])[:4])
+            print(f"{self.name} tuned {kind} {key}: {best} of {ranked} ms", flush=True)
         return best
+
+    # ------------------------------------------------------------------------------------------- the disk cache
+    def _from_disk(self, skey: str, cands: list, device: torch.device):
+        if self._stored is None:
+            self._stored = self._load(device)
+        stored = self._stored.get(skey)
+        if stored is None:
+            return None
+        for cfg in cands:  # a stale entry (candidates changed since) matches none and is timed again
+            if _json_config(cfg) == stored:
+                return cfg
+        return None
+
+    def _load(self, device: torch.device) -> dict:
+        """Shipped defaults overlaid by the user's cache file, both for this op and environment; {} when off."""
+        path = cache_file(self.name, device)
+        if path is None:
+            return {}
+        env = environment(device)
+        out = {}
+        shipped = _read_json(SHIPPED)
+        if shipped is not None:
+            ok = isinstance(shipped, dict) and shipped.get("format") == FORMAT
+            entries = shipped.get("entries") if ok else None
+            if not isinstance(entries, list):
+                _warn(SHIPPED, "not a tuning-defaults file of this gem version")
+            else:
+                for e in entries:
+                    if _valid(e) and e["env"] == env and e["op"] == self.name:
+                        out.update(e["configs"])
+        if path.exists():
+            body = _read_json(path)
+            if body is not None and not (_valid(body) and "format" in body and body["env"] == env
+                                         and body["op"] == self.name):
+                _warn(path, f"not a {self.name} tuning file for {env}")
+            elif body is not None:
+                out.update(body["configs"])
+        return out
+
+    def _to_disk(self, skey: str, cfg, device: torch.device) -> None:
+        """Merge one pick into this op's cache file (re-read first: other processes write it too), atomically."""
+        path = cache_file(self.name, device)
+        if path is None:
+            return
+        try:
+            cfg_json = _json_config(cfg)
+        except TypeError:
+            return  # a config type the cache cannot express: kept in memory only
+        if self._stored is not None:
+            self._stored[skey] = cfg_json
+        env = environment(device)
+        body = _read_json(path, warn=False) if path.exists() else None
+        if not (_valid(body) and body["env"] == env and body["op"] == self.name):
+            body = {"format": FORMAT, "env": env, "op": self.name, "configs": {}}
+        body["configs"][skey] = cfg_json
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(body, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            _warn(path, f"not written ({e.strerror or e})")
+
+
+def choose(times: list[tuple[float, object]]):
+    """The earliest candidate (in the given order: the first is the shipped default) within MARGIN of the fastest:
+    a later candidate wins only when clearly faster, so timing noise does not flip the pick between processes."""
+    fastest = min(t for t, _ in times)
+    return next(cfg for t, cfg in times if t <= fastest * (1 + MARGIN))
+
+
+def cache_dir() -> Path | None:
+    """$GEM_TUNE_CACHE when set (`0` or empty: no cache, no shipped defaults: every process tunes), else
+    $XDG_CACHE_HOME/gem/tuning, else ~/.cache/gem/tuning."""
+    env = os.environ.get("GEM_TUNE_CACHE")
+    if env is not None:
+        return None if env in ("", "0") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gem" / "tuning"
+
+
+def environment(device: torch.device) -> dict:
+    """What a pick depends on besides the shape: the device model and the software that compiles the kernels."""
+    import triton
+
+    import gem
+
+    if device.type == "cuda" and not triton_interpreting():
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "interpreter" if triton_interpreting() else device.type
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__, "gem": gem.__version__}
+
+
+def cache_file(op: str, device: torch.device) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    env = environment(device)
+    slug = "-".join(_slug(env[k]) for k in ("device", "torch", "triton", "gem"))
+    return root / slug / f"{_slug(op)}.json"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+]+", "_", s).strip("_") or "_"
+
+
+def _key_string(kind: str, key: tuple) -> str | None:
+    """The key as JSON text (dtypes by name); None when a part has no stable text (then not cached on disk)."""
+    try:
+        return json.dumps([kind, *(_json_value(k) for k in key)], separators=(",", ":"))
+    except TypeError:
+        return None
+
+
+def _json_value(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, (tuple, list)):
+        return [_json_value(x) for x in v]
+    raise TypeError(f"no JSON form for {type(v).__name__}")
+
+
+def _json_config(cfg):
+    """A config as JSON data, as json.loads gives it back (tuples and NamedTuples as lists; triton.Config as its
+    kwargs and launch options), for comparison with a stored one."""
+    if isinstance(cfg, dict):
+        out = {str(k): _json_config(v) for k, v in cfg.items()}
+    elif all(hasattr(cfg, a) for a in ("kwargs", "num_warps", "num_stages")):
+        out = {"kwargs": _json_config(dict(cfg.kwargs)), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    else:
+        out = _json_value(cfg)
+    return json.loads(json.dumps(out))
+
+
+def _valid(body) -> bool:
+    """An entry of the shipped defaults, or (with "format") the body of a cache file."""
+    return (isinstance(body, dict) and body.get("format", FORMAT) == FORMAT and isinstance(body.get("env"), dict)
+            and isinstance(body.get("op"), str) and isinstance(body.get("configs"), dict))
+
+
+def _read_json(path: Path, warn: bool = True):
+    """The file's JSON data, or None (one warning line) when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        if warn:
+            _warn(path, f"unreadable ({type(e).__name__})")
+        return None
+
+
+def _warn(path: Path, what: str) -> None:
+    warnings.warn(f"gem tuning cache {path}: {what}; ignored", stacklevel=4)
 
 
 def _config_error(e: Exception) -> bool:

@@ -1,8 +1,14 @@
-"""gem.ops._tune.ConfigTuner: timing, caching per key, and skipping configs that do not launch."""
+"""gem.ops._tune.ConfigTuner: timing, caching per key (in memory and on disk), and skipping configs that do not
+launch."""
+
+import json
+import random
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from gem.ops import _tune
 from gem.ops._tune import ConfigTuner
 
 CPU = torch.device("cpu")
@@ -105,3 +111,219 @@ def test_host_integer_helpers_match_triton():
         assert next_pow2(n) == triton.next_power_of_2(n), n
         for b in (1, 16, 64, 127):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def _fake_bench(cost, calls, rng=None, noise=0.0):
+    """A bench that runs the launch and reports cost[cfg] ms, scaled by up to +-noise at random."""
+
+    def bench(fn):
+        cfg = fn()
+        calls.append(cfg)
+        return cost[cfg] * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
+
+    return bench
+
+
+def _tuner(monkeypatch, bench, name="test"):
+    t = ConfigTuner(name, "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", bench)
+    return t
+
+
+def _ident(cfg):
+    return cfg
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_near_ties_resolve_to_the_earlier_candidate_in_every_process(monkeypatch, seed):
+    """Fresh tuners (as in separate processes) timing a near-tie with noise inside the margin all keep the first
+    candidate; a later one that is clearly faster wins; among later ones, the earliest near the fastest."""
+    monkeypatch.setenv("GEM_TUNE_CACHE", "0")
+    rng = random.Random(seed)
+    calls = []
+    noise = _tune.MARGIN / 6  # +-0.5%: the tie (1%) plus noise stays inside the margin
+    t = _tuner(monkeypatch, _fake_bench({"a": 1.0, "b": 0.99, "c": 0.995}, calls, rng, noise))
+    assert t.pick("fwd", (1,), ["a", "b", "c"], _ident, CPU) == "a"
+    t = _tuner(monkeypatch, _fake_bench({"a": 1.0, "b": 0.9, "c": 0.895}, calls, rng, noise))
+    assert t.pick("fwd", (1,), ["a", "b", "c"], _ident, CPU) == "b"
+    assert len(calls) == 6
+
+
+def test_choose_needs_more_than_the_margin_to_switch():
+    m = _tune.MARGIN
+    assert _tune.choose([(1.0, "a"), (1.0 / (1 + m) + 1e-6, "b")]) == "a"
+    assert _tune.choose([(1.0, "a"), (1.0 / (1 + m) - 1e-3, "b")]) == "b"
+    assert _tune.choose([(3.0, "a"), (1.0, "b"), (1.0, "c")]) == "b"
+
+
+def test_cpu_bench_is_the_median_of_repeated_runs(monkeypatch):
+    ms = [1.0, 1.0, 50.0, 1.0, 2.0, 1.0, 1.0, 1.0]
+    clock = iter([x for i in range(len(ms)) for x in (sum(ms[:i]) / 1e3, sum(ms[:i + 1]) / 1e3)])
+    monkeypatch.setattr(_tune.time, "perf_counter", lambda: next(clock))
+    runs = []
+    assert ConfigTuner("test").bench(lambda: runs.append(1)) == pytest.approx(1.0)
+    assert len(runs) == _tune.REPS + 1  # a warm-up, then REPS timed runs
+
+
+class Tile(NamedTuple):
+    layout: str
+    block: int
+    warps: int
+
+
+class FakeTritonConfig:  # the attributes of triton.Config that the cache stores
+    def __init__(self, kwargs, num_warps, num_stages):
+        self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
+
+
+_CANDS = {
+    "tuple": [(64, 64, 4, 2), (128, 64, 8, 2, 128), (32, 32, 4, 1)],
+    "namedtuple": [Tile("halves", 16, 4), Tile("full", 64, 8), Tile("full", 32, 4)],
+    "dict": [{"BLOCK_M": 16, "KT": False, "num_warps": 4, "num_stages": 2},
+             {"BLOCK_M": 32, "KT": True, "num_warps": 8, "num_stages": 3},
+             {"BLOCK_M": 64, "KT": True, "num_warps": 8, "num_stages": 3}],
+    "triton.Config": [FakeTritonConfig({"BLOCK_M": 64}, 4, 2), FakeTritonConfig({"BLOCK_M": 128}, 8, 3),
+                      FakeTritonConfig({"BLOCK_M": 32}, 4, 3)],
+}
+KEY = (128, torch.bfloat16, True, "v2", 0.5, None)
+
+
+@pytest.mark.parametrize("form", _CANDS)
+def test_a_tuned_pick_is_cached_on_disk_and_a_fresh_tuner_times_nothing(monkeypatch, tmp_path, form):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    cands = _CANDS[form]
+    cost = {id(c): t for c, t in zip(cands, (3.0, 1.0, 2.0))}
+    calls = []
+
+
+    def bench(fn):
+        calls.append(1)
+        return cost[id(fn())]
+
+    t = _tuner(monkeypatch, bench)
+    assert t.pick("fwd", KEY, cands, _ident, CPU) is cands[1]
+    assert len(calls) == 3
+    path = _tune.cache_file("test", CPU)
+    assert path.parent.parent == tmp_path and json.loads(path.read_text())["op"] == "test"
+    assert not [p for p in path.parent.iterdir() if p != path]  # no temp file left behind
+
+    fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with a warm cache"))
+    launched = []
+    equal = [type(c)(**vars(c)) if form == "triton.Config" else type(c)(c) if form != "namedtuple" else Tile(*c)
+             for c in cands]  # equal candidates made anew, as a new process makes them
+    got = fresh.pick("fwd", KEY, lambda: equal, launched.append, CPU)
+    assert got is equal[1] and launched == []
+    # another kind or key is not in the cache: timed
+    calls.clear()
+    assert t.pick("bwd", KEY, cands, _ident, CPU) is cands[1] and len(calls) == 3
+
+
+def test_picks_of_several_tuners_share_one_file(monkeypatch, tmp_path):
+    """Each write re-reads the file, so two processes' picks for different keys both survive."""
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    cost = {"a": 2.0, "b": 1.0}
+    one = _tuner(monkeypatch, _fake_bench(cost, []))
+    two = _tuner(monkeypatch, _fake_bench(cost, []))
+    one.pick("fwd", (1,), ["a", "b"], _ident, CPU)
+    two.pick("fwd", (2,), ["a", "b"], _ident, CPU)
+    fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with a warm cache"))
+    assert fresh.pick("fwd", (1,), ["a", "b"], _ident, CPU) == "b"
+    assert fresh.pick("fwd", (2,), ["a", "b"], _ident, CPU) == "b"
+
+
+def test_a_stale_entry_matching_no_candidate_is_timed_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, [])).pick("fwd", (1,), ["a", "b"], _ident, CPU)
+    calls = []
+    t = _tuner(monkeypatch, _fake_bench({"a": 1.0, "c": 2.0}, calls))
+    assert t.pick("fwd", (1,), ["a", "c"], _ident, CPU) == "a" and calls == ["a", "c"]
+    assert json.loads(_tune.cache_file("test", CPU).read_text())["configs"] == {'["fwd",1]': "a"}
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"format": 1, "env": {}, "op": "test", "configs": {}}',
+                                     '{"format": 99}', "\udcff"])
+def test_a_corrupt_or_foreign_cache_file_is_ignored_with_one_warning(monkeypatch, tmp_path, content):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    path = _tune.cache_file("test", CPU)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    calls = []
+    t = _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, calls))
+    with pytest.warns(UserWarning, match=r"gem tuning cache .*ignored") as record:
+        assert t.pick("fwd", (1,), ["a", "b"], _ident, CPU) == "b"
+    assert len(record) == 1 and "\n" not in str(record[0].message) and len(calls) == 2
+    # the tuned pick replaced the bad file
+    fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with a warm cache"))
+    assert fresh.pick("fwd", (1,), ["a", "b"], _ident, CPU) == "b"
+
+
+@pytest.mark.parametrize("off", ["0", ""])
+def test_cache_disabled_by_env_writes_nothing_and_tunes_every_time(monkeypatch, tmp_path, off):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GEM_TUNE_CACHE", off)
+    assert _tune.cache_dir() is None
+    calls = []
+    for _ in range(2):
+        _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, calls)).pick("fwd", (1,), ["a", "b"], _ident, CPU)
+    assert len(calls) == 4 and not list(tmp_path.iterdir())
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("GEM_TUNE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _tune.cache_dir() == tmp_path / "gem" / "tuning"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _tune.cache_dir() == tmp_path / ".cache" / "gem" / "tuning"
+
+
+def test_entries_for_another_device_or_version_are_ignored(monkeypatch, tmp_path):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, [])).pick("fwd", (1,), ["a", "b"], _ident, CPU)
+    real = _tune.environment
+    for field in ("device", "torch", "triton", "gem"):
+        monkeypatch.setattr(_tune, "environment", lambda d, f=field: {**real(d), f: "other"})
+        calls = []
+        t = _tuner(monkeypatch, _fake_bench({"a": 1.0, "b": 2.0}, calls))
+        assert t.pick("fwd", (1,), ["a", "b"], _ident, CPU) == "a" and len(calls) == 2, field
+    monkeypatch.setattr(_tune, "environment", real)
+    fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with a warm cache"))
+    assert fresh.pick("fwd", (1,), ["a", "b"], _ident, CPU) == "b"
+
+
+def test_shipped_defaults_are_used_after_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path / "cache"))
+    env = _tune.environment(CPU)
+    shipped = tmp_path / "defaults.json"
+    shipped.write_text(json.dumps({"format": 1, "entries": [
+        {"env": env, "op": "test", "configs": {'["fwd",1]': "b", '["fwd",2]': "b"}},
+        {"env": {**env, "device": "other"}, "op": "test", "configs": {'["fwd",3]': "b"}},
+        {"env": env, "op": "another op", "configs": {'["fwd",4]': "b"}},
+    ]}))
+    monkeypatch.setattr(_tune, "SHIPPED", shipped)
+    path = _tune.cache_file("test", CPU)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": 1, "env": env, "op": "test", "configs": {'["fwd",2]': "c"}}))
+    calls = []
+    t = _tuner(monkeypatch, _fake_bench({"a": 1.0, "b": 2.0, "c": 3.0}, calls))
+    assert t.pick("fwd", (1,), ["a", "b", "c"], _ident, CPU) == "b"  # shipped
+    assert t.pick("fwd", (2,), ["a", "b", "c"], _ident, CPU) == "c"  # the user's cache overrides
+    assert calls == []
+    assert t.pick("fwd", (3,), ["a", "b", "c"], _ident, CPU) == "a"  # another device's entry: timed
+    assert t.pick("fwd", (4,), ["a", "b", "c"], _ident, CPU) == "a"  # another op's entry: timed
+    assert len(calls) == 6
+
+
+def test_the_shipped_defaults_file_is_valid():
+    body = json.loads(_tune.SHIPPED.read_text())
+    assert body["format"] == _tune.FORMAT and isinstance(body["entries"], list)
+    assert all(_tune._valid(e) for e in body["entries"])
+
+
+def test_tuning_off_reads_no_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path))
+    _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, [])).pick("fwd", (1,), ["a", "b"], _ident, CPU)
+    monkeypatch.setenv("GEM_TEST_AUTOTUNE", "0")
+    t = _tuner(monkeypatch, lambda fn: pytest.fail("timed with tuning off"))
+    assert t.pick("fwd", (1,), ["a", "b"], lambda cfg: None, CPU) == "a"
