@@ -47,7 +47,7 @@ def check_precision_device(precision: str, device: torch.device) -> None:
     """One-line ConfigError when `precision` cannot run on `device` (fp8 needs FP8 tensor cores)."""
     device = torch.device(device)
     if precision == "fp8" and not fp8_supported(device):
-        where = "cpu" if device.type != "cuda" else "sm_%d%d" % torch.cuda.get_device_capability(device)
+        where = "cpu" if device.type != "cuda" else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
         raise ConfigError(f"train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+) (got fp8 on {where}); "
                           "use mxfp8 for emulated numerics or bf16")
 
@@ -64,6 +64,45 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+class _LowPrecisionLinearFn(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs of `gemms` (forward, grad of the input, grad of the weight), each taking
+    the full-precision operands and quantizing them its own way; the quantization passes straight through."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, gemms):
+        x2 = _flat(x)
+        y = gemms.forward(x2, weight, dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.gemms, ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.has_bias = gemms, dtype, x.shape, x.dtype, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, weight = ctx.saved_tensors
+        g = _flat(gy)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.gemms.grad_input(g, weight, ctx.dtype).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = ctx.gemms.grad_weight(g, x2, ctx.dtype).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0)
+        return dx, dw, db, None, None
+
+
+class _LowPrecisionLinear(nn.Linear):
+    gemms: type
+    align: int  # in and out features must be multiples of this
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.gemms.compute_dtype(_compute_dtype(x))
+        with torch.autocast(x.device.type, enabled=False):
+            y = _LowPrecisionLinearFn.apply(x, self.weight, self.bias, dtype, self.gemms)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------- mxfp8
 
 
@@ -75,40 +114,30 @@ def mx_fake_quant(t: torch.Tensor, elem: str, axis: int, dtype: torch.dtype) -> 
     return mx.dequantize(data, scale, block=MX_BLOCK, axis=axis, dtype=dtype, kernel=kernel)
 
 
-class _MXLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
-        x2 = _flat(x)
-        y = mx_fake_quant(x2, "e4m3", -1, dtype) @ mx_fake_quant(weight, "e4m3", 1, dtype).t()
-        if bias is not None:
-            y = y + bias.to(dtype)
-        ctx.save_for_backward(x2, weight)
-        ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.has_bias = dtype, x.shape, x.dtype, bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+class _MXGemms:
+    """Emulated MX GEMMs: both operands quantized along the GEMM's reduction axis, multiplied in `dt`."""
 
     @staticmethod
-    def backward(ctx, gy):
-        x2, weight = ctx.saved_tensors
-        dt = ctx.dtype
-        g = _flat(gy)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dx = g @ W, reduction over out_features
-            dx = mx_fake_quant(g, "e5m2", -1, dt) @ mx_fake_quant(weight, "e4m3", 0, dt)
-            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:  # dW = g^T @ x, reduction over tokens
-            dw = (mx_fake_quant(g, "e5m2", 0, dt).t() @ mx_fake_quant(x2, "e4m3", 0, dt)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum(0)
-        return dx, dw, db, None
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        return dt
+
+    @staticmethod
+    def forward(x, w, dt):  # x [M, K] @ W [N, K]^T: reduction over in_features
+        return mx_fake_quant(x, "e4m3", -1, dt) @ mx_fake_quant(w, "e4m3", 1, dt).t()
+
+    @staticmethod
+    def grad_input(g, w, dt):  # g [M, N] @ W [N, K]: reduction over out_features
+        return mx_fake_quant(g, "e5m2", -1, dt) @ mx_fake_quant(w, "e4m3", 0, dt)
+
+    @staticmethod
+    def grad_weight(g, x, dt):  # g^T [N, M] @ x [M, K]: reduction over tokens
+        return mx_fake_quant(g, "e5m2", 0, dt).t() @ mx_fake_quant(x, "e4m3", 0, dt)
 
 
-class MXFP8Linear(nn.Linear):
+class MXFP8Linear(_LowPrecisionLinear):
     """nn.Linear with emulated MXFP8 GEMMs (see the module docstring); same parameters, same state dict."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
-            return _MXLinearFn.apply(x, self.weight, self.bias, dtype)
+    gemms, align = _MXGemms, MX_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------------- fp8
@@ -122,55 +151,43 @@ def _fp8_rows(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 
 
 def _scaled_mm(a: torch.Tensor, a_dtype, b_t: torch.Tensor, b_dtype, out_dtype) -> torch.Tensor:
-    """a [M, K] @ b_t [N, K]^T with both operands row-wise scaled along K (row-wise scaling writes bf16)."""
+    """a [M, K] @ b_t [N, K]^T with both operands row-wise scaled along K."""
     qa, sa = _fp8_rows(a, a_dtype)
     qb, sb = _fp8_rows(b_t, b_dtype)
     return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=out_dtype)
 
 
-class _FP8LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
-        x2 = _flat(x)
-        y = _scaled_mm(x2, torch.float8_e4m3fn, weight, torch.float8_e4m3fn, dtype)
-        if bias is not None:
-            y = y + bias.to(dtype)
-        ctx.save_for_backward(x2, weight)
-        ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.has_bias = dtype, x.shape, x.dtype, bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+class _FP8Gemms:
+    """Row-wise scaled torch._scaled_mm: E4M3 activations and weights, E5M2 gradients."""
 
     @staticmethod
-    def backward(ctx, gy):
-        x2, weight = ctx.saved_tensors
-        g = _flat(gy)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # g [M, N] @ W [N, K]: scales per token of g, per input channel of W
-            dx = _scaled_mm(g, torch.float8_e5m2, weight.t(), torch.float8_e4m3fn, ctx.dtype)
-            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]; tokens padded to a multiple of 16 (zeros add 0)
-            pad = -g.shape[0] % _FP8_ALIGN
-            gt, xt = F.pad(g, (0, 0, 0, pad)).t(), F.pad(x2, (0, 0, 0, pad)).t()
-            dw = _scaled_mm(gt, torch.float8_e5m2, xt, torch.float8_e4m3fn, ctx.dtype).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum(0)
-        return dx, dw, db, None
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if dt == torch.float32 else dt  # row-wise scaling writes bf16 (or fp16)
+
+    @staticmethod
+    def forward(x, w, dt):  # scales per token of x, per output channel of W
+        return _scaled_mm(x, torch.float8_e4m3fn, w, torch.float8_e4m3fn, dt)
+
+    @staticmethod
+    def grad_input(g, w, dt):  # scales per token of g, per input channel of W
+        return _scaled_mm(g, torch.float8_e5m2, w.t(), torch.float8_e4m3fn, dt)
+
+    @staticmethod
+    def grad_weight(g, x, dt):  # scales per output channel of g^T, per input channel of x; tokens padded to 16
+        pad = -g.shape[0] % _FP8_ALIGN
+        return _scaled_mm(F.pad(g, (0, 0, 0, pad)).t(), torch.float8_e5m2, F.pad(x, (0, 0, 0, pad)).t(),
+                          torch.float8_e4m3fn, dt)
 
 
-class FP8Linear(nn.Linear):
+class FP8Linear(_LowPrecisionLinear):
     """nn.Linear with row-wise scaled FP8 GEMMs through torch._scaled_mm (CUDA sm_89+); same parameters."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x)
-        if dtype == torch.float32:
-            dtype = torch.bfloat16  # row-wise _scaled_mm writes bf16
-        with torch.autocast(x.device.type, enabled=False):
-            y = _FP8LinearFn.apply(x, self.weight, self.bias, dtype)
-        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+    gemms, align = _FP8Gemms, _FP8_ALIGN
 
 
 # ---------------------------------------------------------------------------------------------------- conversion
 
-_CLASSES = {"mxfp8": (MXFP8Linear, MX_BLOCK), "fp8": (FP8Linear, _FP8_ALIGN)}
+_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear}
 
 
 def apply_precision(model: nn.Module, precision: str, device: torch.device | str,
@@ -182,7 +199,8 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     check_precision_device(precision, torch.device(device))
     if precision == "bf16":
         return []
-    cls, align = _CLASSES[precision]
+    cls = _CLASSES[precision]
+    align = cls.align
     matched, converted, kept = [], [], []
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
