@@ -106,7 +106,8 @@ class _LowPrecisionLinear(nn.Linear):
 # ---------------------------------------------------------------------------------------------------- mxfp8
 
 
-@torch.compiler.disable  # the reference quantizer's bit tricks came out NaN under inductor on CPU; run eager
+# eager inside compiled regions: traced through this Function, dynamo failed (torch 2.13 CPU) or trained to NaN
+@torch.compiler.disable
 def mx_fake_quant(t: torch.Tensor, elem: str, axis: int, dtype: torch.dtype) -> torch.Tensor:
     """t MX-quantized in blocks of 32 along `axis` and dequantized to `dtype` (exact: an fp8 value times a power
     of two fits bf16 / fp32)."""
