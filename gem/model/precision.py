@@ -164,7 +164,7 @@ class _FP8Gemms:
 
     @staticmethod
     def compute_dtype(dt: torch.dtype) -> torch.dtype:
-        return torch.bfloat16 if dt == torch.float32 else dt  # row-wise scaling writes bf16 (or fp16)
+        return torch.bfloat16  # row-wise scaled _scaled_mm writes bf16 only
 
     @staticmethod
     def forward(x, w, dt):  # scales per token of x, per output channel of W
@@ -219,5 +219,6 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     if not matched:
         raise ConfigError("train.precision_filter", "matches no nn.Linear of the model", list(patterns))
     if kept:
-        log.warning(f"train.precision={precision}: dims not multiples of {align}, these stay bf16: {', '.join(kept)}")
+        log.warning(f"train.precision={precision}: dims not multiples of {align}, these stay nn.Linear: "
+                    f"{', '.join(kept)}")
     return converted
