@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gem._config import Checker, ConfigError, build
+from gem.model.precision import DEFAULT_FILTER
 
 log = logging.getLogger("gem.train")
 
@@ -57,6 +58,10 @@ class TrainConfig:
     aux_loss_weight: float = 1.0  # scales the model's aux (MoE load-balancing) loss
     sparse_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "rowwise_adagrad", "lr": 0.05})
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
+    # the tower GEMMs' format (gem/model/precision.py): bf16 (autocast decides) | fp8 (sm_89+) | mxfp8 (emulated)
+    precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
+    # fnmatch patterns over module names: the nn.Linear modules `precision` converts
+    precision_filter: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER))
     # auto: torchrec's TrainPipelineSparseDist on CUDA, the plain loop on CPU
     pipeline: Literal["auto", "sparse_dist", "none"] = "auto"
     log_every: int = 10
@@ -146,7 +151,10 @@ def check_device(cfgs: Any) -> None:
     ranks' own machine)."""
     import torch
 
+    from gem.model.precision import check_precision_device
+
     kernel = cfgs.model.kernel
     if kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("model.kernel", "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
                           "them on CPU, slowly)", kernel)
+    check_precision_device(cfgs.train.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))

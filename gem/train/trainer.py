@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
 from gem.model import GEMModel, ModelConfig, validate_against_schema
+from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
@@ -103,6 +104,7 @@ class Trainer:
         # Same seed on every rank: parallelize needs identically initialised models.
         torch.manual_seed(tc.seed)
         model = GEMModel(self.cfgs.model, embedding_device=self.device)
+        apply_precision(model, tc.precision, self.device, tc.precision_filter)
         self.par = parallelize(model, self.cfgs.parallel, sparse_optimizer_cfg=tc.sparse_optimizer, device=self.device)
         self.model = self.par.model
         self.inner = self.par.inner

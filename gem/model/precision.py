@@ -1,0 +1,224 @@
+"""Low-precision GEMMs for the dense tower: `train.precision` bf16 | fp8 | mxfp8 and the modules it converts.
+
+`apply_precision(model, precision, device, patterns)` swaps the nn.Linear modules whose names match one of the
+fnmatch `patterns` for a Linear of the same shape that shares their parameters (names `weight` / `bias`
+unchanged, so checkpoints and FSDP see the same model):
+
+- mxfp8 (emulated, any device): every GEMM operand is MX-quantized (gem.ops.mx, blocks of 32 along that GEMM's
+  reduction axis) and dequantized, then multiplied in the compute dtype. Forward: E4M3 input and weight. Backward:
+  the quantization passes straight through; the output gradient is quantized to E5M2 and the weight / input to
+  E4M3, each along the reduction axis of its backward GEMM, as MX hardware needs them. Layers whose in or out
+  features are not multiples of 32 stay nn.Linear.
+- fp8 (CUDA sm_89+): torch._scaled_mm with row-wise scales (per token for activations, per output channel for
+  weights, amax / fp8 max in fp32), E4M3 forward, E5M2 gradients (their range, not their precision, is what
+  row-wise scaling leaves short). Layers whose dims are not multiples of 16 stay nn.Linear.
+- bf16: nothing changes (autocast decides the GEMM dtype as before).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem._config import ConfigError
+from gem.ops import mx
+
+__all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device"]
+
+log = logging.getLogger("gem.model")
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+# The tower's attention projections and dense FFNs; heads, routers, embedding-side and small layers stay bf16.
+DEFAULT_FILTER = ("blocks.*.attn.qkv", "blocks.*.attn.out", "blocks.*.ffn.w1", "blocks.*.ffn.w2", "blocks.*.ffn.w3")
+MX_BLOCK = 32
+_FP8_ALIGN = 16  # torch._scaled_mm wants the GEMM dims in multiples of 16
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_precision_device(precision: str, device: torch.device) -> None:
+    """One-line ConfigError when `precision` cannot run on `device` (fp8 needs FP8 tensor cores)."""
+    device = torch.device(device)
+    if precision == "fp8" and not fp8_supported(device):
+        where = "cpu" if device.type != "cuda" else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        raise ConfigError(f"train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+) (got fp8 on {where}); "
+                          "use mxfp8 for emulated numerics or bf16")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would multiply in: autocast's where it is on, else the input's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class _LowPrecisionLinearFn(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs of `gemms` (forward, grad of the input, grad of the weight), each taking
+    the full-precision operands and quantizing them its own way; the quantization passes straight through."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, gemms):
+        x2 = _flat(x)
+        y = gemms.forward(x2, weight, dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.gemms, ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.has_bias = gemms, dtype, x.shape, x.dtype, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, weight = ctx.saved_tensors
+        g = _flat(gy)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.gemms.grad_input(g, weight, ctx.dtype).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = ctx.gemms.grad_weight(g, x2, ctx.dtype).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0)
+        return dx, dw, db, None, None
+
+
+class _LowPrecisionLinear(nn.Linear):
+    gemms: type
+    align: int  # in and out features must be multiples of this
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.gemms.compute_dtype(_compute_dtype(x))
+        with torch.autocast(x.device.type, enabled=False):
+            y = _LowPrecisionLinearFn.apply(x, self.weight, self.bias, dtype, self.gemms)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- mxfp8
+
+
+# eager inside compiled regions: traced through this Function, dynamo failed (torch 2.13 CPU) or trained to NaN
+@torch.compiler.disable
+def mx_fake_quant(t: torch.Tensor, elem: str, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """t MX-quantized in blocks of 32 along `axis` and dequantized to `dtype` (exact: an fp8 value times a power
+    of two fits bf16 / fp32)."""
+    kernel = "auto" if t.is_cuda else "reference"  # the Triton interpreter would be far too slow on CPU
+    data, scale = mx.quantize(t, block=MX_BLOCK, elem=elem, axis=axis, kernel=kernel)
+    return mx.dequantize(data, scale, block=MX_BLOCK, axis=axis, dtype=dtype, kernel=kernel)
+
+
+class _MXGemms:
+    """Emulated MX GEMMs: both operands quantized along the GEMM's reduction axis, multiplied in `dt`."""
+
+    @staticmethod
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        return dt
+
+    @staticmethod
+    def forward(x, w, dt):  # x [M, K] @ W [N, K]^T: reduction over in_features
+        return mx_fake_quant(x, "e4m3", -1, dt) @ mx_fake_quant(w, "e4m3", 1, dt).t()
+
+    @staticmethod
+    def grad_input(g, w, dt):  # g [M, N] @ W [N, K]: reduction over out_features
+        return mx_fake_quant(g, "e5m2", -1, dt) @ mx_fake_quant(w, "e4m3", 0, dt)
+
+    @staticmethod
+    def grad_weight(g, x, dt):  # g^T [N, M] @ x [M, K]: reduction over tokens
+        return mx_fake_quant(g, "e5m2", 0, dt).t() @ mx_fake_quant(x, "e4m3", 0, dt)
+
+
+class MXFP8Linear(_LowPrecisionLinear):
+    """nn.Linear with emulated MXFP8 GEMMs (see the module docstring); same parameters, same state dict."""
+
+    gemms, align = _MXGemms, MX_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------------- fp8
+
+
+def _fp8_rows(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise fp8: (t / s as dtype, s [rows, 1] fp32) with s = amax(row) / fp8 max."""
+    fmax = torch.finfo(dtype).max
+    s = t.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / fmax
+    return (t.float() / s).clamp(-fmax, fmax).to(dtype).contiguous(), s
+
+
+def _scaled_mm(a: torch.Tensor, a_dtype, b_t: torch.Tensor, b_dtype, out_dtype) -> torch.Tensor:
+    """a [M, K] @ b_t [N, K]^T with both operands row-wise scaled along K."""
+    qa, sa = _fp8_rows(a, a_dtype)
+    qb, sb = _fp8_rows(b_t, b_dtype)
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=out_dtype)
+
+
+class _FP8Gemms:
+    """Row-wise scaled torch._scaled_mm: E4M3 activations and weights, E5M2 gradients."""
+
+    @staticmethod
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        return torch.bfloat16  # row-wise scaled _scaled_mm writes bf16 only
+
+    @staticmethod
+    def forward(x, w, dt):  # scales per token of x, per output channel of W
+        return _scaled_mm(x, torch.float8_e4m3fn, w, torch.float8_e4m3fn, dt)
+
+    @staticmethod
+    def grad_input(g, w, dt):  # scales per token of g, per input channel of W
+        return _scaled_mm(g, torch.float8_e5m2, w.t(), torch.float8_e4m3fn, dt)
+
+    @staticmethod
+    def grad_weight(g, x, dt):  # scales per output channel of g^T, per input channel of x; tokens padded to 16
+        pad = -g.shape[0] % _FP8_ALIGN
+        return _scaled_mm(F.pad(g, (0, 0, 0, pad)).t(), torch.float8_e5m2, F.pad(x, (0, 0, 0, pad)).t(),
+                          torch.float8_e4m3fn, dt)
+
+
+class FP8Linear(_LowPrecisionLinear):
+    """nn.Linear with row-wise scaled FP8 GEMMs through torch._scaled_mm (CUDA sm_89+); same parameters."""
+
+    gemms, align = _FP8Gemms, _FP8_ALIGN
+
+
+# ---------------------------------------------------------------------------------------------------- conversion
+
+_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear}
+
+
+def apply_precision(model: nn.Module, precision: str, device: torch.device | str,
+                    patterns: Sequence[str] = DEFAULT_FILTER) -> list[str]:
+    """Convert the nn.Linear modules of `model` named by `patterns` to `precision`'s Linear, in place, sharing
+    their parameters; returns the converted names. Call it after construction, before parallelize."""
+    if precision not in PRECISIONS:
+        raise ConfigError("train.precision", f"must be one of {', '.join(PRECISIONS)}", precision)
+    check_precision_device(precision, torch.device(device))
+    if precision == "bf16":
+        return []
+    cls = _CLASSES[precision]
+    align = cls.align
+    matched, converted, kept = [], [], []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        matched.append(name)
+        if mod.in_features % align or mod.out_features % align:
+            kept.append(f"{name} ({mod.in_features}->{mod.out_features})")
+            continue
+        new = cls.__new__(cls)
+        new.__dict__ = dict(mod.__dict__)  # the same parameters, hooks and flags: only forward changes
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        converted.append(name)
+    if not matched:
+        raise ConfigError("train.precision_filter", "matches no nn.Linear of the model", list(patterns))
+    if kept:
+        log.warning(f"train.precision={precision}: dims not multiples of {align}, these stay nn.Linear: "
+                    f"{', '.join(kept)}")
+    return converted

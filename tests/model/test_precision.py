@@ -1,0 +1,209 @@
+"""train.precision: the MXFP8 Linear against hand-written quantize-dequantize references, the module filter on the
+tiny model, the config errors, and a short mxfp8 training run against fp32 from the same seed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from gem._config import ConfigError
+from gem.model import GEMModel
+from gem.model.precision import DEFAULT_FILTER, FP8Linear, MXFP8Linear, apply_precision, check_precision_device
+from gem.ops import mx
+from tests.model._batches import tiny_cfg
+
+
+def _fq(t: torch.Tensor, elem: str, axis: int, dtype=torch.float32) -> torch.Tensor:
+    data, scale = mx.quantize(t, block=32, elem=elem, axis=axis, kernel="reference")
+    return mx.dequantize(data, scale, block=32, axis=axis, dtype=dtype, kernel="reference")
+
+
+def _mx_linear(k: int, n: int, bias: bool, seed: int) -> MXFP8Linear:
+    torch.manual_seed(seed)
+    lin = nn.Sequential(nn.Linear(k, n, bias=bias))
+    apply_precision(lin, "mxfp8", "cpu", ["0"])
+    assert type(lin[0]) is MXFP8Linear
+    return lin[0]
+
+
+@pytest.mark.parametrize("shape,k,n,bias,seed", [((37, 64), 64, 96, False, 0), ((3, 5, 32), 32, 64, True, 1),
+                                                 ((70, 128), 128, 32, True, 2)])
+def test_mxfp8_linear_forward_backward_match_the_reference(shape, k, n, bias, seed):
+    lin = _mx_linear(k, n, bias, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).requires_grad_()
+    gy = torch.randn(*shape[:-1], n, generator=g) * 1e-3
+    y = lin(x)
+    y.backward(gy)
+
+    w = lin.weight.detach()
+    x2, g2 = x.detach().reshape(-1, k), gy.reshape(-1, n)
+    want = _fq(x2, "e4m3", -1) @ _fq(w, "e4m3", 1).t()
+    if bias:
+        want = want + lin.bias.detach()
+    assert torch.equal(y.detach().reshape(-1, n), want)
+    # the fake quantization really changes the result, so equality above is not the plain matmul's
+    assert not torch.allclose(want, x2 @ w.t() + (lin.bias.detach() if bias else 0), rtol=0, atol=1e-6)
+
+    # straight-through: the GEMMs of the exact gradient, each operand quantized along its reduction axis
+    dx = _fq(g2, "e5m2", -1) @ _fq(w, "e4m3", 0)
+    dw = _fq(g2, "e5m2", 0).t() @ _fq(x2, "e4m3", 0)
+    assert torch.equal(x.grad.reshape(-1, k), dx)
+    assert torch.equal(lin.weight.grad, dw)
+    if bias:
+        assert torch.equal(lin.bias.grad, g2.sum(0))
+    # ... and stays close to the exact gradient
+    torch.testing.assert_close(x.grad.reshape(-1, k), g2 @ w, rtol=0.15, atol=2e-4)
+
+
+def test_mxfp8_linear_under_autocast_multiplies_in_bf16():
+    lin = _mx_linear(64, 32, True, 3)
+    x = torch.randn(10, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    want = _fq(x, "e4m3", -1, torch.bfloat16) @ _fq(lin.weight.detach(), "e4m3", 1, torch.bfloat16).t()
+    assert torch.equal(y, want + lin.bias.detach().to(torch.bfloat16))
+
+
+def test_filter_converts_exactly_the_matching_linears_and_keeps_parameter_names(caplog):
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = GEMModel(cfg)
+    before = {k: v for k, v in model.state_dict().items()}
+    params_before = dict(model.named_parameters())
+    # blocks.1 is the MoE block: its ffn.w1..w3 are expert parameters, not Linear modules
+    converted = apply_precision(model, "mxfp8", "cpu", DEFAULT_FILTER)
+    want = ["blocks.0.attn.qkv", "blocks.0.attn.out", "blocks.0.ffn.w1", "blocks.0.ffn.w3", "blocks.0.ffn.w2",
+            "blocks.1.attn.qkv", "blocks.1.attn.out"]
+    assert sorted(converted) == sorted(want)
+    for name, mod in model.named_modules():
+        if name in want:
+            assert type(mod) is MXFP8Linear, name
+        elif isinstance(mod, nn.Linear):
+            assert type(mod) is nn.Linear, name
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] or torch.equal(after[k], before[k]) for k in before)
+    assert {k: v for k, v in model.named_parameters()}.keys() == params_before.keys()
+    assert all(p is params_before[k] for k, p in model.named_parameters())
+
+    # a pattern on a layer whose dims are not multiples of 32 keeps it nn.Linear, and says so
+    model = GEMModel(cfg)
+    with caplog.at_level(logging.WARNING, logger="gem.model"):
+        converted = apply_precision(model, "mxfp8", "cpu", ["heads.heads.*.2", "blocks.0.attn.qkv"])
+    assert converted == ["blocks.0.attn.qkv"]
+    outs = [model.get_submodule(f"heads.heads.{i}.2") for i in range(2)]  # 32 -> 1 output layers
+    assert all(type(m) is nn.Linear and m.out_features == 1 for m in outs)
+    assert sum("stay nn.Linear" in r.getMessage() for r in caplog.records) == 1
+
+    # bf16: nothing changes
+    model = GEMModel(cfg)
+    assert apply_precision(model, "bf16", "cpu") == []
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_precision_config_errors_are_one_line():
+    from gem.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        check_precision_device("fp8", torch.device("cpu"))
+    assert str(e.value) == ("train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+) (got fp8 on cpu); "
+                            "use mxfp8 for emulated numerics or bf16")
+    check_precision_device("mxfp8", torch.device("cpu"))
+    with pytest.raises(ConfigError) as e:
+        apply_precision(GEMModel(tiny_cfg()), "fp8", "cpu")
+    assert str(e.value).startswith("train.precision: fp8 needs a GPU")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"precision": "fp4"})
+    assert str(e.value) == "train.precision: must be bf16, fp8 or mxfp8 (got fp4)"
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"precision_filter": "blocks.*"})
+    assert str(e.value) == "train.precision_filter: expected a list (got blocks.*)"
+    with pytest.raises(ConfigError) as e:
+        apply_precision(GEMModel(tiny_cfg()), "mxfp8", "cpu", ["tower.*"])
+    assert str(e.value) == "train.precision_filter: matches no nn.Linear of the model (got ['tower.*'])"
+
+
+def test_fp8_is_refused_at_the_preflight_check():
+    from gem.train.__main__ import preflight
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine may have FP8 tensor cores")
+    msg = preflight(["train.precision=fp8"], world_size=1)
+    assert msg is not None and "train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+)" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.gpu
+def test_fp8_linear_close_to_bf16_on_gpu():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        pytest.skip("needs a GPU with FP8 tensor cores")
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(256, 512, bias=True)).cuda()
+    ref = nn.Linear(256, 512).cuda()
+    ref.load_state_dict(lin[0].state_dict())
+    apply_precision(lin, "fp8", "cuda", ["0"])
+    assert type(lin[0]) is FP8Linear
+    x = torch.randn(100, 256, device="cuda", requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, yr = lin(x), ref(xr)
+    gy = torch.randn_like(yr)
+    y.backward(gy)
+    yr.backward(gy)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(y, yr) < 0.05 and rel(x.grad, xr.grad) < 0.1 and rel(lin[0].weight.grad, ref.weight.grad) < 0.1
+
+
+@pytest.mark.slow
+def test_mxfp8_linear_compiled_equals_eager():
+    """Blocks compile their dense parts on CUDA: the MXFP8 Linear inside torch.compile (dynamic token counts)
+    gives the eager result, forward and backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64, bias=False), nn.SiLU(), nn.Linear(64, 32, bias=True))
+    apply_precision(m, "mxfp8", "cpu", ["0", "2"])
+    cm = torch.compile(m, dynamic=True)
+    for n in (50, 77):
+        x = torch.randn(n, 32, requires_grad=True)
+        xc = x.detach().clone().requires_grad_()
+        y, yc = m(x), cm(xc)
+        gy = torch.randn_like(y) * 1e-3
+        y.backward(gy)
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        yc.backward(gy)
+        assert torch.equal(y, yc) and torch.equal(x.grad, xc.grad)
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads))
+        m.zero_grad()
+
+
+@pytest.mark.slow
+def test_mxfp8_training_run_tracks_fp32():
+    """200 steps of the tiny model on synthetic data, fp32 (autocast none on CPU) vs mxfp8 from the same seed:
+    eval NE within 1% (relative) per task."""
+    from gem.train.trainer import Trainer
+    from tests.train._util import SMALL, compose
+
+    results = {}
+    for precision in ("bf16", "mxfp8"):
+        t = Trainer(compose(SMALL + ["train.steps=200", "train.eval_every=0", "train.seed=0", "train.log_every=50",
+                                     "data.eval_batches=8", f"train.precision={precision}"]))
+        try:
+            kinds = {type(m) for m in t.inner.modules()}
+            assert (MXFP8Linear in kinds) == (precision == "mxfp8")
+            results[precision] = t.fit()
+        finally:
+            t.close()
+    ref, mx8 = results["bf16"].eval_metrics, results["mxfp8"].eval_metrics
+    for task in ("click", "conversion"):
+        assert ref[f"{task}/ne"] < 0.99, ref  # the model learned something, so NE compares trained models
+        assert mx8[f"{task}/ne"] == pytest.approx(ref[f"{task}/ne"], rel=0.01), (task, ref, mx8)
+    # the emulated numerics really ran: the trajectories differ
+    assert results["mxfp8"].losses != results["bf16"].losses
