@@ -106,6 +106,7 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         # True / None: grouped GEMM when on CUDA in bf16; False: the per-expert loop (model.moe.grouped_mm).
         self.use_grouped_mm: bool | None = None
+        self.fp8_experts = False  # set by gem.model.precision for train.precision=fp8: row-wise fp8 grouped GEMMs
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -194,7 +195,7 @@ class MoE(nn.Module):
         dest = starts_p[expert] + torch.arange(m, device=x.device) - starts[expert]
         buf = x.new_zeros((m + e * self.GROUP_ALIGN, x.shape[1]), dtype=torch.bfloat16)
         buf = buf.index_copy(0, dest, x.to(torch.bfloat16))
-        return _grouped_swiglu(buf, offs, counts > 0, w1, w3, w2)[dest]
+        return _grouped_swiglu(buf, offs, counts > 0, w1, w3, w2, self.fp8_experts)[dest]
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +234,7 @@ class MoE(nn.Module):
         if grouped_local:
             buf = _ScatterRows.apply(x.to(torch.bfloat16), pos, k, rows + spare)
             w1, w3, w2 = self.local_expert_weights()
-            out = _grouped_swiglu(buf[:rows], offs, kept > 0, w1, w3, w2)
+            out = _grouped_swiglu(buf[:rows], offs, kept > 0, w1, w3, w2, self.fp8_experts)
         else:
             x_sorted = _ScatterRows.apply(x, pos, k, rows + spare)[:rows]
             x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, kept)
@@ -263,13 +264,18 @@ def _padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torc
     return ends - padded, ends.to(torch.int32)
 
 
-def _grouped_swiglu(buf, offs, used, w1, w3, w2):
-    """SwiGLU experts on padded groups of `buf` (bf16) with torch._grouped_mm."""
+def _grouped_swiglu(buf, offs, used, w1, w3, w2, fp8=False):
+    """SwiGLU experts on padded groups of `buf` (bf16) with torch._grouped_mm (row-wise fp8 GEMMs if `fp8`)."""
     # The weight gradient of a group with only padding rows came back non-zero on the H200 (torch 2.11):
     # experts without tokens get their gradient masked to zero.
     w1, w3, w2 = (_MaskGrad.apply(w.to(torch.bfloat16), used) for w in (w1, w3, w2))
-    h = F.silu(torch._grouped_mm(buf, w1, offs=offs)) * torch._grouped_mm(buf, w3, offs=offs)
-    return torch._grouped_mm(h, w2, offs=offs)
+    if fp8:
+        from gem.model.precision import fp8_grouped_mm as mm
+    else:
+        def mm(a, w, offs):
+            return torch._grouped_mm(a, w, offs=offs)
+    h = F.silu(mm(buf, w1, offs)) * mm(buf, w3, offs)
+    return mm(h, w2, offs)
 
 
 class _ScatterRows(torch.autograd.Function):

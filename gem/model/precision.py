@@ -9,9 +9,12 @@ unchanged, so checkpoints and FSDP see the same model):
   the quantization passes straight through; the output gradient is quantized to E5M2 and the weight / input to
   E4M3, each along the reduction axis of its backward GEMM, as MX hardware needs them. Layers whose in or out
   features are not multiples of 32 stay nn.Linear.
-- fp8 (CUDA sm_89+): torch._scaled_mm with row-wise scales (per token for activations, per output channel for
-  weights, amax / fp8 max in fp32), E4M3 forward, E5M2 gradients (their range, not their precision, is what
-  row-wise scaling leaves short). Layers whose dims are not multiples of 16 stay nn.Linear.
+- fp8 (CUDA sm_89+): torch._scaled_mm with row-wise scales (per token for activations and gradients, per output
+  channel of the weight, amax / fp8 max in fp32), E4M3 throughout, for the forward GEMM and the input-gradient GEMM;
+  the weight-gradient GEMM stays bf16 (its operands would need column-wise scales over the tokens: on the H200 that
+  pass over both activations cost more than the faster GEMM saved). MoE experts matched by the filter run the same
+  recipe through torch._scaled_grouped_mm. Layers whose dims are not multiples of 16 stay nn.Linear.
+- fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
 - bf16: nothing changes (autocast decides the GEMM dtype as before).
 """
 
@@ -28,13 +31,15 @@ from torch import nn
 from gem._config import ConfigError
 from gem.ops import mx
 
-__all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device"]
+__all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
+           "fp8_grouped_mm"]
 
 log = logging.getLogger("gem.model")
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 # The tower's attention projections and dense FFNs; heads, routers, embedding-side and small layers stay bf16.
-DEFAULT_FILTER = ("blocks.*.attn.qkv", "blocks.*.attn.out", "blocks.*.ffn.w1", "blocks.*.ffn.w2", "blocks.*.ffn.w3")
+DEFAULT_FILTER = ("blocks.*.attn.qkv", "blocks.*.attn.out", "blocks.*.ffn.w1", "blocks.*.ffn.w2", "blocks.*.ffn.w3",
+                  "blocks.*.ffn")  # the last names MoE layers: their experts (fp8 only; routers stay bf16)
 MX_BLOCK = 32
 _FP8_ALIGN = 16  # torch._scaled_mm wants the GEMM dims in multiples of 16
 
@@ -159,8 +164,11 @@ def _scaled_mm(a: torch.Tensor, a_dtype, b_t: torch.Tensor, b_dtype, out_dtype) 
     return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=out_dtype)
 
 
+_E4M3 = torch.float8_e4m3fn
+
+
 class _FP8Gemms:
-    """Row-wise scaled torch._scaled_mm: E4M3 activations and weights, E5M2 gradients."""
+    """Row-wise scaled torch._scaled_mm, E4M3: forward and input gradient in fp8, weight gradient in bf16."""
 
     @staticmethod
     def compute_dtype(dt: torch.dtype) -> torch.dtype:
@@ -168,17 +176,46 @@ class _FP8Gemms:
 
     @staticmethod
     def forward(x, w, dt):  # scales per token of x, per output channel of W
-        return _scaled_mm(x, torch.float8_e4m3fn, w, torch.float8_e4m3fn, dt)
+        return _scaled_mm(x, _E4M3, w, _E4M3, dt)
 
     @staticmethod
     def grad_input(g, w, dt):  # scales per token of g, per input channel of W
-        return _scaled_mm(g, torch.float8_e5m2, w.t(), torch.float8_e4m3fn, dt)
+        return _scaled_mm(g, _E4M3, w.t(), _E4M3, dt)
 
     @staticmethod
-    def grad_weight(g, x, dt):  # scales per output channel of g^T, per input channel of x; tokens padded to 16
-        pad = -g.shape[0] % _FP8_ALIGN
-        return _scaled_mm(F.pad(g, (0, 0, 0, pad)).t(), torch.float8_e5m2, F.pad(x, (0, 0, 0, pad)).t(),
-                          torch.float8_e4m3fn, dt)
+    def grad_weight(g, x, dt):
+        return g.t().to(dt) @ x.to(dt)
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    """a [M, K] @ w[e] [K, N] per group of rows (int32 end offsets `offs`) with the fp8 recipe of _FP8Gemms:
+    torch._scaled_grouped_mm forward and input gradient, bf16 torch._grouped_mm for the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs):
+        qa, sa = _fp8_rows(a, _E4M3)
+        qw, sw = _fp8_rows(w.transpose(-2, -1), _E4M3)  # [E, N, K]: one scale per expert and output channel
+        ctx.save_for_backward(a, w, offs)
+        return torch._scaled_grouped_mm(qa, qw.transpose(-2, -1), sa.squeeze(-1), sw.squeeze(-1), offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w, offs = ctx.saved_tensors
+        da = dw = None
+        if ctx.needs_input_grad[0]:
+            qg, sg = _fp8_rows(g, _E4M3)
+            qw, sw = _fp8_rows(w, _E4M3)  # [E, K, N]: one scale per expert and input channel
+            da = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg.squeeze(-1), sw.squeeze(-1), offs=offs,
+                                          out_dtype=torch.bfloat16, use_fast_accum=True)
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(a.t(), g.to(a.dtype), offs=offs)  # [E, K, N], groups along the rows
+        return da, dw, None
+
+
+def fp8_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, w, offs=offs) (a bf16 [M, K], w bf16 [E, K, N]) with row-wise fp8 GEMMs."""
+    return _FP8GroupedMM.apply(a, w, offs)
 
 
 class FP8Linear(_LowPrecisionLinear):
@@ -190,34 +227,82 @@ class FP8Linear(_LowPrecisionLinear):
 # ---------------------------------------------------------------------------------------------------- conversion
 
 _CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear}
+FP8_BACKENDS = ("gem", "torchao")
+
+
+def _torchao_fp8(model: nn.Module, names: list[str]) -> None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError("train.fp8_backend", "torchao is not installed (pip install torchao), or use gem",
+                          "torchao") from e
+    wanted = set(names)
+    # rowwise_with_gw_hp: fp8 forward and input gradient, bf16 weight gradient, the recipe gem's fp8 uses
+    convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in wanted,
+                               config=Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp"))
+    for name in names:
+        mod = model.get_submodule(name)
+        mod.__class__ = _rows16(type(mod))
+
+
+_ROWS16: dict[type, type] = {}
+
+
+def _rows16(cls: type) -> type:
+    """`cls` whose forward pads the token rows to a multiple of 16 (torchao's fp8 GEMMs need it; jagged batches
+    have any token count) and drops them after."""
+    if cls not in _ROWS16:
+        def forward(self, x):
+            x2 = _flat(x)
+            pad = -x2.shape[0] % _FP8_ALIGN
+            y = cls.forward(self, F.pad(x2, (0, 0, 0, pad)) if pad else x2)
+            return y[:x2.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
+        _ROWS16[cls] = type(cls.__name__, (cls,), {"forward": forward})
+    return _ROWS16[cls]
 
 
 def apply_precision(model: nn.Module, precision: str, device: torch.device | str,
-                    patterns: Sequence[str] = DEFAULT_FILTER) -> list[str]:
+                    patterns: Sequence[str] = DEFAULT_FILTER, backend: str = "gem") -> list[str]:
     """Convert the nn.Linear modules of `model` named by `patterns` to `precision`'s Linear, in place, sharing
     their parameters; returns the converted names. Call it after construction, before parallelize."""
     if precision not in PRECISIONS:
         raise ConfigError("train.precision", f"must be one of {', '.join(PRECISIONS)}", precision)
+    if backend not in FP8_BACKENDS:
+        raise ConfigError("train.fp8_backend", f"must be one of {', '.join(FP8_BACKENDS)}", backend)
     check_precision_device(precision, torch.device(device))
     if precision == "bf16":
         return []
     cls = _CLASSES[precision]
     align = cls.align
-    matched, converted, kept = [], [], []
+    matched, converted, kept, torchao_names = [], [], [], []
+    from gem.model.moe import MoE
+
     for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        if isinstance(mod, MoE):
+            if precision == "fp8" and mod.d_model % align == 0 and mod.d_ff % align == 0:
+                mod.fp8_experts = True
+                converted.append(name)
+            continue
+        if type(mod) is not nn.Linear:
             continue
         matched.append(name)
         if mod.in_features % align or mod.out_features % align:
             kept.append(f"{name} ({mod.in_features}->{mod.out_features})")
             continue
+        converted.append(name)
+        if precision == "fp8" and backend == "torchao":
+            torchao_names.append(name)
+            continue
         new = cls.__new__(cls)
         new.__dict__ = dict(mod.__dict__)  # the same parameters, hooks and flags: only forward changes
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        converted.append(name)
-    if not matched:
+    if not matched and not converted:
         raise ConfigError("train.precision_filter", "matches no nn.Linear of the model", list(patterns))
+    if torchao_names:
+        _torchao_fp8(model, torchao_names)
     if kept:
         log.warning(f"train.precision={precision}: dims not multiples of {align}, these stay nn.Linear: "
                     f"{', '.join(kept)}")

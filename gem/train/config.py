@@ -62,6 +62,7 @@ class TrainConfig:
     precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
     # fnmatch patterns over module names: the nn.Linear modules `precision` converts
     precision_filter: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER))
+    fp8_backend: Literal["gem", "torchao"] = "gem"  # precision=fp8: gem's row-wise Linear or torchao's Float8Linear
     # auto: torchrec's TrainPipelineSparseDist on CUDA, the plain loop on CPU
     pipeline: Literal["auto", "sparse_dist", "none"] = "auto"
     log_every: int = 10

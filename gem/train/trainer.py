@@ -104,7 +104,7 @@ class Trainer:
         # Same seed on every rank: parallelize needs identically initialised models.
         torch.manual_seed(tc.seed)
         model = GEMModel(self.cfgs.model, embedding_device=self.device)
-        apply_precision(model, tc.precision, self.device, tc.precision_filter)
+        apply_precision(model, tc.precision, self.device, tc.precision_filter, tc.fp8_backend)
         self.par = parallelize(model, self.cfgs.parallel, sparse_optimizer_cfg=tc.sparse_optimizer, device=self.device)
         self.model = self.par.model
         self.inner = self.par.inner

@@ -11,6 +11,8 @@ from torch import nn
 
 from gem._config import ConfigError
 from gem.model import GEMModel
+from gem.model import precision as prec
+from gem.model.moe import MoE
 from gem.model.precision import DEFAULT_FILTER, FP8Linear, MXFP8Linear, apply_precision, check_precision_device
 from gem.ops import mx
 from tests.model._batches import tiny_cfg
@@ -136,6 +138,112 @@ def test_fp8_is_refused_at_the_preflight_check():
     msg = preflight(["train.precision=fp8"], world_size=1)
     assert msg is not None and "train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+)" in msg
     assert "\n" not in msg
+
+
+def _rows_dq(t: torch.Tensor) -> torch.Tensor:
+    """Row-wise E4M3 quantize-dequantize written out: scale = amax / 448 per row."""
+    s = t.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+
+
+def test_fp8_linear_recipe_on_cpu():
+    """torch._scaled_mm runs row-wise on the CPU too: forward and input gradient are the E4M3 row-wise GEMMs,
+    the weight gradient is the bf16 GEMM of the unquantized operands."""
+    torch.manual_seed(0)
+    lin = FP8Linear(64, 48, bias=True)
+    x = torch.randn(37, 64, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(37, 48, dtype=torch.bfloat16)
+    y = lin(x)
+    y.backward(gy)
+    w = lin.weight.detach()
+    xb = x.detach()
+    y_ref = _rows_dq(xb) @ _rows_dq(w).t() + lin.bias.detach()  # the fp32 master weight is what gets quantized
+    dx_ref = _rows_dq(gy) @ _rows_dq(w.t()).t()
+    dw_ref = gy.float().t() @ xb.float()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.float(), dx_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lin.weight.grad.float(), dw_ref, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(lin.bias.grad.float(), gy.float().sum(0), rtol=2e-2, atol=5e-2)
+
+
+def _scaled_grouped_mm_emulated(a, b, sa, sb, offs, out_dtype, use_fast_accum=False):
+    """torch._scaled_grouped_mm (2-D a, 3-D b) on the CPU: one row-wise torch._scaled_mm per group."""
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(torch._scaled_mm(a[start:end], b[e], scale_a=sa[start:end, None], scale_b=sb[e][None],
+                                    out_dtype=out_dtype))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("counts", [(16, 32, 16), (48, 0, 16), (0, 0, 16)])
+def test_fp8_grouped_mm_recipe(monkeypatch, counts):
+    """The MoE experts' fp8 grouped GEMM (emulated _scaled_grouped_mm on the CPU) against the dequantized
+    reference per expert, forward and both gradients; groups may be empty."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_emulated, raising=False)
+    torch.manual_seed(sum(counts))
+    e, k, n = len(counts), 32, 48
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts), k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(e, k, n, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(sum(counts), n, dtype=torch.bfloat16)
+    y = prec.fp8_grouped_mm(a, w, offs)
+    y.backward(g)
+    start = 0
+    for i, c in enumerate(counts):
+        rows = slice(start, start + c)
+        start += c
+        wt = w.detach()[i]
+        torch.testing.assert_close(y[rows].float(), _rows_dq(a.detach()[rows]) @ _rows_dq(wt.t()).t(),
+                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a.grad[rows].float(), _rows_dq(g[rows]) @ _rows_dq(wt).t(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(w.grad[i].float(), a.detach()[rows].float().t() @ g[rows].float(),
+                                   rtol=2e-2, atol=5e-2)
+
+
+def test_fp8_conversion_covers_linears_and_moe_experts(monkeypatch):
+    """fp8 (device check bypassed: the conversion itself is device-free) swaps the filtered nn.Linear layers and
+    switches the MoE layers' experts to fp8; mxfp8 leaves MoE layers alone; torchao missing is one line."""
+    monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
+    model = GEMModel(tiny_cfg())
+    converted = apply_precision(model, "fp8", "cpu", DEFAULT_FILTER)
+    moes = {n for n, m in model.named_modules() if isinstance(m, MoE)}
+    assert moes and moes <= set(converted)
+    assert all(m.fp8_experts for m in model.modules() if isinstance(m, MoE))
+    assert all(type(m) is FP8Linear for n, m in model.named_modules() if n in converted and n not in moes)
+    model = GEMModel(tiny_cfg())
+    assert not set(apply_precision(model, "mxfp8", "cpu", DEFAULT_FILTER)) & moes
+    assert not any(m.fp8_experts for m in model.modules() if isinstance(m, MoE))
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError) as e:
+            apply_precision(GEMModel(tiny_cfg()), "fp8", "cpu", DEFAULT_FILTER, backend="torchao")
+        assert str(e.value).startswith("train.fp8_backend: torchao is not installed") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="train.fp8_backend: must be one of gem, torchao"):
+        apply_precision(GEMModel(tiny_cfg()), "fp8", "cpu", DEFAULT_FILTER, backend="te")
+
+
+@pytest.mark.gpu
+def test_fp8_grouped_mm_close_to_bf16_on_gpu():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
+        pytest.skip("needs an sm_90 GPU (torch._scaled_grouped_mm)")
+    torch.manual_seed(0)
+    counts = (256, 0, 512, 16, 128)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(counts), 256, 512, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    ar, wr = (t.detach().clone().requires_grad_() for t in (a, w))
+    g = torch.randn(sum(counts), 512, device="cuda", dtype=torch.bfloat16)
+    prec.fp8_grouped_mm(a, w, offs).backward(g)
+    y, yr = prec.fp8_grouped_mm(a, w, offs), torch._grouped_mm(ar, wr, offs=offs)
+    yr.backward(g)
+
+    def rel(p, q):
+        return ((p.float() - q.float()).norm() / q.float().norm()).item()
+
+    assert rel(y, yr) < 0.05 and rel(a.grad, ar.grad) < 0.1 and rel(w.grad, wr.grad) < 0.02
 
 
 @pytest.mark.gpu
