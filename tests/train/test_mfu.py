@@ -1,0 +1,132 @@
+"""MFU accounting: exposed communication from kernel intervals (against a brute-force sweep), the name
+classification, the MFU report's relations, and the trainer's report on 1 rank and on 2 ranks (gloo)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gem.train.mfu import comm_times, is_comm, mfu_report
+from tests.train._util import SMALL, compose, env, read_jsonl, train_cmd
+
+
+def _sweep(intervals, grid: int) -> tuple[int, int, int]:
+    """Busy / comm / exposed time of integer intervals, one unit cell at a time."""
+    busy = comm = exposed = 0
+    for t in range(grid):
+        kinds = {k for s, e, k in intervals if s <= t < e}
+        busy += bool(kinds)
+        comm += "comm" in kinds
+        exposed += kinds == {"comm"}
+    return busy, comm, exposed
+
+
+@pytest.mark.parametrize("intervals,want", [
+    ([], (0, 0, 0)),
+    ([(0, 4, "compute"), (6, 9, "comm")], (7, 3, 3)),  # no overlap
+    ([(0, 10, "compute"), (2, 8, "comm")], (10, 6, 0)),  # comm fully hidden
+    ([(0, 5, "compute"), (3, 9, "comm")], (9, 6, 4)),  # partial
+    ([(0, 10, "comm"), (2, 3, "compute"), (5, 7, "compute")], (10, 10, 7)),  # compute nested in comm
+    ([(0, 6, "comm"), (1, 2, "comm"), (4, 9, "comm")], (9, 9, 9)),  # comm on several streams, overlapping
+    ([(0, 3, "compute"), (2, 5, "compute"), (1, 4, "comm"), (4, 6, "comm"), (8, 9, "compute")], (7, 5, 1)),
+    ([(3, 3, "comm"), (1, 2, "compute")], (1, 0, 0)),  # empty interval
+])
+def test_comm_times_by_hand(intervals, want):
+    t = comm_times(intervals)
+    assert (t.busy, t.comm, t.exposed) == want
+    assert want == _sweep(intervals, 12)
+
+
+def test_comm_times_matches_a_sweep_on_random_intervals():
+    rng = random.Random(0)
+    for _ in range(300):
+        grid = rng.randint(1, 40)
+        ivs = []
+        for _ in range(rng.randint(0, 12)):
+            s = rng.randint(0, grid - 1)
+            ivs.append((s, rng.randint(s, grid), rng.choice(["comm", "compute", "compute"])))
+        t = comm_times(ivs)
+        assert (t.busy, t.comm, t.exposed) == _sweep(ivs, grid), ivs
+        assert 0 <= t.exposed <= t.comm <= t.busy
+
+
+@pytest.mark.parametrize("name,comm", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True),
+    ("ncclKernel_AllGather_RING_LL_Sum_int8_t", True),
+    ("gloo:all_reduce", True),
+    ("c10d::allreduce_", True),
+    ("c10d::_reduce_scatter_base_", True),
+    ("record_param_comms", True),
+    ("_functional_collectives::all_to_all_single", True),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", False),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", False),
+    ("aten::mm", False),
+    ("Memcpy HtoD (Pinned -> Device)", False),
+])
+def test_comm_names(name, comm):
+    assert is_comm(name) is comm
+
+
+def test_mfu_report_relations():
+    r = mfu_report(2e12, 0.1, peak_flops=100e12, exposed_comm_fraction=0.2, comm_fraction=0.5)
+    assert r.mfu_e2e == pytest.approx(0.2)
+    assert r.mfu_local == pytest.approx(2e12 / (0.1 - 0.02) / 100e12)  # FLOPs / (step - exposed) / peak
+    assert r.scaling_ratio == pytest.approx(0.8)
+    assert r.mfu_e2e == pytest.approx(r.mfu_local * r.scaling_ratio)
+    s = r.scalars()
+    assert s["time/exposed_comm_ms"] == pytest.approx(20.0) and s["time/comm_ms"] == pytest.approx(50.0)
+    one = mfu_report(2e12, 0.1, peak_flops=100e12, exposed_comm_fraction=0.0).scalars()
+    assert one["perf/scaling_ratio"] == 1.0 and one["perf/mfu_local"] == one["perf/mfu_e2e"]
+    unmeasured = mfu_report(2e12, 0.1, peak_flops=100e12).scalars()  # no probe yet: E2E only
+    assert "perf/mfu_e2e" in unmeasured and "perf/mfu_local" not in unmeasured
+    assert "perf/scaling_ratio" not in unmeasured
+
+
+_KEYS = ("perf/mfu_e2e", "perf/mfu_local", "perf/scaling_ratio", "time/exposed_comm_ms")
+
+
+def test_one_rank_reports_scaling_one_and_no_exposed_comm(tmp_path):
+    from gem.train.trainer import Trainer
+
+    t = Trainer(compose(SMALL + ["train.steps=3", "train.eval_every=0", "train.mfu.peak_flops=1e11"]),
+                run_dir=str(tmp_path))
+    try:
+        t.fit()
+    finally:
+        t.close()
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert all(k in r for k in _KEYS), r
+        assert r["perf/scaling_ratio"] == 1.0 and r["time/exposed_comm_ms"] == 0.0
+        assert r["perf/mfu_local"] == r["perf/mfu_e2e"] > 0
+        step_ms = 1e3 * r["perf/step_time_s"]
+        assert r["perf/mfu_e2e"] == pytest.approx(r["perf/tflops_per_device"] * 1e12 / 1e11)
+        assert step_ms > 0
+
+
+def test_two_ranks_report_local_e2e_and_scaling(tmp_path):
+    """torchrun, 2 ranks on gloo, dense DDP: the probe profiles steps 3 and 4 (after the LR warmup's log window), so
+    windows from step 4 on carry all three MFU figures: E2E = local x scaling with scaling in (0, 1], and the exposed
+    host time of gloo's all-reduce is positive and shorter than the step."""
+    args = [*SMALL, "train.steps=6", "train.eval_every=0", "train.mfu.peak_flops=1e11", "hydra.run.dir=run"]
+    p = subprocess.run(train_cmd(2) + args, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True,
+                       timeout=240, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r}
+    assert sorted(recs) == [1, 2, 3, 4, 5, 6]
+    for step in (1, 2, 3):  # before the probe: E2E only
+        assert "perf/mfu_e2e" in recs[step] and "perf/mfu_local" not in recs[step]
+    for step in (4, 5, 6):
+        r = recs[step]
+        assert all(k in r for k in _KEYS), r
+        assert 0 < r["perf/scaling_ratio"] <= 1
+        assert r["perf/mfu_local"] >= r["perf/mfu_e2e"] > 0
+        assert r["perf/mfu_e2e"] == pytest.approx(r["perf/mfu_local"] * r["perf/scaling_ratio"])
+        step_ms = 1e3 * r["perf/step_time_s"]
+        assert 0 < r["time/exposed_comm_ms"] <= r["time/comm_ms"] < step_ms
+        assert r["perf/scaling_ratio"] == pytest.approx(1 - r["time/exposed_comm_ms"] / step_ms)
+    assert "exposed comm" in p.stdout + p.stderr
