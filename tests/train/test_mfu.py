@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -103,9 +102,7 @@ def test_one_rank_reports_scaling_one_and_no_exposed_comm(tmp_path):
         assert all(k in r for k in _KEYS), r
         assert r["perf/scaling_ratio"] == 1.0 and r["time/exposed_comm_ms"] == 0.0
         assert r["perf/mfu_local"] == r["perf/mfu_e2e"] > 0
-        step_ms = 1e3 * r["perf/step_time_s"]
-        assert r["perf/mfu_e2e"] == pytest.approx(r["perf/tflops_per_device"] * 1e12 / 1e11)
-        assert step_ms > 0
+        assert r["perf/mfu_e2e"] == pytest.approx(r["perf/tflops_per_device"] * 1e12 / 1e11)  # train.mfu.peak_flops
 
 
 def test_two_ranks_report_local_e2e_and_scaling(tmp_path):
