@@ -649,6 +649,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                          "--comm-probe-steps 0 turns it off")
     if args.profile_steps > timed:
         raise BenchError(f"--profile-steps {args.profile_steps}: more than the {timed} timed steps")
+    if probe_steps and args.profile_steps == timed:  # the profiler's warmup step would overlap the probe
+        raise BenchError(f"--profile-steps {args.profile_steps}: at most {timed - 1} on {world} ranks (or "
+                         "--comm-probe-steps 0)")
     if rank == 0 and log_every < 5:
         print(f"note: warmup {args.warmup} and {timed} timed steps share no divisor >= 5: the trainer syncs the host "
               f"every {log_every} step(s), which can cost throughput", flush=True)

@@ -62,9 +62,16 @@ class MetricsReporter:
         self._step_losses: list[torch.Tensor] = []  # kept on device: no host sync per step
 
     def step_begin(self, step: int) -> None:
-        """Before step `step` (1-based): starts a due communication probe where its steps fit in the run."""
-        end = self.tcfg.stop_at_step or self.tcfg.steps
-        if self._probe_due and step + self.tcfg.mfu.comm_probe_steps - 1 <= end:
+        """Before step `step` (1-based): starts a due communication probe where its steps fit in the run and no
+        evaluation or checkpoint falls between them."""
+        if not self._probe_due:
+            return
+        tc, k = self.tcfg, self.tcfg.mfu.comm_probe_steps
+        between = range(step, step + k - 1)
+        if step + k - 1 <= (tc.stop_at_step or tc.steps) and not any(
+            (tc.eval_every and s % tc.eval_every == 0) or (tc.checkpoint.every and s % tc.checkpoint.every == 0)
+            for s in between
+        ):
             self._probe_due = False
             self._probe_left = self.tcfg.mfu.comm_probe_steps
             self.probe.start()
