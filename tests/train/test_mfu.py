@@ -127,3 +127,42 @@ def test_two_ranks_report_local_e2e_and_scaling(tmp_path):
         assert 0 < r["time/exposed_comm_ms"] <= r["time/comm_ms"] < step_ms
         assert r["perf/scaling_ratio"] == pytest.approx(1 - r["time/exposed_comm_ms"] / step_ms)
     assert "exposed comm" in p.stdout + p.stderr
+
+
+class _FakeProbe:
+    def __init__(self) -> None:
+        self.running, self.overhead_s, self.starts = False, 0.0, []
+
+    def start(self) -> None:
+        self.running = True
+
+    def stop(self) -> tuple[float, float]:
+        self.running = False
+        return 0.25, 0.5
+
+
+def test_the_probe_runs_after_the_warmup_window_then_every_n_windows_and_not_across_an_evaluation():
+    import torch
+
+    from gem.train.config import TrainConfig
+    from gem.train.logging import TrainLogger
+    from gem.train.reporting import MetricsReporter
+
+    tc = TrainConfig(steps=60, warmup_steps=8, log_every=5, eval_every=11)
+    tc.mfu.comm_probe_every, tc.mfu.comm_probe_steps = 3, 2
+    rep = MetricsReporter(TrainLogger(None, enabled=False, tensorboard=False), None, tc, run_dir=None, rank=0,
+                          world_size=2, device=torch.device("cpu"), tasks=["click"], global_batch=1)
+    assert rep.exposed_comm_fraction is None  # nothing measured yet on 2 ranks
+    rep.probe = probe = _FakeProbe()
+    probed = []
+    for step in range(1, 61):
+        rep.step_begin(step)
+        if probe.running:
+            probed.append(step)
+        rep.step_done(torch.zeros(()), 1.0)
+        if step % tc.log_every == 0:
+            rep._schedule_probe(step)  # what log_window does last
+    # windows end at 5, 10, ...: the first past the warmup is 10, then every 3rd (25, 40, 55). Steps 11, 12 would
+    # span the evaluation after step 11, so that probe waits a step; an evaluation after the last probed step is fine.
+    assert probed == [12, 13, 26, 27, 41, 42, 56, 57]
+    assert not probe.running and rep.exposed_comm_fraction == 0.25 and rep.comm_fraction == 0.5
