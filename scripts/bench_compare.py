@@ -10,14 +10,17 @@ import argparse
 import json
 import sys
 
-_ROWS = (("step ms (mean)", "step_ms", "{:.2f}"), ("step ms (median)", "step_ms_median", "{:.2f}"),
-         ("model TFLOP/s per device", "tflops_per_device", "{:.1f}"), ("E2E MFU vs vendor peak", "mfu_e2e", "{:.1%}"),
-         ("local MFU vs vendor peak", "mfu_local", "{:.1%}"), ("scaling ratio (E2E / local)", "scaling_ratio", "{:.3f}"),
-         ("E2E MFU vs measured matmul", "mfu_measured", "{:.1%}"), ("peak allocated GiB", "peak_allocated_gib_max", "{:.2f}"),
-         ("host ms per batch", "data_ms_per_batch", "{:.1f}"), ("TFLOP/s per device vs 1 GPU", "scaling_vs_single_gpu", "{:.3f}"),
-         ("input ms", "phase_ms.input", "{:.2f}"), ("forward ms", "phase_ms.forward", "{:.2f}"),
-         ("backward ms", "phase_ms.backward", "{:.2f}"), ("optimizer ms", "phase_ms.optimizer", "{:.2f}"),
-         ("exposed comm ms", "exposed_comm_ms", "{:.2f}"), ("communication ms, hidden or not", "comm_ms", "{:.2f}"))
+_ROWS = (
+    ("step ms (mean)", "step_ms", "{:.2f}"), ("step ms (median)", "step_ms_median", "{:.2f}"),
+    ("model TFLOP/s per device", "tflops_per_device", "{:.1f}"), ("E2E MFU vs vendor peak", "mfu_e2e", "{:.1%}"),
+    ("local MFU vs vendor peak", "mfu_local", "{:.1%}"), ("scaling ratio (E2E / local)", "scaling_ratio", "{:.3f}"),
+    ("E2E MFU vs measured matmul", "mfu_measured", "{:.1%}"),
+    ("peak allocated GiB", "peak_allocated_gib_max", "{:.2f}"), ("host ms per batch", "data_ms_per_batch", "{:.1f}"),
+    ("TFLOP/s per device vs 1 GPU", "scaling_vs_single_gpu", "{:.3f}"),
+    ("input ms", "phase_ms.input", "{:.2f}"), ("forward ms", "phase_ms.forward", "{:.2f}"),
+    ("backward ms", "phase_ms.backward", "{:.2f}"), ("optimizer ms", "phase_ms.optimizer", "{:.2f}"),
+    ("exposed comm ms", "exposed_comm_ms", "{:.2f}"), ("communication ms, hidden or not", "comm_ms", "{:.2f}"),
+)
 
 
 def _get(agg: dict, key: str):

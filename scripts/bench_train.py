@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 import torch.distributed as dist
 
-from gem.train.mfu import COMM_PATTERNS, CommProbe
+from gem.train.mfu import COMM_PATTERNS, CommProbe, mfu_report
 
 # Keys the benchmark sets itself; the rest of the config is whatever the overrides compose.
 _OWNED = ("train.log_every", "train.eval_every", "data.eval_batches", "train.checkpoint.every",
@@ -321,30 +321,27 @@ def aggregate(ranks: list[dict], world: int, ref_tflops: float | None, vendor_pe
     peaks = [r["matmul_peak_tflops"] for r in ranks if r["matmul_peak_tflops"]]
     measured = min(peaks) * 1e12 if peaks else None
     mem = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
-    step_ms = 1e3 * wall / steps
-    e2e = per_dev / vendor_peak if vendor_peak else None
     fr = [r["exposed_comm_fraction"] for r in ranks]
-    exposed = statistics.fmean(fr) if None not in fr else None  # mean over ranks
     cf = [r["comm_fraction"] for r in ranks]
-    comm = statistics.fmean(cf) if None not in cf else None
-    scaling = max(1.0 - exposed, 1e-9) if exposed is not None else None
+    mfu = mfu_report(per_dev * wall / steps, wall / steps, vendor_peak, measured,  # per device and step
+                     statistics.fmean(fr) if None not in fr else None, statistics.fmean(cf) if None not in cf else None)
     names = [n for n in ("input", "forward", "backward", "optimizer") if all(n in r["phase_ms"] for r in ranks)]
     return {
         "timed_steps": steps,
-        "step_ms": step_ms,
+        "step_ms": 1e3 * wall / steps,
         "step_ms_median": max(r["step_ms_median"] for r in ranks),
         "samples_per_s": sum(r["samples"] for r in ranks) / wall,
         "tokens_per_s": sum(r["tokens"] for r in ranks) / wall,
         "tflops_per_device": per_dev / 1e12,
         "tflops_total": per_dev * world / 1e12,
-        "mfu_e2e": e2e,
-        "mfu_local": e2e / scaling if (e2e is not None and scaling) else None,
-        "scaling_ratio": scaling,  # E2E / local
+        "mfu_e2e": mfu.mfu_e2e,
+        "mfu_local": mfu.mfu_local,
+        "scaling_ratio": mfu.scaling_ratio,  # E2E / local
         "phase_ms": {n: statistics.fmean(r["phase_ms"][n] for r in ranks) for n in names},
-        "exposed_comm_ms": exposed * step_ms if exposed is not None else None,
-        "comm_ms": comm * step_ms if comm is not None else None,
+        "exposed_comm_ms": 1e3 * mfu.exposed_comm_s if mfu.exposed_comm_s is not None else None,
+        "comm_ms": 1e3 * mfu.comm_s if mfu.comm_s is not None else None,
         "vendor_peak_tflops": vendor_peak / 1e12 if vendor_peak else None,
-        "mfu_measured": per_dev / measured if measured else None,
+        "mfu_measured": mfu.mfu_measured_peak,
         "measured_peak_tflops": measured / 1e12 if measured else None,
         "peak_allocated_gib_max": max(mem) if mem else None,
         "data_ms_per_batch": max(r["data_ms_per_batch"] for r in ranks),
@@ -364,7 +361,8 @@ BUCKETS = ("matmul/gemm", "attention", "nccl/comm", "embedding", "elementwise/ot
 # the bucket of the op that launched it. "block" alone would catch CUB kernels (BLOCK_LOAD_* template arguments).
 _EMB = ("fbgemm", "embedding", "tbe")
 _ATTN = ("jfa", "gdpa", "block_attention", "blockattention", "attn", "attention", "gem::rope", "ropefn")
-_OP_BUCKETS = (("nccl/comm", COMM_PATTERNS), ("embedding", _EMB), ("attention", _ATTN))  # fbgemm holds "gemm": before mm
+# fbgemm holds "gemm": before mm
+_OP_BUCKETS = (("nccl/comm", COMM_PATTERNS), ("embedding", _EMB), ("attention", _ATTN))
 _MM = re.compile(r"gemm|matmul|cutlass|nvjet|sm90|xmma|cublas|(?<![a-z])(?:add|addb|baddb|b|_scaled_)?mm(?![a-z])")
 # Inductor's pointwise / reduction kernels are named after the ops they fuse ("triton_poi_fused__grouped_mm_mul_silu"):
 # never matmul, whatever their names hold.

@@ -1,5 +1,6 @@
 """Training metrics over log windows: loss (mean over ranks), throughput, MFU (E2E, local, scaling ratio), the
-step-time breakdown with exposed communication, memory, learning rate; evaluation results. Rank 0 writes them to the console, TensorBoard (TrainLogger) and `<run dir>/metrics.jsonl`.
+step-time breakdown with exposed communication, memory, learning rate; evaluation results. Rank 0 writes them to
+the console, TensorBoard (TrainLogger) and `<run dir>/metrics.jsonl`.
 
 Per step only device tensors are kept; the host syncs once per window (`log_window`). Time spent in evaluation
 and checkpoints is left out of the throughput (`restart_window`).
