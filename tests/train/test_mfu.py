@@ -166,3 +166,25 @@ def test_the_probe_runs_after_the_warmup_window_then_every_n_windows_and_not_acr
     # span the evaluation after step 11, so that probe waits a step; an evaluation after the last probed step is fine.
     assert probed == [12, 13, 26, 27, 41, 42, 56, 57]
     assert not probe.running and rep.exposed_comm_fraction == 0.25 and rep.comm_fraction == 0.5
+
+
+def test_bench_compare_rows_and_an_older_result(tmp_path):
+    """bench_compare shows the MFU figures and the breakdown; a result written before local MFU had its scaling
+    against a 1-GPU run under `scaling_ratio`: that lands in the 1-GPU row, not beside the new ratio."""
+    import json
+
+    from scripts.bench_compare import _load, compare
+
+    new = {"aggregate": {"step_ms": 100.0, "mfu_e2e": 0.3, "mfu_local": 0.4, "scaling_ratio": 0.75,
+                         "exposed_comm_ms": 25.0, "phase_ms": {"input": 1.0, "backward": 60.0}}}
+    old = {"aggregate": {"step_ms": 120.0, "mfu_vendor": 0.25, "scaling_ratio": 0.9}}
+    rows = {}
+    for name, d in (("old.json", old), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps(d))
+    for line in compare(_load(str(tmp_path / "old.json")), _load(str(tmp_path / "new.json"))):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    assert rows["E2E MFU vs vendor peak"][:2] == ["25.0%", "30.0%"]
+    assert rows["scaling ratio (E2E / local)"][:2] == ["n/a", "0.750"]
+    assert rows["TFLOP/s per device vs 1 GPU"][:2] == ["0.900", "n/a"]
+    assert rows["backward ms"][:2] == ["n/a", "60.00"] and rows["exposed comm ms"][:2] == ["n/a", "25.00"]
