@@ -179,7 +179,7 @@ class StepRecorder:
 
         def on_step(step: int):
             synced = after_step(step)
-            if probe is not None and step == warmup:
+            if probe is not None and probe.running and step == warmup:
                 self.comm = probe.stop()
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=True)

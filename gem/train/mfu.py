@@ -159,15 +159,19 @@ class CommProbe:
     def running(self) -> bool:
         return self._prof is not None
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Starts profiling; False (and nothing started) while another profiler runs in this process."""
         from torch.profiler import ProfilerActivity, profile
 
+        if torch.autograd.profiler._is_profiler_enabled:
+            return False
         acts = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
         self._prof = profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the wall time below is then the probed steps' device time
         self._prof.start()
         self._t0 = time.perf_counter()
+        return True
 
     def stop(self) -> tuple[float, float]:
         """(exposed, comm) communication as fractions of the probed steps' wall time. `overhead_s` is then the

@@ -72,10 +72,9 @@ class MetricsReporter:
         if step + k - 1 <= (tc.stop_at_step or tc.steps) and not any(
             (tc.eval_every and s % tc.eval_every == 0) or (tc.checkpoint.every and s % tc.checkpoint.every == 0)
             for s in between
-        ):
+        ) and self.probe.start():
             self._probe_due = False
-            self._probe_left = self.tcfg.mfu.comm_probe_steps
-            self.probe.start()
+            self._probe_left = k
 
     def step_done(self, loss: torch.Tensor, flops: float) -> None:
         if self._probe_left:

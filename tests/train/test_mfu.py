@@ -131,10 +131,11 @@ def test_two_ranks_report_local_e2e_and_scaling(tmp_path):
 
 class _FakeProbe:
     def __init__(self) -> None:
-        self.running, self.overhead_s, self.starts = False, 0.0, []
+        self.running, self.overhead_s = False, 0.0
 
-    def start(self) -> None:
+    def start(self) -> bool:
         self.running = True
+        return True
 
     def stop(self) -> tuple[float, float]:
         self.running = False
@@ -188,3 +189,17 @@ def test_bench_compare_rows_and_an_older_result(tmp_path):
     assert rows["scaling ratio (E2E / local)"][:2] == ["n/a", "0.750"]
     assert rows["TFLOP/s per device vs 1 GPU"][:2] == ["0.900", "n/a"]
     assert rows["backward ms"][:2] == ["n/a", "60.00"] and rows["exposed comm ms"][:2] == ["n/a", "25.00"]
+
+
+def test_the_probe_stands_aside_while_another_profiler_runs():
+    import torch
+
+    from gem.train.mfu import CommProbe
+
+    probe = CommProbe(torch.device("cpu"))
+    with torch.profiler.profile():
+        assert probe.start() is False and not probe.running
+    assert probe.start() is True and probe.running
+    torch.ones(8) @ torch.ones(8)
+    exposed, comm = probe.stop()
+    assert (exposed, comm) == (0.0, 0.0) and not probe.running  # no collective ran
