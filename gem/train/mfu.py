@@ -152,7 +152,7 @@ class CommProbe:
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self._prof = None
-        self._t0 = 0.0
+        self._t0 = self._start_s = 0.0
         self.overhead_s = 0.0
 
     @property
@@ -169,13 +169,15 @@ class CommProbe:
         self._prof = profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the wall time below is then the probed steps' device time
+        t = time.perf_counter()
         self._prof.start()
         self._t0 = time.perf_counter()
+        self._start_s = self._t0 - t
         return True
 
     def stop(self) -> tuple[float, float]:
         """(exposed, comm) communication as fractions of the probed steps' wall time. `overhead_s` is then the
-        host time spent after those steps on stopping the profiler and reading it (the device idles meanwhile)."""
+        host time spent on starting the profiler, stopping it and reading it (the device idles meanwhile)."""
         prof, self._prof = self._prof, None
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -183,7 +185,7 @@ class CommProbe:
         prof.stop()
         t = comm_times(profiler_intervals(prof, self.cuda))
         wall_ns = max((end - self._t0) * 1e9, t.busy, 1.0)
-        self.overhead_s = time.perf_counter() - end
+        self.overhead_s = self._start_s + time.perf_counter() - end
         return min(t.exposed / wall_ns, 1.0), min(t.comm / wall_ns, 1.0)
 
 
