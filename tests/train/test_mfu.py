@@ -203,3 +203,11 @@ def test_the_probe_stands_aside_while_another_profiler_runs():
     torch.ones(8) @ torch.ones(8)
     exposed, comm = probe.stop()
     assert (exposed, comm) == (0.0, 0.0) and not probe.running  # no collective ran
+
+
+@pytest.mark.parametrize("key,value", [("comm_probe_steps", 0), ("comm_probe_every", -1), ("peak_flops", 0)])
+def test_bad_mfu_settings_name_the_key(key, value):
+    from gem.train.config import TrainConfig, TrainConfigError
+
+    with pytest.raises(TrainConfigError, match=f"train.mfu.{key}: .*got {value}"):
+        TrainConfig.from_dict({"mfu": {key: value}})
