@@ -11,9 +11,11 @@ steps' time is the GPU timeline between the last warmup step and the last step, 
 come from the model's own accounting (`GEMModel.flops`) on the very batches the trainer consumed (the data stream
 is deterministic per rank and is replayed afterwards; the trainer's own window figures cross-check it).
 
-Printed: step ms, samples/s, tokens/s, model TFLOP/s per device, MFU vs the vendor bf16 peak and vs a bf16 matmul
-measured in this run (8192^3 by default), peak memory per rank and, with N > 1 ranks, the scaling ratio
-(TFLOP/s per device at N / at 1) against `--single-gpu-tflops` or a 1-GPU run's `--single-gpu-json`.
+Printed: step ms, samples/s, tokens/s, model TFLOP/s per device, E2E MFU vs the vendor bf16 peak and vs a bf16
+matmul measured in this run (8192^3 by default), local MFU and the scaling ratio (E2E / local; local leaves out the
+exposed communication, measured by profiling the last `--comm-probe-steps` warmup steps on N > 1 ranks), the
+step-time breakdown (input, forward, backward, optimizer, exposed communication), peak memory per rank and, with
+`--single-gpu-tflops` or a 1-GPU run's `--single-gpu-json`, the weak-scaling efficiency against that run.
 
 `--profile-steps K` runs the last K steps under torch.profiler (CPU, plus CUDA when present) and prints, per rank,
 the top ops by self device time (self CPU time without CUDA) and the device time grouped into matmul / attention /
@@ -42,9 +44,11 @@ sys.path.insert(0, str(ROOT))
 import torch
 import torch.distributed as dist
 
+from gem.train.mfu import COMM_PATTERNS, CommProbe, mfu_report
+
 # Keys the benchmark sets itself; the rest of the config is whatever the overrides compose.
 _OWNED = ("train.log_every", "train.eval_every", "data.eval_batches", "train.checkpoint.every",
-          "train.stop_at_step", "train.resume")
+          "train.stop_at_step", "train.resume", "train.mfu.comm_probe_every")
 
 
 class BenchError(ValueError):
@@ -64,9 +68,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-matmul", action="store_true", help="skip the measured matmul peak")
     ref = p.add_mutually_exclusive_group()
     ref.add_argument("--single-gpu-tflops", type=float, default=None,
-                     help="model TFLOP/s of a 1-GPU run of the same experiment: enables the scaling ratio")
+                     help="model TFLOP/s of a 1-GPU run of the same experiment: adds the scaling against it")
     ref.add_argument("--single-gpu-json", default=None, help="read that figure from a 1-GPU run's --json file")
     p.add_argument("--run-dir", default=None, help="give the trainer a run dir (TensorBoard, metrics.jsonl)")
+    p.add_argument("--comm-probe-steps", type=int, default=2,
+                   help="on N > 1 ranks, profile this many of the last warmup steps for exposed communication "
+                        "(0: off; needs --warmup > this)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="run the last K timed steps under torch.profiler and print the top ops (0: off)")
     p.add_argument("--profile-dir", default=None,
@@ -86,6 +93,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--window must be >= 1, got {args.window}")
     if args.matmul_n < 256:
         p.error(f"--matmul-n must be >= 256, got {args.matmul_n}")
+    if args.comm_probe_steps < 0:
+        p.error(f"--comm-probe-steps must be >= 0, got {args.comm_probe_steps}")
     if args.profile_steps < 0:
         p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.profile_dir and not args.profile_steps:
@@ -144,6 +153,7 @@ def apply_bench_settings(cfg, total: int, warmup: int, log_every: int, measured_
     t.stop_at_step = None
     t.resume = False
     t.checkpoint.every = 0
+    t.mfu.comm_probe_every = 0  # the benchmark probes in its warmup (StepRecorder), away from the timed steps
     if measured_peak:
         t.mfu.measured_peak_flops = float(measured_peak)
     cfg.data.eval_batches = 0
@@ -155,16 +165,22 @@ def apply_bench_settings(cfg, total: int, warmup: int, log_every: int, measured_
 class StepRecorder:
     """Hooks the trainer's public per-step and per-window callbacks: an event (CUDA) or a clock reading (CPU) at
     each step's end, and the scalars of each log window (the trainer's own MFU/memory figures). A StepProfiler, when
-    given, advances at each step's end, after the mark, so its own work lands in the next step."""
+    given, advances at each step's end, after the mark, so its own work lands in the next step. `probe_steps` > 0:
+    a CommProbe records the warmup steps before `warmup` (it ends before that step's mark, so reading it stays out of
+    the timed steps)."""
 
-    def __init__(self, trainer, profiler: StepProfiler | None = None) -> None:
+    def __init__(self, trainer, profiler: StepProfiler | None = None, warmup: int = 0, probe_steps: int = 0) -> None:
         self.cuda = trainer.is_cuda
         self.marks: list = []
         self.windows: list[tuple[int, dict]] = []
+        self.comm: tuple[float, float] | None = None  # (exposed, all) communication, fractions of the probed steps
+        probe = CommProbe(trainer.device) if probe_steps else None
         after_step, scalars = trainer.par.after_step, trainer.logger.scalars
 
         def on_step(step: int):
             synced = after_step(step)
+            if probe is not None and probe.running and step == warmup:
+                self.comm = probe.stop()
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
@@ -173,6 +189,8 @@ class StepRecorder:
                 self.marks.append(time.perf_counter())
             if profiler is not None:
                 profiler.step()
+            if probe is not None and step == warmup - probe_steps:
+                probe.start()
             return synced
 
         def on_scalars(values, step):
@@ -234,6 +252,12 @@ def rank_result(trainer, rec: StepRecorder, per_step: list[dict], warmup: int, t
     mem = [s.get("memory/peak_allocated_gib") for _, s in rec.windows if "memory/peak_allocated_gib" in s]
     res = [s.get("memory/peak_reserved_gib") for _, s in rec.windows if "memory/peak_reserved_gib" in s]
     tail = losses[warmup:] or losses
+    phases = {}  # the trainer's step-time split, mean over the timed windows
+    for name in ("input", "forward", "backward", "optimizer"):
+        v = [s[f"time/{name}_ms"] for step, s in rec.windows if step > warmup and f"time/{name}_ms" in s]
+        if v:
+            phases[name] = statistics.fmean(v)
+    exposed, comm = (0.0, 0.0) if trainer.world_size == 1 else (rec.comm or (None, None))
     out = {
         "rank": trainer.rank,
         "device": torch.cuda.get_device_name(trainer.device) if trainer.is_cuda else platform.processor() or "cpu",
@@ -253,6 +277,9 @@ def rank_result(trainer, rec: StepRecorder, per_step: list[dict], warmup: int, t
         "matmul_peak_tflops": measured_peak / 1e12 if measured_peak else None,
         "flops_check_rel_err": window_check(rec.windows, per_step),
         "loss_timed_mean": statistics.fmean(tail) if tail else None,
+        "phase_ms": phases,
+        "exposed_comm_fraction": exposed,  # of the step; None: not measured
+        "comm_fraction": comm,
         "loss_finite": all(math.isfinite(x) for x in losses),
         "loop": getattr(trainer, "loop", None),  # plain | sparse_dist (torchrec's pipeline)
         "notes": [f"pipeline fell back to the plain loop: {trainer.pipeline_fallback}"]
@@ -294,6 +321,11 @@ def aggregate(ranks: list[dict], world: int, ref_tflops: float | None, vendor_pe
     peaks = [r["matmul_peak_tflops"] for r in ranks if r["matmul_peak_tflops"]]
     measured = min(peaks) * 1e12 if peaks else None
     mem = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
+    fr = [r["exposed_comm_fraction"] for r in ranks]
+    cf = [r["comm_fraction"] for r in ranks]
+    mfu = mfu_report(per_dev * wall / steps, wall / steps, vendor_peak, measured,  # per device and step
+                     statistics.fmean(fr) if None not in fr else None, statistics.fmean(cf) if None not in cf else None)
+    names = [n for n in ("input", "forward", "backward", "optimizer") if all(n in r["phase_ms"] for r in ranks)]
     return {
         "timed_steps": steps,
         "step_ms": 1e3 * wall / steps,
@@ -302,14 +334,19 @@ def aggregate(ranks: list[dict], world: int, ref_tflops: float | None, vendor_pe
         "tokens_per_s": sum(r["tokens"] for r in ranks) / wall,
         "tflops_per_device": per_dev / 1e12,
         "tflops_total": per_dev * world / 1e12,
-        "mfu_vendor": per_dev / vendor_peak if vendor_peak else None,
+        "mfu_e2e": mfu.mfu_e2e,
+        "mfu_local": mfu.mfu_local,
+        "scaling_ratio": mfu.scaling_ratio,  # E2E / local
+        "phase_ms": {n: statistics.fmean(r["phase_ms"][n] for r in ranks) for n in names},
+        "exposed_comm_ms": 1e3 * mfu.exposed_comm_s if mfu.exposed_comm_s is not None else None,
+        "comm_ms": 1e3 * mfu.comm_s if mfu.comm_s is not None else None,
         "vendor_peak_tflops": vendor_peak / 1e12 if vendor_peak else None,
-        "mfu_measured": per_dev / measured if measured else None,
+        "mfu_measured": mfu.mfu_measured_peak,
         "measured_peak_tflops": measured / 1e12 if measured else None,
         "peak_allocated_gib_max": max(mem) if mem else None,
         "data_ms_per_batch": max(r["data_ms_per_batch"] for r in ranks),
         "single_gpu_tflops": ref_tflops,
-        "scaling_ratio": per_dev / 1e12 / ref_tflops if (ref_tflops and world > 1) else None,
+        "scaling_vs_single_gpu": per_dev / 1e12 / ref_tflops if (ref_tflops and world > 1) else None,
         "flops_check_rel_err": max((r["flops_check_rel_err"] for r in ranks if r["flops_check_rel_err"] is not None),
                                    default=None),
         "loss_finite": all(r["loss_finite"] for r in ranks),
@@ -322,10 +359,10 @@ BUCKETS = ("matmul/gemm", "attention", "nccl/comm", "embedding", "elementwise/ot
 # Substrings of op and kernel names (lower case). Our attention ops are gem::jfa_*, gem::gdpa_*,
 # gem::block_attention_*, gem::rope; their Triton kernels have generic names (_fwd_kernel), so a kernel also takes
 # the bucket of the op that launched it. "block" alone would catch CUB kernels (BLOCK_LOAD_* template arguments).
-_COMM = ("nccl", "all_to_all", "alltoall", "all_gather", "allgather", "reduce_scatter", "allreduce", "all_reduce")
 _EMB = ("fbgemm", "embedding", "tbe")
 _ATTN = ("jfa", "gdpa", "block_attention", "blockattention", "attn", "attention", "gem::rope", "ropefn")
-_OP_BUCKETS = (("nccl/comm", _COMM), ("embedding", _EMB), ("attention", _ATTN))  # fbgemm holds "gemm": before mm
+# fbgemm holds "gemm": before mm
+_OP_BUCKETS = (("nccl/comm", COMM_PATTERNS), ("embedding", _EMB), ("attention", _ATTN))
 _MM = re.compile(r"gemm|matmul|cutlass|nvjet|sm90|xmma|cublas|(?<![a-z])(?:add|addb|baddb|b|_scaled_)?mm(?![a-z])")
 # Inductor's pointwise / reduction kernels are named after the ops they fuse ("triton_poi_fused__grouped_mm_mul_silu"):
 # never matmul, whatever their names hold.
@@ -485,18 +522,22 @@ def print_report(conf: dict, agg: dict, ranks: list[dict]) -> None:
         ("samples/s (global)", f"{agg['samples_per_s']:,.0f}"),
         ("tokens/s (global, history)", f"{agg['tokens_per_s']:,.0f}"),
         ("model TFLOP/s per device", f"{agg['tflops_per_device']:.4g}"),
-        (f"local MFU vs {_f(agg['vendor_peak_tflops'], '{:.0f}')} TFLOP/s bf16", _f(agg["mfu_vendor"], pct)),
-        (f"MFU vs measured matmul {_f(agg['measured_peak_tflops'], '{:.0f}')} TFLOP/s", _f(agg["mfu_measured"], pct)),
+        (f"E2E MFU vs {_f(agg['vendor_peak_tflops'], '{:.0f}')} TFLOP/s bf16", _f(agg["mfu_e2e"], pct)),
+        ("local MFU (exposed communication left out)", _f(agg["mfu_local"], pct)),
+        ("scaling ratio (E2E / local)", _f(agg["scaling_ratio"], "{:.3f}", "n/a (no communication probe)")),
+        (f"E2E MFU vs measured matmul {_f(agg['measured_peak_tflops'], '{:.0f}')} TFLOP/s",
+         _f(agg["mfu_measured"], pct)),
         ("peak allocated GiB (max over ranks)", _f(agg["peak_allocated_gib_max"], "{:.2f}")),
         ("host ms to make one batch (data stream)", f"{agg['data_ms_per_batch']:.1f}"),
     ]
     if conf["world_size"] > 1:
-        rows.append((f"scaling ratio vs 1 GPU ({_f(agg['single_gpu_tflops'], '{:.4g}')} TFLOP/s)",
-                     _f(agg["scaling_ratio"], "{:.3f}", "n/a (pass --single-gpu-tflops or --single-gpu-json)")))
+        rows.append((f"TFLOP/s per device vs 1 GPU ({_f(agg['single_gpu_tflops'], '{:.4g}')} TFLOP/s)",
+                     _f(agg["scaling_vs_single_gpu"], "{:.3f}", "n/a (pass --single-gpu-tflops or --single-gpu-json)")))
     rows.append(("FLOPs cross-check vs trainer windows", _f(agg["flops_check_rel_err"], "rel err {:.1e}")))
     print("| metric | value |\n|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |")
+    print_breakdown(agg)
     print("\n| rank | step ms mean | median | min | max | trainer-window ms | TFLOP/s | peak alloc GiB | "
           "peak reserved GiB | matmul TFLOP/s | loss (timed mean) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -516,13 +557,25 @@ def print_report(conf: dict, agg: dict, ranks: list[dict]) -> None:
               "per step: the run is likely bound by data generation, not by the GPU")
     if not agg["loss_finite"]:
         print("warning: a non-finite loss was seen during the run")
-    line = [f"{agg['tflops_per_device']:.4g} TFLOP/s/device", f"MFU {_f(agg['mfu_vendor'], pct)}"]
-    if conf["world_size"] > 1:
-        line.append(f"scaling {_f(agg['scaling_ratio'], '{:.3f}')}")
+    line = [f"{agg['tflops_per_device']:.4g} TFLOP/s/device", f"MFU {_f(agg['mfu_e2e'], pct)}",
+            f"local {_f(agg['mfu_local'], pct)}", f"scaling {_f(agg['scaling_ratio'], '{:.3f}')}"]
     line += [f"vs measured {_f(agg['mfu_measured'], pct)}", f"{agg['step_ms']:.1f} ms/step",
              f"{agg['samples_per_s']:,.0f} samples/s", f"peak {_f(agg['peak_allocated_gib_max'], '{:.1f}')} GiB"]
     print("bench_train summary: " + " | ".join(line))
     sys.stdout.flush()
+
+
+def print_breakdown(agg: dict) -> None:
+    """The step-time split (mean over ranks): the trainer's phases, and the exposed communication inside them."""
+    step = agg["step_ms"]
+    print("\n| step-time breakdown | ms/step | % of step |\n|---|---|---|")
+    for name, ms in agg["phase_ms"].items():
+        print(f"| {name} | {ms:.2f} | {ms / step:.1%} |")
+    ex = agg["exposed_comm_ms"]
+    print(f"| exposed comm (inside the phases above) | {_f(ex, '{:.2f}')} | {_f(ex and ex / step, '{:.1%}')} |")
+    print(f"| communication, hidden or not | {_f(agg['comm_ms'], '{:.2f}')} | "
+          f"{_f(agg['comm_ms'] and agg['comm_ms'] / step, '{:.1%}')} |")
+    print(f"| step (wall) | {step:.2f} | 100.0% |")
 
 
 def _cell(name: str, width: int = 70) -> str:
@@ -588,8 +641,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         build_configs(cfg, world)  # every validator, before any process group or GPU work
     except (ValueError, TypeError, KeyError) as e:
         raise BenchError(str(e).splitlines()[0]) from None
+    probe_steps = args.comm_probe_steps if world > 1 else 0
+    if probe_steps and probe_steps >= args.warmup:
+        raise BenchError(f"--comm-probe-steps {probe_steps} needs --warmup > {probe_steps} (got {args.warmup}); "
+                         "--comm-probe-steps 0 turns it off")
     if args.profile_steps > timed:
         raise BenchError(f"--profile-steps {args.profile_steps}: more than the {timed} timed steps")
+    if probe_steps and args.profile_steps == timed:  # the profiler's warmup step would overlap the probe
+        raise BenchError(f"--profile-steps {args.profile_steps}: at most {timed - 1} on {world} ranks (or "
+                         "--comm-probe-steps 0)")
     if rank == 0 and log_every < 5:
         print(f"note: warmup {args.warmup} and {timed} timed steps share no divisor >= 5: the trainer syncs the host "
               f"every {log_every} step(s), which can cost throughput", flush=True)
@@ -604,7 +664,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = Trainer(cfg, run_dir=args.run_dir)
     profiler = StepProfiler(total, args.profile_steps, trainer.is_cuda) if args.profile_steps else None
     try:
-        rec = StepRecorder(trainer, profiler)
+        rec = StepRecorder(trainer, profiler, args.warmup, probe_steps)
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.start()

@@ -41,7 +41,11 @@ class CheckpointConfig:
 class MFUConfig:
     measure_peak: bool = False  # CUDA: time a bf16 matmul at start and report MFU against it too
     measured_peak_flops: float | None = None  # a known measured peak (FLOP/s), instead of measuring
-    single_device_mfu: float | None = None  # local MFU of a 1-device run: enables the scaling ratio
+    peak_flops: float | None = None  # the device's peak FLOP/s where the vendor table lacks it (e.g. CPU)
+    # Exposed communication (local MFU, scaling ratio) on more than one rank: profile `comm_probe_steps` steps after
+    # the first log window past train.warmup_steps, then every `comm_probe_every` windows; 0: never
+    comm_probe_every: int = 10
+    comm_probe_steps: int = 2
 
 
 @dataclass
@@ -115,9 +119,11 @@ class TrainConfig:
         if self.mfu.measured_peak_flops is not None:
             need(self.mfu.measured_peak_flops > 0, "mfu.measured_peak_flops", "must be > 0",
                  self.mfu.measured_peak_flops)
-        if self.mfu.single_device_mfu is not None:
-            need(0 < self.mfu.single_device_mfu <= 1, "mfu.single_device_mfu", "must be in (0, 1]",
-                 self.mfu.single_device_mfu)
+        if self.mfu.peak_flops is not None:
+            need(self.mfu.peak_flops > 0, "mfu.peak_flops", "must be > 0", self.mfu.peak_flops)
+        need(self.mfu.comm_probe_every >= 0, "mfu.comm_probe_every", "must be >= 0 (0: never)",
+             self.mfu.comm_probe_every)
+        need(self.mfu.comm_probe_steps >= 1, "mfu.comm_probe_steps", "must be >= 1", self.mfu.comm_probe_steps)
         so = build(SparseOptimizerConfig, self.sparse_optimizer, "train.sparse_optimizer", TrainConfigError)
         if so.lr is not None:
             need(so.lr > 0, "sparse_optimizer.lr", "must be > 0", so.lr)

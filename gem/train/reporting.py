@@ -1,5 +1,6 @@
-"""Training metrics over log windows: loss (mean over ranks), throughput, MFU, memory, learning rate; evaluation
-results. Rank 0 writes them to the console, TensorBoard (TrainLogger) and `<run dir>/metrics.jsonl`.
+"""Training metrics over log windows: loss (mean over ranks), throughput, MFU (E2E, local, scaling ratio), the
+step-time breakdown with exposed communication, memory, learning rate; evaluation results. Rank 0 writes them to
+the console, TensorBoard (TrainLogger) and `<run dir>/metrics.jsonl`.
 
 Per step only device tensors are kept; the host syncs once per window (`log_window`). Time spent in evaluation
 and checkpoints is left out of the throughput (`restart_window`).
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gem.train.logging import TrainLogger
-from gem.train.mfu import device_peak_flops, measure_matmul_peak, mfu_report
+from gem.train.mfu import CommProbe, device_peak_flops, measure_matmul_peak, mfu_report
 from gem.train.step import PhaseTimer, StepOutput
 
 
@@ -43,10 +44,15 @@ class MetricsReporter:
         # held for the whole run (closed in close()): a context manager cannot span it
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if (run_dir and rank == 0) else None  # noqa: SIM115
         self.timer = PhaseTimer(device)  # the loop marks each step's phases on it
-        self.peak_flops = device_peak_flops(device)
+        self.peak_flops = tcfg.mfu.peak_flops or device_peak_flops(device)
         self.measured_peak = tcfg.mfu.measured_peak_flops
         if self.is_cuda and tcfg.mfu.measure_peak and self.measured_peak is None:
             self.measured_peak = measure_matmul_peak(device)
+        # exposed communication as a share of the step: none on one rank; measured by the probe on more
+        self.probe = CommProbe(device) if world_size > 1 and tcfg.mfu.comm_probe_every > 0 else None
+        self.exposed_comm_fraction: float | None = 0.0 if world_size == 1 else None
+        self.comm_fraction: float | None = 0.0 if world_size == 1 else None
+        self._probe_due, self._probe_left, self._windows_since_probe = False, 0, None
         self.start()
 
     def start(self) -> None:
@@ -56,7 +62,26 @@ class MetricsReporter:
         self._window_losses: list[torch.Tensor] = []
         self._step_losses: list[torch.Tensor] = []  # kept on device: no host sync per step
 
+    def step_begin(self, step: int) -> None:
+        """Before step `step` (1-based): starts a due communication probe where its steps fit in the run and no
+        evaluation or checkpoint falls between them."""
+        if not self._probe_due:
+            return
+        tc, k = self.tcfg, self.tcfg.mfu.comm_probe_steps
+        between = range(step, step + k - 1)
+        if step + k - 1 <= (tc.stop_at_step or tc.steps) and not any(
+            (tc.eval_every and s % tc.eval_every == 0) or (tc.checkpoint.every and s % tc.checkpoint.every == 0)
+            for s in between
+        ) and self.probe.start():
+            self._probe_due = False
+            self._probe_left = k
+
     def step_done(self, loss: torch.Tensor, flops: float) -> None:
+        if self._probe_left:
+            self._probe_left -= 1
+            if not self._probe_left:
+                self.exposed_comm_fraction, self.comm_fraction = self.probe.stop()
+                self.window_t0 += self.probe.overhead_s  # reading the profile is not training time
         self.window_flops += flops
         self.window_steps += 1
         self.run_steps += 1
@@ -99,22 +124,28 @@ class MetricsReporter:
         }
         if self.optimizer.last_grad_norm is not None:
             scalars["train/grad_norm"] = float(self.optimizer.last_grad_norm)
-        report = mfu_report(
-            flops / steps, dt / steps, self.peak_flops, self.measured_peak, self.tcfg.mfu.single_device_mfu
-        )
-        scalars.update(report.scalars())
+        report = mfu_report(flops / steps, dt / steps, self.peak_flops, self.measured_peak,
+                            self.exposed_comm_fraction, self.comm_fraction)
         phases = self.timer.window()
         scalars.update({f"time/{name}_ms": ms for name, ms in phases.items()})
+        scalars.update(report.scalars())
         if self.is_cuda:
             scalars["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             scalars["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
         self.logger.scalars(scalars, step)
         extra = [
-            f"MFU {100 * report.mfu:.1f}%" if report.mfu is not None else f"{report.flops_per_s / 1e9:.2f} GFLOP/s"
+            f"MFU {100 * report.mfu_e2e:.1f}%" if report.mfu_e2e is not None
+            else f"{report.flops_per_s / 1e9:.2f} GFLOP/s"
         ]
+        if report.mfu_local is not None:
+            extra[0] += f" (local {100 * report.mfu_local:.1f}%)"
+        if report.scaling_ratio is not None:
+            extra[0] += f" scaling {report.scaling_ratio:.3f}"
         if phases:
             extra.append("ms " + " ".join(f"{name[:3]} {ms:.1f}" for name, ms in phases.items()))
+        if report.exposed_comm_s is not None and self.world_size > 1:
+            extra.append(f"exposed comm {1e3 * report.exposed_comm_s:.1f} ms")
         if "memory/peak_allocated_gib" in scalars:
             extra.append(f"mem {scalars['memory/peak_allocated_gib']:.1f} GiB")
         total_dt = time.perf_counter() - self.run_t0
@@ -132,6 +163,15 @@ class MetricsReporter:
         self._window_losses = []
         self.window_steps, self.window_flops = 0, 0.0
         self.restart_window()
+        self._schedule_probe(step)
+
+    def _schedule_probe(self, step: int) -> None:
+        """After the first log window past the LR warmup, then every `comm_probe_every` windows."""
+        if self.probe is None or step < self.tcfg.warmup_steps:
+            return
+        if self._windows_since_probe is None or self._windows_since_probe >= self.tcfg.mfu.comm_probe_every:
+            self._probe_due, self._windows_since_probe = True, 0
+        self._windows_since_probe += 1
 
     def log_eval(self, step: int, m: dict[str, float]) -> None:
         self.logger.scalars({f"eval/{k}": v for k, v in m.items()}, step)
@@ -148,6 +188,9 @@ class MetricsReporter:
             self._jsonl.flush()
 
     def close(self) -> None:
+        if self.probe is not None and self.probe.running:
+            self.probe.stop()
+            self._probe_left = 0
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

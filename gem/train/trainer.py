@@ -224,6 +224,7 @@ class Trainer:
         self.reporter.start()
         try:
             while self.step < end:
+                self.reporter.step_begin(self.step + 1)
                 out = loop.step(batches, self.step + 1)
                 self.step += 1
                 self.par.after_step(self.step)

@@ -22,8 +22,14 @@ def test_profile_steps_cpu(tmp_path):
     assert len(buckets) == 1 and all(b in buckets[0] for b in ("matmul/gemm", "attention", "nccl/comm",
                                                                "embedding", "elementwise/other")), p.stdout
     assert any(ln.startswith("bench_train summary:") for ln in lines)  # the usual report still comes first
+    for row in ("| input |", "| forward |", "| backward |", "| optimizer |", "| exposed comm (inside the phases above) |"):
+        assert any(ln.startswith(row) for ln in lines), (row, p.stdout)
 
     res = json.loads(out.read_text())
+    agg = res["aggregate"]  # one rank: no communication, so local MFU is E2E MFU
+    assert agg["scaling_ratio"] == 1.0 and agg["exposed_comm_ms"] == 0.0
+    assert sorted(agg["phase_ms"]) == ["backward", "forward", "input", "optimizer"]
+    assert 0 < sum(agg["phase_ms"].values()) <= 1.05 * agg["step_ms"]
     prof = res["profile"]
     assert prof["recorded_steps"] == [5, 6] and prof["profiler_warmup_step"] == 4
     rank0 = prof["ranks"][0]
