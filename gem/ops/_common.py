@@ -8,9 +8,12 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 KERNELS = ("auto", "triton", "reference")
+MAX_HEAD_DIM = 256  # the widest head the kernels' tiles hold
+MIN_TILE_D = 16  # tl.dot needs every operand dimension >= 16 on the GPU
 
 
 # Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr functions that cost ~10 us a call
@@ -22,6 +25,27 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n, as triton.next_power_of_2 (0 for n <= 0)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def check_head_dim(name: str, d: int) -> None:
+    """One clear error for a head dim no kernel (nor, for one behaviour on every device, the references) takes."""
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{name} head dim must be 1..{MAX_HEAD_DIM} (got {d})")
+
+
+def tile_head_dim(d: int, pow2: bool) -> int:
+    """The head dim a kernel runs heads of d channels at: d itself for kernels that mask their columns (pow2=False),
+    else the next power of two; at least MIN_TILE_D."""
+    return max(MIN_TILE_D, next_pow2(d) if pow2 else d)
+
+
+def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded along its last dim to `width` channels (differentiable; x itself when already that wide).
+
+    Zero channels in q and k leave every score q.k unchanged, zero channels in v give zero output channels that the
+    caller slices off, and the padding's backward drops their gradients. The caller keeps the softmax scale of the
+    real head dim."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def clamp_window(left: int, right: int, max_len_q: int, max_len_k: int) -> tuple[int, int]:

@@ -12,11 +12,20 @@ depends only on j - i.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from gem.ops._common import check_offsets, jagged_to_padded, padded_to_jagged, resolve_kernel
+from gem.ops._common import (
+    check_head_dim,
+    check_offsets,
+    jagged_to_padded,
+    pad_head_dim,
+    padded_to_jagged,
+    resolve_kernel,
+    tile_head_dim,
+)
 from gem.ops.rotary import RopeConfig, rope_reference
 
 
@@ -27,6 +36,7 @@ def _validate(q, k, v, offsets, max_len, block_size, rope, scale):
     if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
         raise ValueError(f"k and v must be [T, H_kv, D] matching q {tuple(q.shape)}; got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
+    check_head_dim("q/k/v", d)
     if k.shape[1] == 0 or h % k.shape[1]:
         raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({k.shape[1]})")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -92,7 +102,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
     """Jagged block(-causal) attention; q [T, H, D], k/v [T, H_kv, D] with H_kv | H; returns [T, H, D].
 
     `offsets` [B+1] (offsets[-1] == T), `max_len` >= the longest sequence. `rope`: RopeConfig to rotate q and k
-    by their position within the sequence (fused into the Triton kernel). `scale` defaults to 1/sqrt(D).
+    by their position within the sequence (fused into the Triton kernel); rotary_dim must be even (rotary_dim=None
+    rotates all of D, so D must then be even). `scale` defaults to 1/sqrt(D). Any D in 1..256 (the Triton kernels
+    mask their columns; heads under 16 channels are zero-padded to 16 for the tile shapes).
     """
     _validate(q, k, v, offsets, max_len, block_size, rope, scale)
     if resolve_kernel(kernel, q, k, v, offsets) == "reference":
@@ -100,5 +112,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
                                          rope=rope, scale=scale)
     from gem.ops.triton_block import block_attention_triton
 
-    return block_attention_triton(q, k, v, offsets, max_len, block_size=block_size, causal=causal, rope=rope,
-                                  scale=scale)
+    d = q.shape[2]
+    width = tile_head_dim(d, pow2=False)
+    if width != d:
+        # the real head's scale and rotated channels; the zero channels pass through the rotation
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        rope = None if rope is None else dataclasses.replace(rope, rotary_dim=rope.resolve_dim(d))
+        q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
+    out = block_attention_triton(q, k, v, offsets, max_len, block_size=block_size, causal=causal, rope=rope,
+                                 scale=scale)
+    return out if width == d else out[..., :d]

@@ -2,9 +2,10 @@
 
     out_i = out_scale * sum_j act(scale * q_i . k_j) v_j      over the visible keys j of q_i's sequence
 
-Jagged layout as everywhere in gem.ops: q [Tq, H, D], k/v [Tk, H_kv, D] (H_kv divides H, GQA), offsets
-[B+1] starting at 0; the b-th query sequence attends to the b-th key sequence. Empty sequences are legal
-(zero output rows / zero gradients).
+Jagged layout as everywhere in gem.ops: q/k [Tq|Tk, H|H_kv, D], v [Tk, H_kv, Dv] (H_kv divides H, GQA; the
+value head dim Dv may differ from D, both in 1..256), offsets [B+1] starting at 0; the b-th query sequence
+attends to the b-th key sequence. Empty sequences are legal (zero output rows / zero gradients). The Triton
+kernels take one head width for q, k and v: they run at max(D, Dv, 16) with the narrower tensors zero-padded.
 
 Masking: key j is visible to query i iff (causal) j <= i + (Lk - Lq), i.e. causal is bottom-right aligned
 for cross attention (the last query sees every key, as FlashAttention does), and (window=(left, right))
@@ -24,7 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.ops._common import check_offsets, clamp_window, jagged_to_padded, padded_to_jagged, resolve_kernel
+from gem.ops._common import (
+    check_head_dim,
+    check_offsets,
+    clamp_window,
+    jagged_to_padded,
+    pad_head_dim,
+    padded_to_jagged,
+    resolve_kernel,
+    tile_head_dim,
+)
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
 LEAKY_SLOPE = 0.01
@@ -127,10 +137,12 @@ def _check(q, k, v, offsets_q, offsets_k, activation, approx):
             raise ValueError(f"approx={approx!r} supports activations {APPROX[approx]}, not {activation!r}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same rows and heads: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dim differs: q {q.shape[2]} vs k {k.shape[2]}")
+    check_head_dim("q/k", q.shape[2])
+    check_head_dim("v", v.shape[2])
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -165,7 +177,8 @@ def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, 
 def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale):
     h, hk = q.shape[1], k.shape[1]
     if max_len_q == 0 or q.shape[0] == 0:
-        return q * 0 + 0 * (k.sum() + v.sum())  # nothing visible; keeps the graph (zero grads)
+        zero = 0 * (q.sum() + k.sum() + v.sum())  # nothing visible; keeps the graph (zero grads)
+        return q.new_zeros(q.shape[:2] + v.shape[2:]) + zero
     qp, mq = jagged_to_padded(q.float(), offsets_q, max_len_q)  # [B, N, H, D]
     kp, mk = jagged_to_padded(k.float(), offsets_k, max(max_len_k, 1))
     vp, _ = jagged_to_padded(v.float(), offsets_k, max(max_len_k, 1))
@@ -190,11 +203,11 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
 
 def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None, causal=False,
          window=None, scale=None, normalize=None, kernel="auto", ordered=True, short_kv=None):
-    """Jagged pointwise-activation attention; returns [Tq, H, D] in q's dtype.
+    """Jagged pointwise-activation attention; returns [Tq, H, Dv] (v's head dim) in q's dtype.
 
     activation: one of ACTIVATIONS; approx: None or "poly6" (gelu / gelu_tanh / silu).
     causal / window: FlashAttention semantics, bottom-right aligned when Lq != Lk (see module doc).
-    scale: defaults to 1/sqrt(D). normalize: None, "max_len_k" (divide by max_len_k, as HSTU) or a divisor.
+    scale: defaults to 1/sqrt(D), D the q/k head dim. normalize: None, "max_len_k" (divide by max_len_k, as HSTU) or a divisor.
     kernel: "auto" | "triton" | "reference". ordered: Triton work items longest first (load balance);
     short_kv: force (True/False) the short-K/V paths (forward: whole K/V in one tile; backward: one pass per
     sequence when that tile also holds fp32 dK/dV); None picks by max_len_k and D.
@@ -209,14 +222,16 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
         return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts)
-    if not 16 <= q.shape[-1] <= 256:
-        raise ValueError(f"head dim {q.shape[-1]} unsupported by the Triton kernel: expected 16..256")
     from gem.ops import triton_gdpa
 
+    dv = v.shape[2]
+    width = tile_head_dim(max(q.shape[2], dv), pow2=False)  # the kernels mask columns past D, not past 16
+    q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
     short = -1 if short_kv is None else int(bool(short_kv))
-    return triton_gdpa.gdpa_op(
+    out = triton_gdpa.gdpa_op(
         q, k, v, offsets_q, offsets_k, *lengths, activation, approx or "", *consts, bool(ordered), short
     )
+    return out if width == dv else out[..., :dv]
 
 
 __all__ = ["ACTIVATIONS", "APPROX", "POLY6", "activation_fn", "gdpa", "gdpa_reference", "poly6"]

@@ -9,6 +9,7 @@ Masks, with i the query position and j the key position inside one sequence, and
   window=(left, r):  i + shift - left <= j <= i + shift + r   (None or -1 = unbounded on that side)
   window=w (int):    causal left window, same as causal=True, window=(w, 0)
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
+Any head dim 1..256 (the Triton path zero-pads heads to its next tile width: 16, 32, 64, 128 or 256).
 
 `max_len_q` / `max_len_k` must be >= every sequence length, and the offsets must start at 0, not decrease and
 end at the row count of q / k: checked on the CPU, and on the GPU by asynchronous device asserts (no host sync),
@@ -21,10 +22,17 @@ import math
 
 import torch
 
-from gem.ops._common import check_offsets, clamp_window, jagged_to_padded, resolve_kernel
+from gem.ops._common import (
+    check_head_dim,
+    check_offsets,
+    clamp_window,
+    jagged_to_padded,
+    pad_head_dim,
+    resolve_kernel,
+    tile_head_dim,
+)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _norm_window(causal: bool, window) -> tuple[int, int]:
@@ -60,6 +68,7 @@ def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    check_head_dim("q/k/v", q.shape[2])
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if k.device != q.device or v.device != q.device:
@@ -95,8 +104,13 @@ def jagged_attention(
     scale: float | None = None,
     kernel: str = "auto",
     mask_mode: str = "auto",
-) -> torch.Tensor:
-    """Softmax attention over jagged sequences -> [Tq, H, D] in q's dtype.
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over jagged sequences -> [Tq, H, D] in q's dtype, or (out, lse) with return_lse.
+
+    return_lse=True also returns each row's softmax log-sum-exp, lse[h, i] = log(sum_j exp(scale * q_i.k_j)) over
+    the keys row i sees: [H, Tq] (FlashAttention varlen's layout), fp32, natural log, -inf for rows that see no key
+    (FlashAttention writes +inf there). lse carries no gradient; gradients flow through out only.
 
     kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
     mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
@@ -120,13 +134,21 @@ def jagged_attention(
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     which = resolve_kernel(kernel, q, k, v)
     if which == "reference":
-        return jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
-                                          left=left, right=right, scale=scale)
-    if q.shape[2] not in _TRITON_HEAD_DIMS:
-        raise ValueError(f"head dim {q.shape[2]} not supported by the Triton kernel: use one of {_TRITON_HEAD_DIMS}")
-    from gem.ops.triton_jfa import jfa_triton
+        out = jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
+                                         left=left, right=right, scale=scale, return_lse=return_lse)
+        return (out[0], out[1].detach()) if return_lse else out
+    from gem.ops.triton_jfa import jfa_triton, jfa_triton_with_lse
 
-    return jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
+    d = q.shape[2]
+    width = tile_head_dim(d, pow2=True)
+    q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
+    args = (q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
+    if not return_lse:
+        out = jfa_triton(*args)
+        return out if width == d else out[..., :d]
+    out, lse = jfa_triton_with_lse(*args)
+    lse = lse.masked_fill(lse == math.inf, -math.inf)  # the kernels mark rows without keys with +inf
+    return out if width == d else out[..., :d], lse
 
 
 def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, left: int, right: int) -> torch.Tensor:
@@ -145,8 +167,10 @@ def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, lef
 
 
 def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, left=-1, right=-1,
-                               scale=None):
-    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype."""
+                               scale=None, return_lse=False):
+    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype.
+
+    return_lse: also the rows' log-sum-exp, [H, Tq] in the compute dtype, -inf for rows that see no key."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     h, h_kv = q.shape[1], k.shape[1]
@@ -162,7 +186,9 @@ def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len
         vp = vp.repeat_interleave(h // h_kv, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
     vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
-    s = s.masked_fill(~vis, float("-inf")).masked_fill(~vis.any(-1, keepdim=True), 0.0)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1).transpose(1, 2)[qmask].T.contiguous() if return_lse else None  # [H, Tq]
+    s = s.masked_fill(~vis.any(-1, keepdim=True), 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(~vis, 0.0)  # rows with no visible key -> 0
-    out = torch.einsum("bhij,bjhd->bihd", p, vp)
-    return out[qmask].to(q.dtype)
+    out = torch.einsum("bhij,bjhd->bihd", p, vp)[qmask].to(q.dtype)
+    return (out, lse) if return_lse else out

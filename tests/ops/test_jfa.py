@@ -697,7 +697,7 @@ def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
         ({"mask_mode": "nan"}, ValueError, "mask_mode"),
         ({"kernel": "cuda"}, ValueError, "kernel"),
         ({"offsets_k": torch.tensor([0, 4, 4, 4]), "max_len_k": 4}, ValueError, "sequences"),
-        ({"q": torch.zeros(4, 2, 24), "k": torch.zeros(4, 1, 24), "v": torch.zeros(4, 1, 24)}, ValueError, "head dim"),
+        ({"q": torch.zeros(4, 2, 300), "k": torch.zeros(4, 1, 300), "v": torch.zeros(4, 1, 300)}, ValueError, "head dim"),
     ],
 )
 def test_bad_inputs_raise(kwargs, exc, match):
