@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from gem.ops._common import resolve_kernel
-from gem.ops.mx import _DTYPES, _ELEM_OF_DTYPE, ElemFormat, _check_args, mx_dequantize_reference, \
-    mx_quantize_reference
+from gem.ops.mx import _DTYPES, _ELEM_OF_DTYPE, ElemFormat, _check_args, mx_dequantize_reference, mx_quantize_reference
 
 __all__ = ["quantize_rows", "rms_norm_quant", "swiglu_quant"]
 

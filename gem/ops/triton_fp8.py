@@ -14,15 +14,24 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import cdiv, next_pow2
-from gem.ops.triton_mx import (IN_KIND_OF, bits_view, fp8_round, load_fp32_bits, mx_decode, mx_encode, round_bits,
-                               store_fp32_bits)
+from gem.ops.fp8 import MIN_AMAX
+from gem.ops.triton_mx import (
+    IN_KIND_OF,
+    bits_view,
+    fp8_round,
+    load_fp32_bits,
+    mx_decode,
+    mx_encode,
+    round_bits,
+    store_fp32_bits,
+)
 from gem.ops.triton_utils import num_sms
 
 OP_COPY, OP_RMS_NORM, OP_SWIGLU = 0, 1, 2
 SCALING_ROW, SCALING_MX = 0, 1
 SCALINGS = {"row": SCALING_ROW, "mx": SCALING_MX}
 MAX_WIDTH = 32768  # one row lives in registers; wider rows go through the reference
-MIN_AMAX = float(torch.tensor(1e-12, dtype=torch.float32))  # the fp32 value of the reference's clamp_min(1e-12)
+MIN_AMAX_FP32 = float(torch.tensor(MIN_AMAX, dtype=torch.float32))  # the fp32 value the reference clamps to
 
 
 @triton.jit
@@ -37,7 +46,7 @@ def row_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, MAXVAL: tl.conste
     s = tl.div_rn(amax, MAXVAL)
     r = tl.div_rn(mag.to(tl.float32, bitcast=True), s)  # |x / s| = |x| / s
     code = fp8_round(tl.where(r > MAXVAL, MAXVAL, r), MBITS, EBIAS)
-    code = tl.where(r != r, 0x7F, code) | ((bits >> 24) & 0x80)
+    code = tl.where((r.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000, 0x7F, code) | ((bits >> 24) & 0x80)
     return code, s
 
 
@@ -149,7 +158,7 @@ def row_quant_triton(op: int, a: torch.Tensor, *, b=None, weight=None, eps: floa
         bits_view(y) if y is not None else av, codes, scale, rstd if rstd is not None else scale, n, nb, float(eps),
         OP=op, IN_KIND=IN_KIND_OF[a.dtype], W_KIND=IN_KIND_OF[weight.dtype] if weight is not None else 0,
         SCALING=sc, Y_DEQUANT=y_dequant, MBITS=fmt.mbits, EBIAS=fmt.ebias, EMAX=fmt.emax, MAXVAL=fmt.max,
-        MIN_AMAX=MIN_AMAX, E5M2=fmt.name == "e5m2", BLOCK=block, NB=NB, num_warps=_warps(NB * block))
+        MIN_AMAX=MIN_AMAX_FP32, E5M2=fmt.name == "e5m2", BLOCK=block, NB=NB, num_warps=_warps(NB * block))
     return y, codes, scale, rstd
 
 
