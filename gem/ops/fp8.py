@@ -113,6 +113,14 @@ def _scale_view(scale, lead):
     return scale.view(*lead, scale.shape[-1])
 
 
+def _fused_outputs(ctx, y2d, codes, scale, fmt, shape):
+    """(y, data, scale) of a fused op in the input's shape; data and scale carry no gradient."""
+    data = codes.view(fmt.dtype).view(shape)
+    scale = _scale_view(scale, shape[:-1])
+    ctx.mark_non_differentiable(data, scale)
+    return y2d.view(shape), data, scale
+
+
 # ---------------------------------------------------------------------------------------------------- public API
 
 
@@ -152,10 +160,7 @@ class _RMSNormQuant(torch.autograd.Function):
             y, codes, scale, rstd = rms_norm_quant_reference(x2d, weight, eps, scaling, fmt, block, y_dequant)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.impl = impl
-        data = codes.view(fmt.dtype).view(x.shape)
-        scale = _scale_view(scale, x.shape[:-1])
-        ctx.mark_non_differentiable(data, scale)
-        return y.view(x.shape), data, scale
+        return _fused_outputs(ctx, y, codes, scale, fmt, x.shape)
 
     @staticmethod
     def backward(ctx, gy, _gdata, _gscale):
@@ -210,10 +215,7 @@ class _SwiGLUQuant(torch.autograd.Function):
             h, codes, scale = swiglu_quant_reference(a2d, b2d, scaling, fmt, block)
         ctx.save_for_backward(a2d, b2d)
         ctx.impl = impl
-        data = codes.view(fmt.dtype).view(a.shape)
-        scale = _scale_view(scale, a.shape[:-1])
-        ctx.mark_non_differentiable(data, scale)
-        return h.view(a.shape), data, scale
+        return _fused_outputs(ctx, h, codes, scale, fmt, a.shape)
 
     @staticmethod
     def backward(ctx, gh, _gdata, _gscale):

@@ -66,7 +66,7 @@ def _row_quant_kernel(a_ptr, b_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, rstd_ptr,
         v = a
     elif OP == 1:  # RMSNorm: padding is 0 in x and w, so in v
         w = load_fp32_bits(w_ptr, col, valid, W_KIND).to(tl.float32, bitcast=True)
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(a * a, axis=1), axis=0) / n + eps)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(tl.sum(a * a, axis=1), axis=0), tl.cast(n, tl.float32)) + eps))
         tl.store(rstd_ptr + row, rstd)
         v = a * rstd * w
     else:  # SwiGLU: silu(a) * b

@@ -106,6 +106,24 @@ def _ulps_close(a, b, dtype):
     torch.testing.assert_close(a.float(), b.float(), rtol=eps * (1 if dtype != torch.float32 else 8), atol=1e-6)
 
 
+def _check_fused(out, inputs, plain, grad, scaling, elem, tol):
+    """out = (y, data, scale) of a fused op on `inputs`: data / scale are y quantized, bit for bit; y is
+    plain(inputs in fp32) rounded once; the gradients of y equal autograd's through plain in fp32."""
+    y, data, scale = out
+    dtype = inputs[0].dtype
+    assert y.dtype == dtype and y.shape == inputs[0].shape and data.dtype == mx.FORMATS[elem].dtype
+    want_d, want_s = _quant(y.detach().cpu(), scaling, elem)
+    _same(data.cpu(), want_d)
+    _same(scale.cpu(), want_s)
+    ins32 = [t.detach().float().requires_grad_() for t in inputs]
+    y32 = plain(*ins32)
+    _ulps_close(y, y32.to(dtype), dtype)
+    y.backward(grad)
+    y32.backward(grad.float())
+    for t, t32 in zip(inputs, ins32):
+        torch.testing.assert_close(t.grad.float(), t32.grad, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,scaling,elem", CASES)
 @pytest.mark.parametrize("shape", [(5, 96), (2, 3, 70), (1, 33)])
@@ -115,21 +133,9 @@ def test_rms_norm_quant_forward_backward(kernel, dtype, scaling, elem, shape):
     x = (torch.randn(shape, generator=g) * 3).to(dtype).requires_grad_()
     w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
     gy = torch.randn(shape, generator=g).to(dtype)
-    y, data, scale = fp8.rms_norm_quant(x, w, eps=1e-5, scaling=scaling, elem=elem, kernel=kernel)
-    assert y.dtype == dtype and y.shape == x.shape and data.dtype == mx.FORMATS[elem].dtype
-    # fused == norm then quantize, bit for bit, on the norm's own output
-    want_d, want_s = _quant(y.detach(), scaling, elem)
-    _same(data, want_d)
-    _same(scale, want_s)
-    # the norm itself: F.rms_norm in fp32, rounded once
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    y32 = F.rms_norm(x32, (n,), w32, 1e-5)
-    _ulps_close(y, y32.to(dtype), dtype)
-    y.backward(gy)
-    y32.backward(gy.float())
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=tol, atol=tol)
+    out = fp8.rms_norm_quant(x, w, eps=1e-5, scaling=scaling, elem=elem, kernel=kernel)
+    _check_fused(out, (x, w), lambda x, w: F.rms_norm(x, (n,), w, 1e-5), gy, scaling, elem,
+                 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype,scaling,elem", CASES)
@@ -156,8 +162,11 @@ def test_rms_norm_quant_triton_matches_reference(dtype, scaling, elem):
         assert bad
 
 
-def test_rms_norm_quant_empty_and_bad_input():
+def test_rms_norm_quant_edges_and_bad_input():
     for kernel in KERNELS:
+        y, data, scale = fp8.rms_norm_quant(torch.tensor([[3.0], [-2.0]]), kernel=kernel)  # one-element rows: +-1
+        torch.testing.assert_close(y, torch.tensor([[1.0], [-1.0]]))
+        assert data.float().tolist() == [[448.0], [-448.0]] and torch.equal(scale, y.abs() / 448)
         x = torch.randn(0, 64, requires_grad=True)
         y, data, scale = fp8.rms_norm_quant(x, scaling="mx", kernel=kernel)
         assert y.shape == (0, 64) and data.shape == (0, 64) and scale.shape == (0, 2)
@@ -182,19 +191,8 @@ def test_swiglu_quant_forward_backward(kernel, dtype, scaling, elem, shape):
     a = (torch.randn(shape, generator=g) * 3).to(dtype).requires_grad_()
     b = (torch.randn(shape, generator=g) * 2).to(dtype).requires_grad_()
     gh = torch.randn(shape, generator=g).to(dtype)
-    h, data, scale = fp8.swiglu_quant(a, b, scaling=scaling, elem=elem, kernel=kernel)
-    assert h.dtype == dtype and h.shape == a.shape
-    want_d, want_s = _quant(h.detach(), scaling, elem)
-    _same(data, want_d)
-    _same(scale, want_s)
-    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    h32 = F.silu(a32) * b32
-    _ulps_close(h, h32.to(dtype), dtype)
-    h.backward(gh)
-    h32.backward(gh.float())
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(a.grad.float(), a32.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(b.grad.float(), b32.grad, rtol=tol, atol=tol)
+    out = fp8.swiglu_quant(a, b, scaling=scaling, elem=elem, kernel=kernel)
+    _check_fused(out, (a, b), lambda a, b: F.silu(a) * b, gh, scaling, elem, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype,scaling,elem", CASES)
@@ -244,27 +242,14 @@ def test_cuda_fusions(dtype, scaling):
         d_gpu, s_gpu = fp8.quantize_rows(x.cuda(), qdtype, kernel="triton")
         _same(d_gpu.cpu(), d_ref)
         _same(s_gpu.cpu(), s_ref)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     x = (torch.randn(512, 4000, generator=g) * 3).to(dtype).cuda().requires_grad_()
     w = (torch.rand(4000, generator=g) + 0.5).to(dtype).cuda().requires_grad_()
-    y, data, scale = fp8.rms_norm_quant(x, w, scaling=scaling, kernel="triton")
-    want_d, want_s = _quant(y.detach().cpu(), scaling, "e4m3")
-    _same(data.cpu(), want_d)
-    _same(scale.cpu(), want_s)
-    gy = torch.randn_like(y)
-    y.backward(gy)
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    F.rms_norm(x32, (4000,), w32, 1e-6).backward(gy.float())
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=tol, atol=tol * 10)
+    gy = torch.randn(512, 4000, generator=g).to(dtype).cuda()
+    _check_fused(fp8.rms_norm_quant(x, w, scaling=scaling, kernel="triton"), (x, w),
+                 lambda x, w: F.rms_norm(x, (4000,), w, 1e-6), gy, scaling, "e4m3", tol)
     a = (torch.randn(512, 4096, generator=g) * 3).to(dtype).cuda().requires_grad_()
     b = torch.randn(512, 4096, generator=g).to(dtype).cuda().requires_grad_()
-    h, data, scale = fp8.swiglu_quant(a, b, scaling=scaling, kernel="triton")
-    want_d, want_s = _quant(h.detach().cpu(), scaling, "e4m3")
-    _same(data.cpu(), want_d)
-    _same(scale.cpu(), want_s)
-    h.backward(gy[:, :1].expand_as(h).contiguous())
-    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    (F.silu(a32) * b32).backward(gy[:, :1].expand_as(h).float())
-    torch.testing.assert_close(a.grad.float(), a32.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(b.grad.float(), b32.grad, rtol=tol, atol=tol)
+    gh = torch.randn(512, 4096, generator=g).to(dtype).cuda()
+    _check_fused(fp8.swiglu_quant(a, b, scaling=scaling, kernel="triton"), (a, b), lambda a, b: F.silu(a) * b, gh,
+                 scaling, "e4m3", tol)
