@@ -3,9 +3,9 @@
 - quantize_rows: row-wise FP8, one fp32 scale a row, s = max(amax(row), 1e-12) / fp8 max and
   data = fp8(clamp(x / s, -max, max)), round-to-nearest-even (torch's cast): what torch._scaled_mm takes with
   per-token (activations) or per-output-channel (weights) scales.
-- rms_norm_quant: RMSNorm whose one pass over a row writes y (x's dtype, for the weight gradient of the next
-  GEMM), y quantized (row-wise or MX, gem.ops.mx) and rstd (for the backward). Backward: the RMSNorm backward of
-  y; the quantized outputs are side outputs without gradient.
+- rms_norm_quant / layer_norm_quant: a norm whose one pass over a row writes y (x's dtype, for the weight
+  gradient of the next GEMM), y quantized (row-wise or MX, gem.ops.mx) and rstd (and mean) for the backward.
+  Backward: the norm's backward of y; the quantized outputs are side outputs without gradient.
 - swiglu_quant: h = silu(a) * b in a's dtype and h quantized, in one pass; backward gives da, db from dh.
 
 The quantized bytes and scales are those of quantizing the returned y / h (in its dtype): the fused ops equal
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gem.ops._common import resolve_kernel
 from gem.ops.mx import _DTYPES, _ELEM_OF_DTYPE, ElemFormat, _check_args, mx_dequantize_reference, mx_quantize_reference
 
-__all__ = ["quantize_rows", "rms_norm_quant", "swiglu_quant"]
+__all__ = ["layer_norm_quant", "quantize_rows", "rms_norm_quant", "swiglu_quant"]
 
 SCALINGS = ("row", "mx")
 MIN_AMAX = 1e-12
@@ -52,24 +52,32 @@ def _quantize_reference(y2d, scaling, fmt, block):
     return mx_quantize_reference(y2d, block, fmt)
 
 
-def rms_norm_quant_reference(x2d, weight, eps, scaling, fmt, block, y_dequant=False):
-    """(y, codes, scales, rstd [rows] fp32). y_dequant (MX only): codes of the fp32 norm, y their dequantized value."""
+def norm_quant_reference(x2d, weight, bias, eps, layer, scaling, fmt, block, y_dequant=False):
+    """RMSNorm (LayerNorm: layer) in fp32 -> (y, codes, scales, (mean or None, rstd) fp32 [rows]).
+    y_dequant (MX only): codes of the fp32 norm, y their dequantized value."""
     xf = x2d.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    y32 = xf * rstd[:, None] * weight.float()
+    mean = xf.mean(-1) if layer else None
+    xc = xf - mean[:, None] if layer else xf
+    rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
+    y32 = xc * rstd[:, None] * weight.float()
+    if bias is not None:
+        y32 = y32 + bias.float()
     if y_dequant:
         codes, scale = mx_quantize_reference(y32, block, fmt)
-        return mx_dequantize_reference(codes, scale, block, fmt, x2d.dtype), codes, scale, rstd
+        return mx_dequantize_reference(codes, scale, block, fmt, x2d.dtype), codes, scale, (mean, rstd)
     y = y32.to(x2d.dtype)
-    return (y, *_quantize_reference(y, scaling, fmt, block), rstd)
+    return (y, *_quantize_reference(y, scaling, fmt, block), (mean, rstd))
 
 
-def rms_norm_bwd_reference(x2d, weight, g2d, rstd):
-    """(dx in x's dtype, dw fp32 [n]) of y = x * rstd * w."""
-    g, xf, r = g2d.float(), x2d.float(), rstd[:, None]
+def norm_bwd_reference(x2d, weight, g2d, mean, rstd, has_bias):
+    """(dx in x's dtype, dw fp32 [n], db fp32 [n] or None) of y = (x - mean) * rstd * w (+ b), mean None: 0."""
+    g, r = g2d.float(), rstd[:, None]
+    xhat = (x2d.float() if mean is None else x2d.float() - mean[:, None]) * r
     gw = g * weight.float()
-    dx = r * gw - xf * (r * r * r) * (gw * xf).mean(-1, keepdim=True)
-    return dx.to(x2d.dtype), (g * xf * r).sum(0)
+    dx = gw - xhat * (gw * xhat).mean(-1, keepdim=True)
+    if mean is not None:
+        dx = dx - gw.mean(-1, keepdim=True)
+    return (r * dx).to(x2d.dtype), (g * xhat).sum(0), g.sum(0) if has_bias else None
 
 
 def swiglu_quant_reference(a2d, b2d, scaling, fmt, block):
@@ -145,49 +153,56 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     return codes.view(dtype).view(x.shape), _scale_view(scale, x.shape[:-1])
 
 
-class _RMSNormQuant(torch.autograd.Function):
-    """Forward: the fused RMSNorm + quantize. Backward: the RMSNorm backward of y from the saved x, weight, rstd."""
+class _NormQuant(torch.autograd.Function):
+    """Forward: the fused norm + quantize. Backward: the norm's backward of y from the saved x, weight and stats."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, scaling, fmt, block, impl, y_dequant):
+    def forward(ctx, x, weight, bias, eps, layer, scaling, fmt, block, impl, y_dequant):
         x2d = _rows(x)
         if impl == "triton":
-            from gem.ops.triton_fp8 import OP_RMS_NORM, row_quant_triton
+            from gem.ops.triton_fp8 import OP_LAYER_NORM, OP_RMS_NORM, row_quant_triton
 
-            y, codes, scale, rstd = row_quant_triton(OP_RMS_NORM, x2d, weight=weight.contiguous(), eps=eps,
-                                                     scaling=scaling, fmt=fmt, block=block, y_dequant=y_dequant)
+            y, codes, scale, (mean, rstd) = row_quant_triton(
+                OP_LAYER_NORM if layer else OP_RMS_NORM, x2d, weight=weight.contiguous(),
+                bias=None if bias is None else bias.contiguous(), eps=eps, scaling=scaling, fmt=fmt, block=block,
+                y_dequant=y_dequant)
         else:
-            y, codes, scale, rstd = rms_norm_quant_reference(x2d, weight, eps, scaling, fmt, block, y_dequant)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.impl = impl
+            y, codes, scale, (mean, rstd) = norm_quant_reference(x2d, weight, bias, eps, layer, scaling, fmt, block,
+                                                                 y_dequant)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.impl, ctx.has_bias = impl, bias is not None
         return _fused_outputs(ctx, y, codes, scale, fmt, x.shape)
 
     @staticmethod
     def backward(ctx, gy, _gdata, _gscale):
-        x2d, weight, rstd = ctx.saved_tensors
+        x2d, weight, mean, rstd = ctx.saved_tensors
         g2d = _rows(gy.to(x2d.dtype))
         if ctx.impl == "triton":
-            from gem.ops.triton_fp8 import rms_norm_bwd_triton
+            from gem.ops.triton_fp8 import norm_bwd_triton
 
-            dx, dw = rms_norm_bwd_triton(x2d, weight.contiguous(), g2d, rstd)
+            dx, dw, db = norm_bwd_triton(x2d, weight.contiguous(), g2d, mean, rstd, ctx.has_bias)
         else:
-            dx, dw = rms_norm_bwd_reference(x2d, weight, g2d, rstd)
+            dx, dw, db = norm_bwd_reference(x2d, weight, g2d, mean, rstd, ctx.has_bias)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(gy.shape), dw, None, None, None, None, None, None
+        db = db.to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (dx.view(gy.shape), dw, db) + (None,) * 7
 
 
-def _rms_norm_quant(x, weight, eps, scaling, elem, block, kernel, where, y_dequant=False):
+def _norm_quant(x, weight, bias, eps, layer, scaling, elem, block, kernel, where, y_dequant=False):
     fmt, block = _check_args(x, block, elem, where)
     _check_scaling(scaling, where)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{where}: x needs a non-empty last axis to normalize (got shape {tuple(x.shape)})")
     n = x.shape[-1]
     if weight is None:
-        weight = torch.ones(n, dtype=x.dtype, device=x.device)
-    elif weight.shape != (n,) or weight.dtype not in _DTYPES:
-        raise ValueError(f"{where}: weight must be a float [{n}] tensor (got {weight.dtype} {tuple(weight.shape)})")
+        weight = torch.ones(n, dtype=x.dtype if bias is None else bias.dtype, device=x.device)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (n,) or t.dtype not in _DTYPES):
+            raise ValueError(f"{where}: {name} must be a float [{n}] tensor (got {t.dtype} {tuple(t.shape)})")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise ValueError(f"{where}: bias must have weight's dtype (got {bias.dtype} and {weight.dtype})")
     impl = _impl(kernel, where, n, x, weight)
-    return _RMSNormQuant.apply(x, weight, float(eps), scaling, fmt, block, impl, y_dequant)
+    return _NormQuant.apply(x, weight, bias, float(eps), layer, scaling, fmt, block, impl, y_dequant)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, scaling: str = "row",
@@ -200,7 +215,15 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
     gem.ops.mx.quantize(y, block, elem) (scale [..., ceil(n / block)] uint8 E8M0). elem: "e4m3" | "e5m2".
     weight None: no affine scale.
     """
-    return _rms_norm_quant(x, weight, eps, scaling, elem, block, kernel, "gem.ops.fp8.rms_norm_quant")
+    return _norm_quant(x, weight, None, eps, False, scaling, elem, block, kernel, "gem.ops.fp8.rms_norm_quant")
+
+
+def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     eps: float = 1e-5, scaling: str = "row", elem: str = "e4m3", block: int = 32,
+                     kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last axis (F.layer_norm's biased variance) that also writes its output quantized:
+    (y, data, scale) as rms_norm_quant gives them; the gradient of y flows to x, weight and bias."""
+    return _norm_quant(x, weight, bias, eps, True, scaling, elem, block, kernel, "gem.ops.fp8.layer_norm_quant")
 
 
 class _SwiGLUQuant(torch.autograd.Function):

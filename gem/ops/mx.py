@@ -218,6 +218,7 @@ def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float 
     dtype in between), and y = their dequantized value in x's dtype, which carries the gradient: backward is
     the RMSNorm backward with the quantization passed straight through. weight None: no affine scale.
     """
-    from gem.ops.fp8 import _rms_norm_quant
+    from gem.ops.fp8 import _norm_quant
 
-    return _rms_norm_quant(x, weight, eps, "mx", elem, block, kernel, "gem.ops.mx.rms_norm_mx", y_dequant=True)
+    return _norm_quant(x, weight, None, eps, False, "mx", elem, block, kernel, "gem.ops.mx.rms_norm_mx",
+                       y_dequant=True)

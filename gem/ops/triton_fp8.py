@@ -1,6 +1,6 @@
 """Triton kernels for FP8 quantization fused into the producers of GEMM inputs (see gem.ops.fp8).
 
-One row-wise kernel serves three producers (OP): a plain copy (quantize_rows), RMSNorm and SwiGLU. A program
+One row-wise kernel serves four producers (OP): a plain copy (quantize_rows), RMSNorm, LayerNorm and SwiGLU. A program
 takes one row as an [NB, BLOCK] tile (BLOCK consecutive elements per tile row, the MX block), computes the
 producer's output in fp32, rounds it to the output dtype, stores it, and quantizes that rounded value: row-wise
 (one fp32 scale a row, computed as torch computes it, divisions correctly rounded) or MX (gem.ops.triton_mx's
@@ -27,7 +27,7 @@ from gem.ops.triton_mx import (
 )
 from gem.ops.triton_utils import num_sms
 
-OP_COPY, OP_RMS_NORM, OP_SWIGLU = 0, 1, 2
+OP_COPY, OP_RMS_NORM, OP_SWIGLU, OP_LAYER_NORM = 0, 1, 2, 3
 SCALING_ROW, SCALING_MX = 0, 1
 SCALINGS = {"row": SCALING_ROW, "mx": SCALING_MX}
 MAX_WIDTH = 32768  # one row lives in registers; wider rows go through the reference
@@ -51,8 +51,9 @@ def row_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, MAXVAL: tl.conste
 
 
 @triton.jit
-def _row_quant_kernel(a_ptr, b_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, rstd_ptr, n, nb, eps,
-                      OP: tl.constexpr, IN_KIND: tl.constexpr, W_KIND: tl.constexpr, SCALING: tl.constexpr,
+def _row_quant_kernel(a_ptr, b_ptr, w_ptr, bias_ptr, y_ptr, data_ptr, scale_ptr, mean_ptr, rstd_ptr, n, nb, eps,
+                      OP: tl.constexpr, IN_KIND: tl.constexpr, W_KIND: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SCALING: tl.constexpr,
                       Y_DEQUANT: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexpr,
                       MAXVAL: tl.constexpr, MIN_AMAX: tl.constexpr, E5M2: tl.constexpr, BLOCK: tl.constexpr,
                       NB: tl.constexpr):
@@ -64,14 +65,21 @@ def _row_quant_kernel(a_ptr, b_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, rstd_ptr,
     a = load_fp32_bits(a_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
     if OP == 0:
         v = a
-    elif OP == 1:  # RMSNorm: padding is 0 in x and w, so in v
-        w = load_fp32_bits(w_ptr, col, valid, W_KIND).to(tl.float32, bitcast=True)
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(tl.sum(a * a, axis=1), axis=0), tl.cast(n, tl.float32)) + eps))
-        tl.store(rstd_ptr + row, rstd)
-        v = a * rstd * w
-    else:  # SwiGLU: silu(a) * b
+    elif OP == 2:  # SwiGLU: silu(a) * b
         b = load_fp32_bits(b_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
         v = a / (1.0 + tl.exp(-a)) * b
+    else:  # RMSNorm (OP 1) or LayerNorm (OP 3); padding is 0 in the centred x, w and bias, so in v
+        nf = tl.cast(n, tl.float32)
+        if OP == 3:
+            mean = tl.div_rn(tl.sum(tl.sum(a, axis=1), axis=0), nf)
+            tl.store(mean_ptr + row, mean)
+            a = tl.where(valid, a - mean, 0.0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(tl.sum(a * a, axis=1), axis=0), nf) + eps))
+        tl.store(rstd_ptr + row, rstd)
+        w = load_fp32_bits(w_ptr, col, valid, W_KIND).to(tl.float32, bitcast=True)
+        v = a * rstd * w
+        if HAS_BIAS:
+            v += load_fp32_bits(bias_ptr, col, valid, W_KIND).to(tl.float32, bitcast=True)
     vbits = v.to(tl.int32, bitcast=True)
     if Y_DEQUANT:  # MX codes of the fp32 value; y is their dequantized value (straight-through rms_norm_mx)
         code, sbits = mx_encode(vbits, MBITS, EBIAS, EMAX, MAXVAL)
@@ -91,14 +99,17 @@ def _row_quant_kernel(a_ptr, b_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, rstd_ptr,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, n, rows_per_prog,
-                         IN_KIND: tl.constexpr, W_KIND: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx of rows [pid * rows_per_prog, ...) and this program's partial dw (fp32, one row of dw_ptr)."""
+def _norm_bwd_kernel(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, rows, n, rows_per_prog,
+                     IN_KIND: tl.constexpr, W_KIND: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """RMSNorm (LayerNorm: LAYER) backward of rows [pid * rows_per_prog, ...): dx, and this program's partial
+    dw (and db) in fp32, one row of dw_ptr (db_ptr). xhat = (x - mean) * rstd, mean 0 for RMSNorm."""
     pid = tl.program_id(0)
     col = tl.arange(0, BLOCK_N)
     cvalid = col < n
     w = load_fp32_bits(w_ptr, col, cvalid, W_KIND).to(tl.float32, bitcast=True)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i in range(rows_per_prog):
         row = pid.to(tl.int64) * rows_per_prog + i
         ok = row < rows
@@ -107,12 +118,20 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, n,
         x = load_fp32_bits(x_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
         g = load_fp32_bits(g_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
         rstd = tl.load(rstd_ptr + row, mask=ok, other=0.0)
+        if LAYER:
+            x = tl.where(valid, x - tl.load(mean_ptr + row, mask=ok, other=0.0), 0.0)
+        xhat = x * rstd
         gw = g * w
-        c = tl.sum(gw * x, axis=0) / n
-        dx = rstd * gw - x * (rstd * rstd * rstd) * c
-        store_fp32_bits(dx_ptr, offs, dx.to(tl.int32, bitcast=True), valid, IN_KIND)
-        acc += g * x * rstd
-    tl.store(dw_ptr + pid.to(tl.int64) * n + col, acc, mask=cvalid)
+        dx = gw - xhat * (tl.sum(gw * xhat, axis=0) / n)
+        if LAYER:
+            dx -= tl.sum(gw, axis=0) / n
+        store_fp32_bits(dx_ptr, offs, (rstd * dx).to(tl.int32, bitcast=True), valid, IN_KIND)
+        acc_w += g * xhat
+        if HAS_BIAS:
+            acc_b += g
+    tl.store(dw_ptr + pid.to(tl.int64) * n + col, acc_w, mask=cvalid)
+    if HAS_BIAS:
+        tl.store(db_ptr + pid.to(tl.int64) * n + col, acc_b, mask=cvalid)
 
 
 @triton.jit
@@ -133,11 +152,11 @@ def _warps(width: int) -> int:
     return min(16, max(4, width // 512))
 
 
-def row_quant_triton(op: int, a: torch.Tensor, *, b=None, weight=None, eps: float = 0.0, scaling: str = "row",
-                     fmt=None, block: int = 32, y_dequant: bool = False):
+def row_quant_triton(op: int, a: torch.Tensor, *, b=None, weight=None, bias=None, eps: float = 0.0,
+                     scaling: str = "row", fmt=None, block: int = 32, y_dequant: bool = False):
     """a (and b) [rows, n] contiguous fp32 / bf16 / fp16 -> (y [rows, n] in a's dtype or None for OP_COPY,
     codes uint8 [rows, n], scales (fp32 [rows, 1] row-wise, uint8 E8M0 [rows, ceil(n / block)] MX),
-    rstd fp32 [rows] for OP_RMS_NORM else None)."""
+    (mean, rstd) fp32 [rows] for the norms (mean None for RMSNorm), else None)."""
     rows, n = a.shape
     dev = a.device
     sc = SCALINGS[scaling]
@@ -148,35 +167,43 @@ def row_quant_triton(op: int, a: torch.Tensor, *, b=None, weight=None, eps: floa
     scale = (torch.empty((rows, 1), dtype=torch.float32, device=dev) if sc == SCALING_ROW
              else torch.empty((rows, nb), dtype=torch.uint8, device=dev))
     y = None if op == OP_COPY else torch.empty_like(a)
-    rstd = torch.empty(rows, dtype=torch.float32, device=dev) if op == OP_RMS_NORM else None
+    norm = op in (OP_RMS_NORM, OP_LAYER_NORM)
+    rstd = torch.empty(rows, dtype=torch.float32, device=dev) if norm else None
+    mean = torch.empty(rows, dtype=torch.float32, device=dev) if op == OP_LAYER_NORM else None
+    stats = (mean, rstd) if norm else None
     if rows == 0:
-        return y, codes, scale, rstd
+        return y, codes, scale, stats
     NB = next_pow2(nb)
     av = bits_view(a)
     _row_quant_kernel[(rows,)](
-        av, bits_view(b) if b is not None else av, bits_view(weight) if weight is not None else av,
-        bits_view(y) if y is not None else av, codes, scale, rstd if rstd is not None else scale, n, nb, float(eps),
+        av, *(av if t is None else bits_view(t) for t in (b, weight, bias, y)), codes, scale,
+        scale if mean is None else mean, scale if rstd is None else rstd, n, nb, float(eps),
         OP=op, IN_KIND=IN_KIND_OF[a.dtype], W_KIND=IN_KIND_OF[weight.dtype] if weight is not None else 0,
-        SCALING=sc, Y_DEQUANT=y_dequant, MBITS=fmt.mbits, EBIAS=fmt.ebias, EMAX=fmt.emax, MAXVAL=fmt.max,
+        HAS_BIAS=bias is not None, SCALING=sc, Y_DEQUANT=y_dequant, MBITS=fmt.mbits, EBIAS=fmt.ebias, EMAX=fmt.emax, MAXVAL=fmt.max,
         MIN_AMAX=MIN_AMAX_FP32, E5M2=fmt.name == "e5m2", BLOCK=block, NB=NB, num_warps=_warps(NB * block))
-    return y, codes, scale, rstd
+    return y, codes, scale, stats
 
 
-def rms_norm_bwd_triton(x2d: torch.Tensor, weight: torch.Tensor, g2d: torch.Tensor, rstd: torch.Tensor):
-    """RMSNorm backward from the saved x, weight and rstd: (dx in x's dtype, dw fp32 [n])."""
+def norm_bwd_triton(x2d: torch.Tensor, weight: torch.Tensor, g2d: torch.Tensor, mean, rstd: torch.Tensor,
+                    has_bias: bool):
+    """RMSNorm (mean None) or LayerNorm backward from the saved x, weight and stats: (dx in x's dtype, dw fp32 [n],
+    db fp32 [n] or None)."""
     rows, n = x2d.shape
     dx = torch.empty_like(x2d)
     if rows == 0:
-        return dx, torch.zeros(n, dtype=torch.float32, device=x2d.device)
+        zero = torch.zeros(n, dtype=torch.float32, device=x2d.device)
+        return dx, zero, zero.clone() if has_bias else None
     progs = min(rows, 4 * num_sms(x2d.device))
     per = cdiv(rows, progs)
     progs = cdiv(rows, per)
-    partial = torch.empty((progs, n), dtype=torch.float32, device=x2d.device)
+    dw = torch.empty((progs, n), dtype=torch.float32, device=x2d.device)
+    db = torch.empty_like(dw) if has_bias else dw
     width = next_pow2(n)
-    _rms_norm_bwd_kernel[(progs,)](
-        bits_view(x2d), bits_view(weight), bits_view(g2d), rstd, bits_view(dx), partial, rows, n, per,
-        IN_KIND=IN_KIND_OF[x2d.dtype], W_KIND=IN_KIND_OF[weight.dtype], BLOCK_N=width, num_warps=_warps(width))
-    return dx, partial.sum(0)
+    _norm_bwd_kernel[(progs,)](
+        bits_view(x2d), bits_view(weight), bits_view(g2d), rstd if mean is None else mean, rstd, bits_view(dx), dw,
+        db, rows, n, per, IN_KIND=IN_KIND_OF[x2d.dtype], W_KIND=IN_KIND_OF[weight.dtype], LAYER=mean is not None,
+        HAS_BIAS=has_bias, BLOCK_N=width, num_warps=_warps(width))
+    return dx, dw.sum(0), db.sum(0) if has_bias else None
 
 
 def swiglu_bwd_triton(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor):

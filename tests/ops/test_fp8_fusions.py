@@ -124,29 +124,41 @@ def _check_fused(out, inputs, plain, grad, scaling, elem, tol):
         torch.testing.assert_close(t.grad.float(), t32.grad, rtol=tol, atol=tol)
 
 
+def _norm(kind, x, w, b, **kw):
+    if kind == "rms":
+        return fp8.rms_norm_quant(x, w, eps=1e-5, **kw)
+    return fp8.layer_norm_quant(x, w, b, eps=1e-5, **kw)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,scaling,elem", CASES)
 @pytest.mark.parametrize("shape", [(5, 96), (2, 3, 70), (1, 33)])
-def test_rms_norm_quant_forward_backward(kernel, dtype, scaling, elem, shape):
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_quant_forward_backward(kernel, dtype, scaling, elem, shape, kind):
     g = torch.Generator().manual_seed(4)
     n = shape[-1]
-    x = (torch.randn(shape, generator=g) * 3).to(dtype).requires_grad_()
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype).requires_grad_()
     w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
     gy = torch.randn(shape, generator=g).to(dtype)
-    out = fp8.rms_norm_quant(x, w, eps=1e-5, scaling=scaling, elem=elem, kernel=kernel)
-    _check_fused(out, (x, w), lambda x, w: F.rms_norm(x, (n,), w, 1e-5), gy, scaling, elem,
-                 1e-5 if dtype == torch.float32 else 1e-2)
+    out = _norm(kind, x, w, b, scaling=scaling, elem=elem, kernel=kernel)
+    if kind == "rms":
+        inputs, plain = (x, w), lambda x, w: F.rms_norm(x, (n,), w, 1e-5)
+    else:
+        inputs, plain = (x, w, b), lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5)
+    _check_fused(out, inputs, plain, gy, scaling, elem, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype,scaling,elem", CASES)
-def test_rms_norm_quant_triton_matches_reference(dtype, scaling, elem):
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_quant_triton_matches_reference(dtype, scaling, elem, kind):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(6, 100, generator=g) * 4).to(dtype)
     x[1] = 0.0
     x[2, 7] = float("nan")
     x[3, 50] = float("inf")
     w = torch.rand(100, generator=g) + 0.5
-    out = {k: fp8.rms_norm_quant(x, w, scaling=scaling, elem=elem, kernel=k) for k in KERNELS}
+    out = {k: _norm(kind, x, w, None, scaling=scaling, elem=elem, kernel=k) for k in KERNELS}
     (y_r, d_r, s_r), (y_t, d_t, s_t) = out["reference"], out["triton"]
     _ulps_close(y_t[~y_r.isnan()], y_r[~y_r.isnan()], dtype)
     assert torch.equal(y_t.isnan(), y_r.isnan())
@@ -178,6 +190,8 @@ def test_rms_norm_quant_edges_and_bad_input():
         fp8.rms_norm_quant(torch.randn(2, 0))
     with pytest.raises(ValueError, match=r"weight must be a float \[32\]"):
         fp8.rms_norm_quant(torch.randn(2, 32), torch.ones(16))
+    with pytest.raises(ValueError, match="bias must have weight's dtype"):
+        fp8.layer_norm_quant(torch.randn(2, 32), torch.ones(32), torch.ones(32, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- swiglu_quant
