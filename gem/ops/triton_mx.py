@@ -154,7 +154,7 @@ def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, total_blocks, nb, n,
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
-    """What _load_fp32_bits / _store_fp32_bits take: fp32 as int32, bf16 as int16, fp16 as is."""
+    """What load_fp32_bits / store_fp32_bits take: fp32 as int32, bf16 as int16, fp16 as is."""
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
