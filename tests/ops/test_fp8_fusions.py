@@ -5,9 +5,12 @@ backward against plain PyTorch."""
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from gem.model.precision import _fp8_rows
 from gem.ops import fp8, mx
+from gem.ops.triton_mx import round_bits, store_fp32_bits
 from tests.ops.test_mx import _edgy, _same
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -89,6 +92,32 @@ def test_quantize_rows_bad_input():
         fp8.quantize_rows(torch.randn(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="at least one dimension"):
         fp8.quantize_rows(torch.tensor(1.0))
+
+
+@triton.jit
+def _round_store_kernel(src, rounded, stored, N: tl.constexpr, KIND: tl.constexpr):
+    i = tl.arange(0, N)
+    bits = tl.load(src + i)
+    tl.store(rounded + i, round_bits(bits, KIND))
+    store_fp32_bits(stored, i, bits, i < N, KIND)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_to_the_output_dtype(dtype):
+    """The kernels' fp32 -> bf16 / fp16 rounding equals torch's cast, NaN of any payload included (CUDA makes
+    0x7FFFFFFF, which a plain add-and-shift would carry into -0)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1000, generator=g) * torch.exp2(torch.randint(-140, 128, (1000,), generator=g).float())
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3e38, -3e38, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])
+    bits = torch.cat([x.view(torch.int32), torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32)])
+    bits = torch.cat([bits, torch.zeros(1024 - bits.numel(), dtype=torch.int32)])
+    rounded = torch.empty_like(bits)
+    stored = torch.empty(1024, dtype=dtype)
+    kind = {torch.bfloat16: 1, torch.float16: 2}[dtype]
+    _round_store_kernel[(1,)](bits, rounded, stored.view(torch.int16) if kind == 1 else stored, N=1024, KIND=kind)
+    want = bits.view(torch.float32).to(dtype)
+    _same(stored, want)
+    _same(rounded.view(torch.float32), want.float())
 
 
 # ----------------------------------------------------------------------------- rms_norm_quant
@@ -267,3 +296,12 @@ def test_cuda_fusions(dtype, scaling):
     gh = torch.randn(512, 4096, generator=g).to(dtype).cuda()
     _check_fused(fp8.swiglu_quant(a, b, scaling=scaling, kernel="triton"), (a, b), lambda a, b: F.silu(a) * b, gh,
                  scaling, "e4m3", tol)
+    # NaN made on the GPU (inf * 0 in the norm) carries CUDA's payload; it must stay NaN through the bf16 store
+    x = torch.randn(4, 256, generator=g).to(dtype)
+    x[1, 5], x[2, 7] = float("inf"), float("nan")
+    y_ref, d_ref, s_ref = fp8.rms_norm_quant(x, scaling=scaling, kernel="reference")
+    y_gpu, d_gpu, s_gpu = fp8.rms_norm_quant(x.cuda(), scaling=scaling, kernel="triton")
+    assert torch.equal(y_gpu.isnan().cpu(), y_ref.isnan()) and y_ref[1, 5].isnan()
+    for i in (1, 2):
+        _same(d_gpu[i].cpu(), d_ref[i])
+        _same(s_gpu[i].cpu(), s_ref[i])
