@@ -85,6 +85,31 @@ def test_quantize_rows_error_bound_and_specials(kernel, qdtype):
     assert s[3, 0] == s[0, 0] and d[3].view(torch.uint8).tolist() == [0x00, 0x80, 0x00, 0x00]  # tiny: clamped
 
 
+def _tie_rows(qdtype):
+    """Rows [fmax * k, t * k, -t * k]: scale k, and x / s = t exactly, a rounding tie of the element type, where
+    x * (1 / s) rounds past it."""
+    fmax = mx.FORMATS[ELEM_OF[qdtype]].max
+    k = torch.arange(1, 4096, dtype=torch.float32)
+    rows = []
+    for t in ((17.0, 19.0) if qdtype == torch.float8_e4m3fn else (18.0, 22.0)):  # ties between codes in [16, 32)
+        past = k[(t * k * (1 / k) != t) & (t * k / k == t)][:8]
+        rows += [torch.stack([fmax * past, t * past, -t * past], 1)]
+    x = torch.cat(rows)
+    assert x.shape[0] == 16
+    return x
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("qdtype", FP8)
+def test_quantize_rows_divides_exactly(kernel, qdtype):
+    """Only a correctly rounded division gives torch's codes on _tie_rows."""
+    x = _tie_rows(qdtype)
+    d, s = fp8.quantize_rows(x, qdtype, kernel=kernel)
+    want_d, want_s = _fp8_rows(x, qdtype)
+    assert torch.equal(s, want_s) and torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))
+    assert torch.equal(d[:, 1].float(), (x[:, 1] / s[:, 0]).to(qdtype).float())  # the tie, rounded to even
+
+
 def test_quantize_rows_bad_input():
     with pytest.raises(TypeError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
         fp8.quantize_rows(torch.randn(2, 4), torch.int8)
@@ -280,11 +305,11 @@ def test_swiglu_quant_empty_and_bad_input():
 def test_cuda_fusions(dtype, scaling):
     g = torch.Generator().manual_seed(10)
     for qdtype in FP8:
-        x = _edgy((1024, 4096), dtype, g)
-        d_ref, s_ref = fp8.quantize_rows(x, qdtype, kernel="reference")
-        d_gpu, s_gpu = fp8.quantize_rows(x.cuda(), qdtype, kernel="triton")
-        _same(d_gpu.cpu(), d_ref)
-        _same(s_gpu.cpu(), s_ref)
+        for x in (_edgy((1024, 4096), dtype, g), _tie_rows(qdtype).to(dtype)):
+            d_ref, s_ref = fp8.quantize_rows(x, qdtype, kernel="reference")
+            d_gpu, s_gpu = fp8.quantize_rows(x.cuda(), qdtype, kernel="triton")
+            _same(d_gpu.cpu(), d_ref)
+            _same(s_gpu.cpu(), s_ref)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     x = (torch.randn(512, 4000, generator=g) * 3).to(dtype).cuda().requires_grad_()
     w = (torch.rand(4000, generator=g) + 0.5).to(dtype).cuda().requires_grad_()
