@@ -19,7 +19,8 @@ torch.float8_e8m0fnu. Inputs may be fp32, bf16 or fp16; the math is exact in fp3
 (gem.ops.triton_mx) agree with the reference bit for bit (NaN payloads aside).
 
 rms_norm_mx fuses an RMSNorm forward with the quantization of its output along the last axis, saving rstd for a
-backward that treats the quantization as the identity (straight-through).
+backward that treats the quantization as the identity (straight-through); it is gem.ops.fp8.rms_norm_quant's
+kernel with y returned dequantized.
 """
 
 from __future__ import annotations
@@ -209,47 +210,6 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: int = 32, axis: i
 # ---------------------------------------------------------------------------------------------------- RMSNorm + MX
 
 
-def rms_norm_mx_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float, block: int, fmt: ElemFormat):
-    """RMSNorm in fp32 then MX quantize: (codes, scales, y dequantized in x's dtype, rstd fp32 [rows])."""
-    xf = x2d.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    y = xf * rstd[:, None] * weight.float()
-    codes, scale = mx_quantize_reference(y, block, fmt)
-    return codes, scale, mx_dequantize_reference(codes, scale, block, fmt, x2d.dtype), rstd
-
-
-class _RMSNormMX(torch.autograd.Function):
-    """Forward: fused RMSNorm + MX quantize. Backward: the RMSNorm backward, the quantization passed straight
-    through (d y_dequantized / d y = identity), from the saved x, weight and rstd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, block, fmt, impl):
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        if impl == "triton":
-            from gem.ops.triton_mx import rms_norm_mx_triton
-
-            codes, scale, y, rstd = rms_norm_mx_triton(x2d, weight, eps, block, fmt)
-        else:
-            codes, scale, y, rstd = rms_norm_mx_reference(x2d, weight, eps, block, fmt)
-        ctx.save_for_backward(x2d, weight, rstd)
-        data = codes.view(fmt.dtype).view(x.shape)
-        scale = scale.view(x.shape[:-1] + (scale.shape[-1],))
-        ctx.mark_non_differentiable(data, scale)
-        return y.view(x.shape), data, scale
-
-    @staticmethod
-    def backward(ctx, gy, _gdata, _gscale):
-        x2d, weight, rstd = ctx.saved_tensors
-        g = gy.reshape(x2d.shape).float()
-        xf = x2d.float()
-        r = rstd[:, None]
-        gw = g * weight.float()
-        dx = r * gw - xf * (r * r * r) * (gw * xf).mean(-1, keepdim=True)
-        dw = (g * xf * r).sum(0) if ctx.needs_input_grad[1] else None
-        return (dx.to(x2d.dtype).view(gy.shape), dw.to(weight.dtype) if dw is not None else None,
-                None, None, None, None)
-
-
 def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, block: int = 32,
                 elem: str = "e4m3", kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis fused with MX quantization along it (the next GEMM's reduction axis).
@@ -258,14 +218,7 @@ def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float 
     dtype in between), and y = their dequantized value in x's dtype, which carries the gradient: backward is
     the RMSNorm backward with the quantization passed straight through. weight None: no affine scale.
     """
-    where = "gem.ops.mx.rms_norm_mx"
-    fmt, block = _check_args(x, block, elem, where)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"{where}: x needs a non-empty last axis to normalize (got shape {tuple(x.shape)})")
-    n = x.shape[-1]
-    if weight is None:
-        weight = torch.ones(n, dtype=x.dtype, device=x.device)
-    elif weight.shape != (n,) or weight.dtype not in _DTYPES:
-        raise ValueError(f"{where}: weight must be a float [{n}] tensor (got {weight.dtype} {tuple(weight.shape)})")
-    impl = resolve_kernel(kernel, x, weight)
-    return _RMSNormMX.apply(x, weight, float(eps), block, fmt, impl)
+    from gem.ops.fp8 import _norm_quant
+
+    return _norm_quant(x, weight, None, eps, False, "mx", elem, block, kernel, "gem.ops.mx.rms_norm_mx",
+                       y_dequant=True)

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import cdiv, next_pow2
+from gem.ops._common import cdiv
 
 IN_FP32, IN_BF16, IN_FP16 = 0, 1, 2
-_IN_KIND = {torch.float32: IN_FP32, torch.bfloat16: IN_BF16, torch.float16: IN_FP16}
+IN_KIND_OF = {torch.float32: IN_FP32, torch.bfloat16: IN_BF16, torch.float16: IN_FP16}
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _block_coords(pid, total_blocks, nb, n, BLOCK: tl.constexpr, G: tl.constexpr
 
 
 @triton.jit
-def _mx_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexpr, MAXVAL: tl.constexpr):
+def mx_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexpr, MAXVAL: tl.constexpr):
     """fp32 bit patterns [G, BLOCK] (one MX block a row) -> (element codes [G, BLOCK], E8M0 bits [G]), int32."""
     mag = bits & 0x7FFFFFFF
     # Magnitude bit patterns order like the magnitudes, and NaN / inf (exponent 255) above every finite value.
@@ -48,7 +48,16 @@ def _mx_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexp
     k = tl.maximum(e, 1) - 150 - (sbits[:, None] - 127)
     k = tl.minimum(tl.maximum(k, -100), 126)
     r = sig.to(tl.float32) * ((k + 127) << 23).to(tl.float32, bitcast=True)
-    r = tl.minimum(r, MAXVAL)  # saturate
+    code = fp8_round(tl.minimum(r, MAXVAL), MBITS, EBIAS)  # saturated
+    code = code | ((bits >> 24) & 0x80)
+    code = tl.where(nan_block[:, None], 0x7F, code)  # 0x7F is NaN in both E4M3 and E5M2
+    return code, sbits
+
+
+@triton.jit
+def fp8_round(r, MBITS: tl.constexpr, EBIAS: tl.constexpr):
+    """Finite fp32 r in [0, element max] -> the element code of r rounded to nearest even (int32, sign bit 0).
+    fp32 subnormals r (< 2^-126) give 0, as they round to 0 in either element type."""
     rb = r.to(tl.int32, bitcast=True)
     er = rb >> 23
     # Element normal range: drop the low 23 - MBITS mantissa bits, round to nearest even; rebias the exponent.
@@ -61,14 +70,11 @@ def _mx_encode(bits, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexp
     rem = sr & ((1 << s) - 1)
     half = 1 << (s - 1)
     q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    code = tl.where(er >= 128 - EBIAS, code_n, q)
-    code = code | ((bits >> 24) & 0x80)
-    code = tl.where(nan_block[:, None], 0x7F, code)  # 0x7F is NaN in both E4M3 and E5M2
-    return code, sbits
+    return tl.where(er >= 128 - EBIAS, code_n, q)
 
 
 @triton.jit
-def _mx_decode(c, sb, MBITS: tl.constexpr, EBIAS: tl.constexpr, E5M2: tl.constexpr):
+def mx_decode(c, sb, MBITS: tl.constexpr, EBIAS: tl.constexpr, E5M2: tl.constexpr):
     """Element codes [G, BLOCK] and E8M0 bits [G, 1] (int32) -> fp32 bit patterns of code * 2^(sb - 127)."""
     mag = c & 0x7F
     ef = mag >> MBITS
@@ -92,19 +98,30 @@ def _mx_decode(c, sb, MBITS: tl.constexpr, EBIAS: tl.constexpr, E5M2: tl.constex
 
 
 @triton.jit
-def _store_fp32_bits(ptr, offs, vbits, mask, OUT_KIND: tl.constexpr):
+def store_fp32_bits(ptr, offs, vbits, mask, OUT_KIND: tl.constexpr):
     """Stores fp32 bit patterns as fp32 (ptr: int32 view), bf16 (ptr: int16 view) or fp16."""
     if OUT_KIND == 0:
         tl.store(ptr + offs, vbits, mask=mask)
-    elif OUT_KIND == 1:  # bf16, round to nearest even on the bits (NaN stays NaN: its top mantissa bit is set)
-        hb = (vbits + 0x7FFF + ((vbits >> 16) & 1)) >> 16
-        tl.store(ptr + offs, hb.to(tl.int16), mask=mask)
+    elif OUT_KIND == 1:
+        tl.store(ptr + offs, (round_bits(vbits, 1) >> 16).to(tl.int16), mask=mask)
     else:
         tl.store(ptr + offs, vbits.to(tl.float32, bitcast=True).to(tl.float16), mask=mask)
 
 
 @triton.jit
-def _load_fp32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
+def round_bits(vbits, KIND: tl.constexpr):
+    """fp32 bit patterns -> those of the value rounded to nearest even in fp32 (unchanged), bf16 or fp16."""
+    if KIND == 0:
+        return vbits
+    elif KIND == 1:  # on the bits; a NaN (any payload, CUDA's is 0x7FFFFFFF) stays a quiet NaN, not a carry
+        nan = (vbits & 0x7FFFFFFF) > 0x7F800000
+        return tl.where(nan, vbits | 0x400000, vbits + 0x7FFF + ((vbits >> 16) & 1)) & -65536
+    else:
+        return vbits.to(tl.float32, bitcast=True).to(tl.float16).to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def load_fp32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
     """fp32 bit patterns of an fp32 (ptr: int32 view), bf16 (ptr: int16 view) or fp16 input; masked -> 0."""
     if IN_KIND == 0:
         bits = tl.load(ptr + offs, mask=mask, other=0)
@@ -120,8 +137,8 @@ def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, total_blocks, nb, n,
                         IN_KIND: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr, EMAX: tl.constexpr,
                         MAXVAL: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
     b, bvalid, offs, valid = _block_coords(tl.program_id(0), total_blocks, nb, n, BLOCK, G)
-    bits = _load_fp32_bits(x_ptr, offs, valid, IN_KIND)
-    code, sbits = _mx_encode(bits, MBITS, EBIAS, EMAX, MAXVAL)
+    bits = load_fp32_bits(x_ptr, offs, valid, IN_KIND)
+    code, sbits = mx_encode(bits, MBITS, EBIAS, EMAX, MAXVAL)
     tl.store(data_ptr + offs, code.to(tl.uint8), mask=valid)
     tl.store(scale_ptr + b, sbits.to(tl.uint8), mask=bvalid)
 
@@ -133,34 +150,11 @@ def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, total_blocks, nb, n,
     b, bvalid, offs, valid = _block_coords(tl.program_id(0), total_blocks, nb, n, BLOCK, G)
     c = tl.load(data_ptr + offs, mask=valid, other=0).to(tl.int32)
     sb = tl.load(scale_ptr + b, mask=bvalid, other=127).to(tl.int32)[:, None]
-    _store_fp32_bits(out_ptr, offs, _mx_decode(c, sb, MBITS, EBIAS, E5M2), valid, OUT_KIND)
+    store_fp32_bits(out_ptr, offs, mx_decode(c, sb, MBITS, EBIAS, E5M2), valid, OUT_KIND)
 
 
-@triton.jit
-def _rms_norm_mx_kernel(x_ptr, w_ptr, data_ptr, scale_ptr, y_ptr, rstd_ptr, n, nb, eps,
-                        IN_KIND: tl.constexpr, W_KIND: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr,
-                        EMAX: tl.constexpr, MAXVAL: tl.constexpr, E5M2: tl.constexpr, BLOCK: tl.constexpr,
-                        NB: tl.constexpr):
-    """One row: y = x * rstd * w in fp32, MX-quantized straight from fp32 (no round trip through x's dtype);
-    writes the codes, the scales, rstd (for the backward) and y dequantized in x's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.arange(0, NB)
-    col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    valid = col < n
-    offs = row * n + col
-    x = _load_fp32_bits(x_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
-    w = _load_fp32_bits(w_ptr, col, valid, W_KIND).to(tl.float32, bitcast=True)
-    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
-    y = x * rstd * w
-    code, sbits = _mx_encode(y.to(tl.int32, bitcast=True), MBITS, EBIAS, EMAX, MAXVAL)
-    tl.store(data_ptr + offs, code.to(tl.uint8), mask=valid)
-    tl.store(scale_ptr + row * nb + blk, sbits.to(tl.uint8), mask=blk < nb)
-    tl.store(rstd_ptr + row, rstd)
-    _store_fp32_bits(y_ptr, offs, _mx_decode(code, sbits[:, None], MBITS, EBIAS, E5M2), valid, IN_KIND)
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    """What _load_fp32_bits / _store_fp32_bits take: fp32 as int32, bf16 as int16, fp16 as is."""
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """What load_fp32_bits / store_fp32_bits take: fp32 as int32, bf16 as int16, fp16 as is."""
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
@@ -177,8 +171,8 @@ def mx_quantize_triton(x2d: torch.Tensor, block: int, fmt) -> tuple[torch.Tensor
     total = rows * nb
     if total == 0:
         return data, scale
-    kind = _IN_KIND[x2d.dtype]
-    xin = _bits_view(x2d)
+    kind = IN_KIND_OF[x2d.dtype]
+    xin = bits_view(x2d)
     g = _group(block)
     _mx_quantize_kernel[(cdiv(total, g),)](
         xin, data, scale, total, nb, n,
@@ -197,25 +191,6 @@ def mx_dequantize_triton(codes: torch.Tensor, scale: torch.Tensor, block: int, f
         return out
     g = _group(block)
     _mx_dequantize_kernel[(cdiv(total, g),)](
-        codes, scale, _bits_view(out), total, nb, n,
-        OUT_KIND=_IN_KIND[dtype], MBITS=fmt.mbits, EBIAS=fmt.ebias, E5M2=fmt.name == "e5m2", BLOCK=block, G=g)
+        codes, scale, bits_view(out), total, nb, n,
+        OUT_KIND=IN_KIND_OF[dtype], MBITS=fmt.mbits, EBIAS=fmt.ebias, E5M2=fmt.name == "e5m2", BLOCK=block, G=g)
     return out
-
-
-def rms_norm_mx_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, block: int, fmt):
-    """x2d [rows, n] contiguous, weight [n] (fp32, bf16 or fp16) -> (codes uint8 [rows, n], E8M0 uint8 [rows, nb],
-    y dequantized [rows, n] in x's dtype, rstd fp32 [rows])."""
-    rows, n = x2d.shape
-    nb = cdiv(n, block)
-    dev = x2d.device
-    codes = torch.empty((rows, n), dtype=torch.uint8, device=dev)
-    scale = torch.empty((rows, nb), dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x2d)
-    rstd = torch.empty(rows, dtype=torch.float32, device=dev)
-    if rows == 0:
-        return codes, scale, y, rstd
-    _rms_norm_mx_kernel[(rows,)](
-        _bits_view(x2d), _bits_view(weight.contiguous()), codes, scale, _bits_view(y), rstd, n, nb, float(eps),
-        IN_KIND=_IN_KIND[x2d.dtype], W_KIND=_IN_KIND[weight.dtype], MBITS=fmt.mbits, EBIAS=fmt.ebias,
-        EMAX=fmt.emax, MAXVAL=fmt.max, E5M2=fmt.name == "e5m2", BLOCK=block, NB=next_pow2(nb))
-    return codes, scale, y, rstd
