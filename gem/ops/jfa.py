@@ -22,6 +22,7 @@ import math
 import torch
 
 from gem.ops._common import check_offsets, clamp_window, jagged_to_padded, resolve_kernel
+from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -95,6 +96,9 @@ def jagged_attention(
     scale: float | None = None,
     kernel: str = "auto",
     mask_mode: str = "auto",
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    max_attn_len: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention over jagged sequences -> [Tq, H, D] in q's dtype.
 
@@ -107,8 +111,15 @@ def jagged_attention(
     per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
     not modified in place, so pass the same offsets objects to every layer (GEM_OFFSETS_CACHE=0 turns the cache
     off).
+
+    num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
+    first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
+    no offsets_k).
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
+    hstu = hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
+                     cross=offsets_k is not None and offsets_k is not offsets_q, device=q.device)
     if mask_mode not in ("auto", "sub", "inf"):
         raise ValueError(f"mask_mode={mask_mode!r}: expected 'auto', 'sub' or 'inf'")
     left, right = _norm_window(causal, window)
@@ -121,12 +132,13 @@ def jagged_attention(
     which = resolve_kernel(kernel, q, k, v)
     if which == "reference":
         return jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
-                                          left=left, right=right, scale=scale)
+                                          left=left, right=right, scale=scale, hstu=hstu)
     if q.shape[2] not in _TRITON_HEAD_DIMS:
         raise ValueError(f"head dim {q.shape[2]} not supported by the Triton kernel: use one of {_TRITON_HEAD_DIMS}")
     from gem.ops.triton_jfa import jfa_triton
 
-    return jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
+    return jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf",
+                      hstu=hstu)
 
 
 def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, left: int, right: int) -> torch.Tensor:
@@ -145,8 +157,9 @@ def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, lef
 
 
 def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, left=-1, right=-1,
-                               scale=None):
-    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype."""
+                               scale=None, hstu: HstuMask | None = None):
+    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype. hstu (self
+    attention): the HSTU mask in place of left / right."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     h, h_kv = q.shape[1], k.shape[1]
@@ -161,7 +174,10 @@ def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len
         kp = kp.repeat_interleave(h // h_kv, dim=2)
         vp = vp.repeat_interleave(h // h_kv, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
-    vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
+    if hstu is not None:
+        vis = hstu_visible_mask(lq, max(mq, mk), hstu)[:, None, :mq, :mk]
+    else:
+        vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
     s = s.masked_fill(~vis, float("-inf")).masked_fill(~vis.any(-1, keepdim=True), 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(~vis, 0.0)  # rows with no visible key -> 0
     out = torch.einsum("bhij,bjhd->bihd", p, vp)

@@ -62,6 +62,76 @@ def edge_runs(p0, p_last, lo, n_t, off, below, above, HAS_BELOW, HAS_ABOVE, BLOC
     return t_a, t_b
 
 
+@triton.jit
+def hstu_visible(r, c, hstu):
+    """generative-recommenders' HSTU mask (gem/ops/hstu_mask.py) for query positions r and key positions c of one
+    sequence, broadcast against each other (r[:, None] and c[None, :], or transposed). hstu = (n, first target
+    position, contextual_len, max_attn_len with 0 unbounded); positions past n are invisible."""
+    n, ft, ctx, max_attn = hstu
+    cs = tl.maximum(ctx - 1, 0)
+    last = ft - cs
+    id_r = tl.minimum(tl.maximum(r - cs, 0), last)
+    id_c = tl.minimum(tl.maximum(c - cs, 0), last)
+    dist = id_r - id_c
+    vis = (r == c) | ((dist > 0) & ((dist <= max_attn) | (max_attn <= 0)))
+    vis = vis | ((ctx > 0) & (id_r == 0) & (id_c < last))
+    return vis & (r < n) & (c < n)
+
+
+@triton.jit
+def hstu_seq(NUM_TARGETS, b, n, ctx, max_attn, HSTU: tl.constexpr):
+    """The hstu tuple of sequence b (n tokens) for hstu_visible; a placeholder, never read, when not HSTU."""
+    if HSTU:
+        return n, n - tl.load(NUM_TARGETS + b).to(tl.int32), ctx, max_attn
+    return n, n, 0, 0
+
+
+@triton.jit
+def hstu_key_range(m0, hstu, BLOCK_M: tl.constexpr):
+    """[lo, hi): the keys any of query rows [m0, m0 + BLOCK_M) may see under hstu_visible. Rows see earlier ids and
+    themselves; contextual rows every non-target key; a max_attn_len window from the row's id (the first target's
+    for targets), which reaches back to 0 once it meets the contextual block."""
+    n, ft, ctx, max_attn = hstu
+    hi = tl.minimum(m0 + BLOCK_M, n)
+    hi = tl.minimum(tl.where(m0 < ctx, tl.maximum(hi, ft), hi), n)
+    lo = tl.minimum(m0, ft) - max_attn
+    lo = tl.where((max_attn > 0) & (lo >= ctx), lo, 0)
+    return lo, hi
+
+
+@triton.jit
+def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query tiles (BLOCK_M rows, aligned at 0) that may see key columns [n0, n0 + BLOCK_N) under hstu_visible,
+    as three disjoint runs: contextual rows [0, n_a), rows from the key tile on [b0, b0 + n_b) up to the
+    max_attn_len reach, targets [c0, c0 + n_c) beyond it. Row tile t of the loop over n_a + n_b + n_c starts at
+    hstu_tile_row(t, ...)."""
+    n, ft, ctx, max_attn = hstu
+    cs = tl.maximum(ctx - 1, 0)
+    n_last = tl.minimum(n0 + BLOCK_N, n) - 1
+    a_end = tl.where((ctx > 0) & (n0 < ft), tl.minimum(tl.minimum(ctx, n0), n), 0)
+    n_a = tl.cdiv(a_end, BLOCK_M)
+    hi_b = n
+    # targets see a non-target key j while the first target's id is within max_attn_len of j's
+    j_hist = tl.minimum(n_last, ft - 1)
+    t_see = (n0 < ft) & (ft - tl.maximum(j_hist, cs) <= max_attn)
+    c_end = n
+    if max_attn > 0:
+        hi_b = tl.minimum(tl.maximum(n_last, cs) + max_attn + 1, n)
+        c_end = tl.where(t_see, n, 0)
+    b0 = tl.maximum(n0 // BLOCK_M, n_a)
+    b_end = tl.maximum(tl.cdiv(hi_b, BLOCK_M), b0)
+    c0 = tl.maximum(b_end, ft // BLOCK_M)
+    n_c = tl.maximum(tl.cdiv(c_end, BLOCK_M) - c0, 0)
+    return n_a, b0, b_end - b0, c0, n_c
+
+
+@triton.jit
+def hstu_tile_row(t, n_a, b0, n_b, c0, BLOCK_M: tl.constexpr):
+    """First row of tile t of the runs of hstu_query_tiles."""
+    idx = tl.where(t < n_a, t, tl.where(t < n_a + n_b, b0 + t - n_a, c0 + t - n_a - n_b))
+    return idx * BLOCK_M
+
+
 # ----------------------------------------------------------------------------------------------- host helpers
 
 
