@@ -133,6 +133,8 @@ def jagged_attention(
     if which == "reference":
         return jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
                                           left=left, right=right, scale=scale, hstu=hstu)
+    if hstu is not None:  # the HSTU mask holds causality (and its own window)
+        left, right = -1, -1
     if q.shape[2] not in _TRITON_HEAD_DIMS:
         raise ValueError(f"head dim {q.shape[2]} not supported by the Triton kernel: use one of {_TRITON_HEAD_DIMS}")
     from gem.ops.triton_jfa import jfa_triton

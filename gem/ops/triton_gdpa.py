@@ -30,7 +30,7 @@ from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
 from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_range, hstu_query_tiles, hstu_seq,
-                                  hstu_tile_row, hstu_visible, len_bucket, num_sms, window_mask, work_table)
+                                  hstu_kw, hstu_tile_row, hstu_visible, len_bucket, num_sms, window_mask, work_table)
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
@@ -158,20 +158,24 @@ def _visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
     """[M, N] mask of key j visible to query i: diag-left <= j <= diag+right, diag = i + (Lk - Lq); HSTU: the
     HSTU mask (gem.ops.triton_utils.hstu_visible) instead."""
     if HSTU:
-        return hstu_visible(offs_m[:, None], offs_n[None, :], hstu)
-    diag = offs_m[:, None] + doff
-    vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
-    return window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+        vis = hstu_visible(offs_m[:, None], offs_n[None, :], hstu)
+    else:
+        diag = offs_m[:, None] + doff
+        vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
+        vis = window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+    return vis
 
 
 @triton.jit
 def _visible_t(offs_n, offs_m, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
     """_visible transposed, [N, M], built directly (no layout change of a mask)."""
     if HSTU:
-        return hstu_visible(offs_m[None, :], offs_n[:, None], hstu)
-    diag = offs_m[None, :] + doff
-    vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
-    return window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+        vis = hstu_visible(offs_m[None, :], offs_n[:, None], hstu)
+    else:
+        diag = offs_m[None, :] + doff
+        vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
+        vis = window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+    return vis
 
 
 @triton.jit
@@ -780,15 +784,6 @@ def hstu_launch_args(hstu, offsets_q) -> tuple:
     return hstu.num_targets, hstu.contextual_len, hstu.max_attn
 
 
-def _hstu_kw(offsets_q, num_targets, hstu_ctx: int, hstu_max_attn: int, max_len: int) -> dict:
-    """The kernels' HSTU keyword arguments; max_attn_len is cut to max_len (a longer one never binds), so the
-    kernels' int32 row arithmetic stays far from overflow."""
-    if num_targets is None:
-        return dict(NUM_TARGETS=offsets_q, HSTU_CTX=0, HSTU_MAX_ATTN=0, HSTU=False)
-    return dict(NUM_TARGETS=num_targets, HSTU_CTX=min(hstu_ctx, max_len + 1), HSTU_MAX_ATTN=min(hstu_max_attn, max_len),
-                HSTU=True)
-
-
 def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, right, max_len, heads) -> tuple:
     """The kernels' runtime arguments: tensors, offsets, work table, (token, head) strides of each tensor, scalars."""
     strides = [s for x in tensors for s in (x.stride(0), x.stride(1))]
@@ -819,7 +814,7 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx, num_targets is not None),
-                  **_hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
+                  **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
@@ -848,7 +843,7 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    hstu = _hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
+    hstu = hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
     kv_tile = len_bucket(max_len_k)
     fits = kv_tile <= 128 and kv_tile * len_bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles

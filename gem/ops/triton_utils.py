@@ -81,9 +81,10 @@ def hstu_visible(r, c, hstu):
 @triton.jit
 def hstu_seq(NUM_TARGETS, b, n, ctx, max_attn, HSTU: tl.constexpr):
     """The hstu tuple of sequence b (n tokens) for hstu_visible; a placeholder, never read, when not HSTU."""
+    ft = n
     if HSTU:
-        return n, n - tl.load(NUM_TARGETS + b).to(tl.int32), ctx, max_attn
-    return n, n, 0, 0
+        ft = n - tl.load(NUM_TARGETS + b).to(tl.int32)
+    return n, ft, ctx, max_attn
 
 
 @triton.jit
@@ -140,6 +141,16 @@ def dot_prec(dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
     return "upcast" if triton_interpreting() else "tf32"
+
+
+def hstu_kw(offsets_q, num_targets, ctx: int, max_attn: int, max_len: int) -> dict:
+    """The kernels' HSTU keyword arguments (hstu_seq); without num_targets the HSTU code is compiled out and the
+    pointer is a placeholder. ctx and max_attn are cut to what can bind in sequences of max_len, so the kernels'
+    int32 row arithmetic stays far from overflow."""
+    if num_targets is None:
+        return dict(NUM_TARGETS=offsets_q, HSTU_CTX=0, HSTU_MAX_ATTN=0, HSTU=False)
+    return dict(NUM_TARGETS=num_targets, HSTU_CTX=min(ctx, max_len + 1), HSTU_MAX_ATTN=min(max_attn, max_len),
+                HSTU=True)
 
 
 def len_bucket(n: int) -> int:
