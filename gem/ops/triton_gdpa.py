@@ -29,8 +29,8 @@ import triton.language as tl
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
-from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_range, hstu_query_tiles, hstu_seq,
-                                  hstu_kw, hstu_tile_row, hstu_visible, len_bucket, num_sms, window_mask, work_table)
+from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_tiles, hstu_kw, hstu_query_tiles,
+                                  hstu_seq, hstu_tile_count, hstu_tile_start, hstu_visible, len_bucket, num_sms, window_mask, work_table)
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
@@ -259,21 +259,22 @@ def _partner_range(p0, n, off, BELOW, ABOVE, MASKED: tl.constexpr, BLOCK_P: tl.c
 @triton.jit
 def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr, MASKED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles of q rows [m0, m0 + BLOCK_M): first key, tile count, and the unmasked run [t_a, t_b) (none under
-    the HSTU mask: every tile takes it)."""
-    if HSTU:
-        lo, hi = hstu_key_range(m0, hstu, BLOCK_M)
-    else:
-        lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+    """Key tiles of q rows [m0, m0 + BLOCK_M): first key, tile count, the unmasked run [t_a, t_b), and the HSTU
+    mask's runs of tiles (gem.ops.triton_utils.hstu_key_tiles): every one masked, tile t from hstu_tile_start."""
+    lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
     nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     t_a = 0
     t_b = nt
+    runs = (0, 0, 0, 0, 0)
     if HSTU:
+        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
+        nt = hstu_tile_count(runs)
         t_a = nt
+        t_b = nt
     elif MASKED:
         t_a, t_b = edge_runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, LEFT >= 0, RIGHT >= 0,
                              BLOCK_N)
-    return lo, nt, t_a, t_b
+    return lo, nt, t_a, t_b, runs
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -385,9 +386,12 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
             m0 = (first + t) * BLOCK_M
             q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
+            lo, nt, t_a, t_b, runs = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
             for j in range(t_a):  # j: t is the q-tile loop's
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+                n0 = lo + j * BLOCK_N
+                if HSTU:
+                    n0 = hstu_tile_start(j, runs, BLOCK_N)
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
                                    stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
                                    DOT_PREC)
             for j in range(t_a, t_b):
@@ -472,8 +476,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     t_a = 0
     t_b = nt
     if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
-        n_a, b0, n_b, c0, n_c = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
-        t_a = n_a + n_b + n_c
+        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        t_a = hstu_tile_count(runs)
         t_b = t_a
         nt = t_a
     elif MASKED:  # the mirror of the q tiles' runs: query i sees key j for j-doff-RIGHT <= i <= j-doff+LEFT
@@ -486,7 +490,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
         for t in range(t_a):
             m0 = lo + t * BLOCK_M
             if HSTU:
-                m0 = hstu_tile_row(t, n_a, b0, n_b, c0, BLOCK_M)
+                m0 = hstu_tile_start(t, runs, BLOCK_M)
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale,
                                   doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4, C5, C6,
                                   CLAMP, DOT_PREC)
@@ -526,9 +530,12 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
+    lo, nt, t_a, t_b, runs = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
     for t in range(t_a):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
+        n0 = lo + t * BLOCK_N
+        if HSTU:
+            n0 = hstu_tile_start(t, runs, BLOCK_N)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
                          stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_a, t_b):
         dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,

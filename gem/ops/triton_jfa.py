@@ -31,8 +31,8 @@ import triton.language as tl
 
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
-from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_range, hstu_query_tiles, hstu_seq,
-                                  hstu_kw, hstu_tile_row, hstu_visible, len_bucket, window_mask, work_table)
+from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_tiles, hstu_kw, hstu_query_tiles,
+                                  hstu_seq, hstu_tile_count, hstu_tile_start, hstu_visible, len_bucket, window_mask, work_table)
 
 LOG2E = 1.4426950408889634
 
@@ -135,23 +135,26 @@ def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_
 def _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key tiles seen by the query rows of the tile at m0: start column, tile count, fully visible tiles
-    [k_lo, k_hi) (none under the HSTU mask: every tile takes it)."""
+    [k_lo, k_hi), and the HSTU mask's runs of tiles (gem.ops.triton_utils.hstu_key_tiles): every one masked, tile t
+    from hstu_tile_start."""
     rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo = 0
     hi = Lk
+    runs = (0, 0, 0, 0, 0)
     if HSTU:
-        lo, hi = hstu_key_range(m0, hstu, BLOCK_M)
+        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         lo = tl.maximum(m0 + shift - win_left, 0)
     if HAS_RIGHT:
         hi = tl.minimum(rows_last + shift + win_right + 1, Lk)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     if HSTU:
+        n_t = hstu_tile_count(runs)
         k_lo = 0
         k_hi = 0
     else:
         k_lo, k_hi = edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
-    return lo, n_t, k_lo, k_hi
+    return lo, n_t, k_lo, k_hi, runs
 
 
 @triton.jit
@@ -212,7 +215,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
 
 @triton.jit
 def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
-               win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale, lo, n_t, k_lo, k_hi,
+               win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale, lo, n_t, k_lo, k_hi, runs,
                SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr,
                DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_D: tl.constexpr):
@@ -231,8 +234,10 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
                                    lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
                                    qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     for t in range(k_full, n_t):  # right edge / causal diagonal
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
+        n = lo + t * BLOCK_N
+        if HSTU:
+            n = hstu_tile_start(t, runs, BLOCK_N)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
                                    qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     n_masked = 0
     if SUB:
@@ -257,11 +262,12 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
     desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT)
 
     acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
                                          offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo, n_t, k_lo,
-                                         k_hi, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                                         k_hi, runs, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
                                          HEAD_D)
     if SUB:
         l_raw = l_i
@@ -270,7 +276,7 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
             acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
                                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo,
-                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
+                                                 n_t, k_lo, k_hi, runs, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
                                                  TMA, BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -387,8 +393,8 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
     lo, n_t, k_lo, k_hi = _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
-        n_a, b0, n_b, c0, n_c = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
-        n_t = n_a + n_b + n_c
+        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        n_t = hstu_tile_count(runs)
         k_lo = n_t
         k_hi = n_t
     desc_q = None
@@ -413,7 +419,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
         for t in range(k_lo):  # rows still left of the causal / right-window edge
             m = lo + t * BLOCK_M
             if HSTU:
-                m = hstu_tile_row(t, n_a, b0, n_b, c0, BLOCK_M)
+                m = hstu_tile_start(t, runs, BLOCK_M)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
                                 g * HEAD_D, stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
                                 qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
@@ -506,7 +512,8 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
     desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
@@ -524,8 +531,10 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                       MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
                       ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
+        n = lo + t * BLOCK_N
+        if HSTU:
+            n = hstu_tile_start(t, runs, BLOCK_N)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
                       True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],

@@ -88,37 +88,41 @@ def hstu_seq(NUM_TARGETS, b, n, ctx, max_attn, HSTU: tl.constexpr):
 
 
 @triton.jit
-def hstu_key_range(m0, hstu, BLOCK_M: tl.constexpr):
-    """[lo, hi): the keys any of query rows [m0, m0 + BLOCK_M) may see under hstu_visible. Rows see earlier ids and
-    themselves; contextual rows every non-target key; a max_attn_len window from the row's id (the first target's
-    for targets), which reaches back to 0 once it meets the contextual block."""
+def hstu_key_tiles(m0, hstu, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles (BLOCK_N keys, aligned at 0) that query rows [m0, m0 + BLOCK_M) may see under hstu_visible, as
+    runs (see hstu_tile_start). Rows see earlier ids and themselves; contextual rows every non-target key; a
+    max_attn_len window counts from the row's id (the first target's for targets) and reaches back to 0 once it
+    meets the contextual block. A tile of targets only sees the history before the first target and itself, so
+    the other targets' tiles between are skipped."""
     n, ft, ctx, max_attn = hstu
     hi = tl.minimum(m0 + BLOCK_M, n)
     hi = tl.minimum(tl.where(m0 < ctx, tl.maximum(hi, ft), hi), n)
     lo = tl.minimum(m0, ft) - max_attn
     lo = tl.where((max_attn > 0) & (lo >= ctx), lo, 0)
-    return lo, hi
+    e1 = tl.where(m0 > ft, ft, hi)  # end of the history run
+    b0 = lo // BLOCK_N
+    b_end = tl.maximum(tl.cdiv(e1, BLOCK_N), b0)
+    c0 = tl.maximum(b_end, m0 // BLOCK_N)
+    n_c = tl.where(m0 > ft, tl.maximum(tl.cdiv(hi, BLOCK_N) - c0, 0), 0)
+    return 0, b0, b_end - b0, c0, n_c
 
 
 @triton.jit
 def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """The query tiles (BLOCK_M rows, aligned at 0) that may see key columns [n0, n0 + BLOCK_N) under hstu_visible,
-    as three disjoint runs: contextual rows [0, n_a), rows from the key tile on [b0, b0 + n_b) up to the
-    max_attn_len reach, targets [c0, c0 + n_c) beyond it. Row tile t of the loop over n_a + n_b + n_c starts at
-    hstu_tile_row(t, ...)."""
+    as runs (see hstu_tile_start): contextual rows, rows from the key tile on up to the max_attn_len reach (its own
+    rows only for a tile of targets), the targets beyond that reach."""
     n, ft, ctx, max_attn = hstu
     cs = tl.maximum(ctx - 1, 0)
     n_last = tl.minimum(n0 + BLOCK_N, n) - 1
     a_end = tl.where((ctx > 0) & (n0 < ft), tl.minimum(tl.minimum(ctx, n0), n), 0)
     n_a = tl.cdiv(a_end, BLOCK_M)
-    hi_b = n
     # targets see a non-target key j while the first target's id is within max_attn_len of j's
     j_hist = tl.minimum(n_last, ft - 1)
     t_see = (n0 < ft) & (ft - tl.maximum(j_hist, cs) <= max_attn)
-    c_end = n
-    if max_attn > 0:
-        hi_b = tl.minimum(tl.maximum(n_last, cs) + max_attn + 1, n)
-        c_end = tl.where(t_see, n, 0)
+    hi_b = tl.where(max_attn > 0, tl.minimum(tl.maximum(n_last, cs) + max_attn + 1, n), n)
+    hi_b = tl.where(n0 >= ft, n_last + 1, hi_b)
+    c_end = tl.where((max_attn > 0) & t_see, n, 0)
     b0 = tl.maximum(n0 // BLOCK_M, n_a)
     b_end = tl.maximum(tl.cdiv(hi_b, BLOCK_M), b0)
     c0 = tl.maximum(b_end, ft // BLOCK_M)
@@ -127,10 +131,19 @@ def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def hstu_tile_row(t, n_a, b0, n_b, c0, BLOCK_M: tl.constexpr):
-    """First row of tile t of the runs of hstu_query_tiles."""
+def hstu_tile_count(runs):
+    """The number of tiles in runs (hstu_key_tiles, hstu_query_tiles)."""
+    n_a, b0, n_b, c0, n_c = runs
+    return n_a + n_b + n_c
+
+
+@triton.jit
+def hstu_tile_start(t, runs, BLOCK: tl.constexpr):
+    """First row (or key) of tile t of runs = (n_a, b0, n_b, c0, n_c): tiles [0, n_a), [b0, b0 + n_b) and
+    [c0, c0 + n_c) of a grid of BLOCK aligned at 0, disjoint and in order, so a loop over them visits each once."""
+    n_a, b0, n_b, c0, n_c = runs
     idx = tl.where(t < n_a, t, tl.where(t < n_a + n_b, b0 + t - n_a, c0 + t - n_a - n_b))
-    return idx * BLOCK_M
+    return idx * BLOCK
 
 
 # ----------------------------------------------------------------------------------------------- host helpers
