@@ -139,8 +139,9 @@ def jagged_attention(
         raise ValueError(f"head dim {q.shape[2]} not supported by the Triton kernel: use one of {_TRITON_HEAD_DIMS}")
     from gem.ops.triton_jfa import jfa_triton
 
+    extra = {} if hstu is None else {"hstu": hstu}
     return jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf",
-                      hstu=hstu)
+                      **extra)
 
 
 def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, left: int, right: int) -> torch.Tensor:
