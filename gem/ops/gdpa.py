@@ -162,8 +162,12 @@ def _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, 
     """The checked HSTU arguments (gem.ops.hstu_mask), or None; key offsets are compared only when some are given
     and they are not the query offsets' tensor."""
     wanted = num_targets is not None or bool(contextual_len) or max_attn_len is not None
-    cross = wanted and offsets_k is not offsets_q and (
-        offsets_k.shape != offsets_q.shape or not torch.equal(offsets_k, offsets_q))
+    cross = wanted and offsets_k is not offsets_q and offsets_k.shape != offsets_q.shape
+    if wanted and not cross and offsets_k is not offsets_q:
+        if offsets_q.device.type == "cpu" and not torch.compiler.is_compiling():
+            cross = not torch.equal(offsets_k, offsets_q)
+        else:  # no host sync: an asynchronous device assert
+            torch._assert_async((offsets_k == offsets_q).all(), "the HSTU mask needs offsets_k equal to offsets_q")
     return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
                      cross=cross, device=q.device)
 

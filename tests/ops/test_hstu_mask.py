@@ -322,3 +322,27 @@ def test_gpu_matches_reference(op, c, m, d, monkeypatch):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         err = (a.float() - b).abs().max().item()
         assert err <= 3e-2 * max(1.0, b.abs().max().item()), f"{name}: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_torch_compile_fullgraph_and_opcheck(op):
+    from gem.ops.triton_gdpa import gdpa_fwd_op
+    from gem.ops.triton_jfa import jfa_fwd_op
+
+    lengths, targets, c, m = [6, 0, 13], [2, 0, 13], 2, 3
+    q, k, v = _inputs(lengths)
+
+    def f(q, k, v):
+        return _call(op, q, k, v, lengths, targets, c, m, "triton").square().sum()
+
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    want = f(q, k, v)
+    for a, b in zip((loss, *grads), (want, *torch.autograd.grad(want, (q, k, v)))):
+        torch.testing.assert_close(a, b)
+    off, nt = _offsets(lengths), torch.tensor(targets)
+    if op == "jfa":
+        fn, args = jfa_fwd_op, (q, k, v, off, off, 13, 13, 0.25, -1, -1, False, nt, c, m)
+    else:
+        fn, args = gdpa_fwd_op, (q, k, v, off, off, 13, 13, "silu", "", -1, 0, 0.25, 1.0, True, -1, nt, c, m)
+    torch.library.opcheck(fn, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
