@@ -26,7 +26,7 @@ class HstuMask:
     """The normalised HSTU arguments of one call: num_targets an int tensor [B] on the values' device (zeros when
     none were given), contextual_len and max_attn (0 = unbounded) Python ints."""
 
-    __slots__ = ("num_targets", "contextual_len", "max_attn")
+    __slots__ = ("contextual_len", "max_attn", "num_targets")
 
     def __init__(self, num_targets: torch.Tensor, contextual_len: int, max_attn: int):
         self.num_targets = num_targets

@@ -29,8 +29,23 @@ import triton.language as tl
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
-from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_tiles, hstu_kw, hstu_query_tiles,
-                                  hstu_seq, hstu_tile_count, hstu_tile_start, hstu_visible, len_bucket, num_sms, window_mask, work_table)
+from gem.ops.triton_utils import (
+    dot,
+    dot_acc,
+    dot_prec,
+    edge_runs,
+    hstu_key_tiles,
+    hstu_kw,
+    hstu_query_tiles,
+    hstu_seq,
+    hstu_tile_count,
+    hstu_tile_start,
+    hstu_visible,
+    len_bucket,
+    num_sms,
+    window_mask,
+    work_table,
+)
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
@@ -290,10 +305,10 @@ def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr, S
 
 
 @triton.jit
-def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                 hstu, HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, hstu,
+                 HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                 C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                 CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc += act(q k^T) v over one key tile (q comes scaled); MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
@@ -305,10 +320,10 @@ def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_k
 
 @triton.jit
 def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt, stride_vt,
-                    stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
-                    C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+                    stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
+                    POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                    C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles. The scale
     multiplies S, so each loaded q tile feeds the dot as loaded (the pipelined load can go straight to shared
     memory)."""
@@ -354,19 +369,19 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
         if BLOCK_N >= 64:
             if lk <= BLOCK_N // 4:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N // 4,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N // 4, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             elif lk <= BLOCK_N // 2:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N // 2,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N // 2, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             else:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
         else:
-            _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                            stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
+            _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt, stride_vt,
+                            stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
                             ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
@@ -377,8 +392,8 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
                                        True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                                   doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
                                    DOT_PREC)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
     else:
@@ -391,26 +406,25 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
                 n0 = lo + j * BLOCK_N
                 if HSTU:
                     n0 = hstu_tile_start(j, runs, BLOCK_N)
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff,
+                                   LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             for j in range(t_a, t_b):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6,
+                                   CLAMP, DOT_PREC)
             for j in range(t_b, nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6,
+                                   CLAMP, DOT_PREC)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
 @triton.jit
-def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT,
-                 RIGHT, hstu, HSTU: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
-                 C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                 C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT, RIGHT,
+                 hstu, HSTU: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr,
+                 POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                 C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """dK, dV of one key tile += one query tile's share; MASK: the tile pair crosses the window edge. The loaded q
     feeds both dots as is; dK takes the scale at the end."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -431,10 +445,10 @@ def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt,
 
 
 @triton.jit
-def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                hstu, HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, hstu,
+                HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """dQ of one query tile += one key tile's share; MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
@@ -496,12 +510,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
                                   CLAMP, DOT_PREC)
         for t in range(t_a, t_b):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
-                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, False, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC)
+                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, False, ACT, POLY, C1, C2,
+                                  C3, C4, C5, C6, CLAMP, DOT_PREC)
         for t in range(t_b, nt):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
-                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC)
+                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2,
+                                  C3, C4, C5, C6, CLAMP, DOT_PREC)
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
     DVb = DV + k_start * stride_dvt + kvh * stride_dvh
     dk_scale = out_scale * scale
@@ -535,14 +549,14 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
         n0 = lo + t * BLOCK_N
         if HSTU:
             n0 = hstu_tile_start(t, runs, BLOCK_N)
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT,
+                         RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_a, t_b):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                         doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_b, nt):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                         doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -575,23 +589,23 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
         if lk <= BLOCK_N // 4:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M,
+                            BLOCK_N // 4, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M,
+                            BLOCK_N // 2, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
-                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N,
+                            MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                        scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
-                        C4, C5, C6, CLAMP, DOT_PREC, KT)
+                        scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY,
+                        C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
 
 
 @triton.jit
@@ -691,7 +705,7 @@ else:
                                                   (32, False, 8, 2)]),
     }
 # each kernel kind: the kernel, and the constexprs its tuning key holds besides _KEY, max_len_bucket and dtypes
-_KEY = ("HEAD_DIM", "ACT", "POLY", "MASKED", "HSTU")
+_KEY = ("HEAD_DIM", "ACT", "POLY", "MASKED")
 _KINDS = {"fwd_short": (_fwd_kernel, ("SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M")),
           "fwd_long": (_fwd_kernel, ("SHORT_KV", "TILES", "BLOCK_M", "FLAT")),
           "fwd_long_small": (_fwd_kernel, ("SHORT_KV", "TILES", "BLOCK_M", "FLAT")),
@@ -706,6 +720,8 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict) -> None:
     kernel, names = _KINDS[kind]
     key = tuple(kwargs[n] for n in _KEY + names) + (args[-2],) + tuple(
         a.dtype for a in args if isinstance(a, torch.Tensor))
+    if kwargs["HSTU"]:  # keys without the HSTU mask stay as they were
+        key += ("hstu",)
 
     def launch(cfg):
         kernel[grid](*args, **kwargs, **cfg)
@@ -801,7 +817,8 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
 # _gdpa_fwd / _gdpa_bwd do the work; the custom ops wrap them for torch.compile, _GdpaFn for eager calls.
 def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
               max_len_q: int, max_len_k: int, activation: str, approx: str, left: int, right: int, scale: float,
-              out_scale: float, ordered: bool, short_kv: int, num_targets: Optional[torch.Tensor] = None,
+              out_scale: float, ordered: bool, short_kv: int,
+              num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
               hstu_ctx: int = 0, hstu_max_attn: int = 0) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
@@ -820,7 +837,8 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
         fused = _fused_tiles(t, block_m, h, offsets_q.numel() - 1, max_len_q, max_len_k, q.device)
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
-    common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx, num_targets is not None),
+    common = dict(BLOCK_M=block_m, TILES=tiles,
+                  **_common(q, k, left, right, activation, approx, num_targets is not None),
                   **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
@@ -844,8 +862,8 @@ def _(q, *args):
 def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor,
               offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, activation: str, approx: str, left: int,
               right: int, scale: float, out_scale: float, ordered: bool, short_kv: int,
-              num_targets: Optional[torch.Tensor] = None, hstu_ctx: int = 0,
-              hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+              hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):

@@ -31,8 +31,22 @@ import triton.language as tl
 
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
-from gem.ops.triton_utils import (dot, dot_acc, dot_prec, edge_runs, hstu_key_tiles, hstu_kw, hstu_query_tiles,
-                                  hstu_seq, hstu_tile_count, hstu_tile_start, hstu_visible, len_bucket, window_mask, work_table)
+from gem.ops.triton_utils import (
+    dot,
+    dot_acc,
+    dot_prec,
+    edge_runs,
+    hstu_key_tiles,
+    hstu_kw,
+    hstu_query_tiles,
+    hstu_seq,
+    hstu_tile_count,
+    hstu_tile_start,
+    hstu_visible,
+    len_bucket,
+    window_mask,
+    work_table,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -224,21 +238,22 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for t in range(k_lo):  # left window edge
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                  lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu,
+                                  HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     k_full = k_hi
     if not SUB:
         k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
     for t in range(k_lo, k_full):  # no mask at all
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                   qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                  lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu,
+                                  HSTU, qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     for t in range(k_full, n_t):  # right edge / causal diagonal
         n = lo + t * BLOCK_N
         if HSTU:
             n = hstu_tile_start(t, runs, BLOCK_N)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m,
+                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True,
+                                  HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     n_masked = 0
     if SUB:
         n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
@@ -265,19 +280,19 @@ def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
     lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT)
 
-    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
-                                         offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo, n_t, k_lo,
-                                         k_hi, runs, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                                         HEAD_D)
+    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo, n_t, k_lo, k_hi,
+                                        runs, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                                        HEAD_D)
     if SUB:
         l_raw = l_i
         l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
         bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
-            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
-                                                 offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo,
-                                                 n_t, k_lo, k_hi, runs, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
-                                                 TMA, BLOCK_M, BLOCK_N, HEAD_D)
+            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
+                                               offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo,
+                                               n_t, k_lo, k_hi, runs, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED,
+                                               DOT_PREC, TMA, BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -296,10 +311,10 @@ def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
                     NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     item, h = _program_item(WORK, H, True)
     if item >= 0:
-        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt,
-                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
-                  win_right, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                  HEAD_D)
+        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                  stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left, win_right, NUM_TARGETS, HSTU_CTX,
+                  HSTU_MAX_ATTN, HSTU, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M,
+                  BLOCK_N, HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -420,19 +435,19 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
             m = lo + t * BLOCK_M
             if HSTU:
                 m = hstu_tile_start(t, runs, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_lo, k_hi):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot,
-                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
+                                win_left, win_right, hstu, HSTU, qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC,
+                                ROWMAJOR, TMA)
         for t in range(k_hi, n_t):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot,
-                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
+                                win_left, win_right, hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC,
+                                ROWMAJOR, TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=in_k[:, None])
@@ -518,24 +533,25 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     for t in range(k_lo):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False,
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_lo, k_full):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
-                      False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, False, False,
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_full, k_hi):  # the fully visible tile crossing Lk: masked, or clamped for the sub scheme
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
                       MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
                       ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
         n = lo + t * BLOCK_N
         if HSTU:
             n = hstu_tile_start(t, runs, BLOCK_N)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n,
+                      offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False, HAS_LEFT,
+                      HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
@@ -633,8 +649,8 @@ def _tma_ok(*tensors) -> bool:
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
          max_len_q: int, max_len_k: int, scale: float, left: int, right: int, mask_inf: bool,
-         num_targets: Optional[torch.Tensor] = None, hstu_ctx: int = 0,
-         hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+         num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+         hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
@@ -657,16 +673,18 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
             max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **reg_cap(cfg), **common)
 
-    key = (tma, d, q.dtype, len_bucket(max_len_q), len_bucket(max_len_k), left, right, mask_inf,
-           num_targets is not None)
+    key = (tma, d, q.dtype, len_bucket(max_len_q), len_bucket(max_len_k), left, right, mask_inf)
+    if num_targets is not None:  # keys without the HSTU mask stay as they were
+        key += ("hstu",)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))
     return out, lse
 
 
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
          offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, scale: float, left: int,
-         right: int, mask_inf: bool, num_targets: Optional[torch.Tensor] = None, hstu_ctx: int = 0,
-         hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         right: int, mask_inf: bool,
+         num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+         hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     tk, h_kv, _ = k.shape
     group = h // h_kv
@@ -716,7 +734,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, len_bucket(max_len_q),
-           len_bucket(max_len_k), left, right, group, num_targets is not None)
+           len_bucket(max_len_k), left, right, group)
+    if num_targets is not None:
+        key += ("hstu",)
     # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
     for kind in ("bwd_dq", "bwd_dkdv") if v2 else ("bwd_dkdv", "bwd_dq"):
         if kind == "bwd_dkdv" and not tk:

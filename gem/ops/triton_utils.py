@@ -133,15 +133,14 @@ def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def hstu_tile_count(runs):
     """The number of tiles in runs (hstu_key_tiles, hstu_query_tiles)."""
-    n_a, b0, n_b, c0, n_c = runs
-    return n_a + n_b + n_c
+    return runs[0] + runs[2] + runs[4]
 
 
 @triton.jit
 def hstu_tile_start(t, runs, BLOCK: tl.constexpr):
     """First row (or key) of tile t of runs = (n_a, b0, n_b, c0, n_c): tiles [0, n_a), [b0, b0 + n_b) and
     [c0, c0 + n_c) of a grid of BLOCK aligned at 0, disjoint and in order, so a loop over them visits each once."""
-    n_a, b0, n_b, c0, n_c = runs
+    n_a, b0, n_b, c0 = runs[0], runs[1], runs[2], runs[3]
     idx = tl.where(t < n_a, t, tl.where(t < n_a + n_b, b0 + t - n_a, c0 + t - n_a - n_b))
     return idx * BLOCK
 
@@ -161,9 +160,9 @@ def hstu_kw(offsets_q, num_targets, ctx: int, max_attn: int, max_len: int) -> di
     pointer is a placeholder. ctx and max_attn are cut to what can bind in sequences of max_len, so the kernels'
     int32 row arithmetic stays far from overflow."""
     if num_targets is None:
-        return dict(NUM_TARGETS=offsets_q, HSTU_CTX=0, HSTU_MAX_ATTN=0, HSTU=False)
-    return dict(NUM_TARGETS=num_targets, HSTU_CTX=min(ctx, max_len + 1), HSTU_MAX_ATTN=min(max_attn, max_len),
-                HSTU=True)
+        return {"NUM_TARGETS": offsets_q, "HSTU_CTX": 0, "HSTU_MAX_ATTN": 0, "HSTU": False}
+    return {"NUM_TARGETS": num_targets, "HSTU_CTX": min(ctx, max_len + 1), "HSTU_MAX_ATTN": min(max_attn, max_len),
+            "HSTU": True}
 
 
 def len_bucket(n: int) -> int:

@@ -75,7 +75,7 @@ def test_targets_only_see_history_and_themselves():
 def test_reference_mask_matches_oracle(c, m):
     """Every (length, targets) pair up to 9 tokens, including contextual blocks longer than the sequence and
     targets that reach into the contextual block."""
-    lengths, targets = zip(*[(n, t) for n in range(0, 10) for t in range(0, n + 1)])
+    lengths, targets = zip(*[(n, t) for n in range(10) for t in range(n + 1)])
     got = _mask(list(lengths), list(targets), c, m, max_len=10)
     for b, (n, t) in enumerate(zip(lengths, targets)):
         want = torch.zeros(10, 10, dtype=torch.bool)
@@ -170,7 +170,7 @@ def _dense_oracle(op, q, k, v, lengths, targets, c, m, scale):
 
 def _call(op, q, k, v, lengths, targets, c, m, kernel, **kw):
     off = _offsets(lengths)
-    hstu = dict(causal=True, num_targets=torch.tensor(targets), contextual_len=c, max_attn_len=m)
+    hstu = {"causal": True, "num_targets": torch.tensor(targets), "contextual_len": c, "max_attn_len": m}
     if op == "jfa":
         return jagged_attention(q, k, v, off, max(lengths), kernel=kernel, **hstu, **kw)
     return gdpa(q, k, v, off, max(lengths), off, max(lengths), activation="silu", normalize="max_len_k",
@@ -246,7 +246,7 @@ def test_bad_arguments_raise_one_clear_error(op):
     nt = torch.tensor([1, 1])
 
     def call(**kw):
-        args = dict(causal=True, kernel="reference")
+        args = {"causal": True, "kernel": "reference"}
         args.update(kw)
         if op == "jfa":
             return jagged_attention(q, k, v, off, 4, **args)
@@ -305,7 +305,7 @@ def test_gpu_matches_reference(op, c, m, d, monkeypatch):
     lengths, targets, c, m = _gpu_case(d + c, c, m)
     q, k, v = (x.detach().cuda().requires_grad_() for x in _inputs(lengths, h=4, h_kv=2, d=d, dtype=torch.bfloat16))
     off = _offsets(lengths).cuda()
-    hstu = dict(causal=True, num_targets=torch.tensor(targets).cuda(), contextual_len=c, max_attn_len=m)
+    hstu = {"causal": True, "num_targets": torch.tensor(targets).cuda(), "contextual_len": c, "max_attn_len": m}
     if op == "jfa":
         def run(x, y, z, kernel):
             return jagged_attention(x, y, z, off, 2048, kernel=kernel, **hstu)
