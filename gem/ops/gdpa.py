@@ -10,6 +10,8 @@ Masking: key j is visible to query i iff (causal) j <= i + (Lk - Lq), i.e. causa
 for cross attention (the last query sees every key, as FlashAttention does), and (window=(left, right))
 i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a negative or None side is unbounded. Invisible scores
 contribute nothing (they are dropped, not set to 0 before the activation).
+num_targets / contextual_len / max_attn_len replace causal / window with generative-recommenders' HSTU mask
+(gem/ops/hstu_mask.py), for self attention.
 
 approx="poly6" swaps gelu / gelu_tanh / silu for relu(x) - p(min(|x|, c)), p a degree-6 polynomial with
 p(0) = 0 and p'(0) = 1/2 (so act(0) = 0 and the derivative is continuous at 0), fitted minimax to

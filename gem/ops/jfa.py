@@ -8,6 +8,8 @@ Masks, with i the query position and j the key position inside one sequence, and
   causal:            j <= i + shift
   window=(left, r):  i + shift - left <= j <= i + shift + r   (None or -1 = unbounded on that side)
   window=w (int):    causal left window, same as causal=True, window=(w, 0)
+  HSTU (num_targets, contextual_len, max_attn_len): generative-recommenders' target-aware causal mask for self
+                     attention (gem/ops/hstu_mask.py)
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
 
 `max_len_q` / `max_len_k` must be >= every sequence length, and the offsets must start at 0, not decrease and
