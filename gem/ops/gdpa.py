@@ -229,13 +229,13 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     offsets_k equal to offsets_q). HSTU itself is activation="silu", normalize="max_len_k".
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
-    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
     lengths = (int(max_len_q), int(max_len_k))
     if min(lengths) < 0:
         raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
     check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
     check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
+    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
         return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts,
