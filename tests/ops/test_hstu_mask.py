@@ -272,7 +272,7 @@ def test_bad_arguments_raise_one_clear_error(op):
     else:  # equal key offsets are self attention; different ones are not
         call(num_targets=nt, cross=True)
         with pytest.raises(ValueError, match="self attention"):
-            gdpa(q[:6], k[:6], v[:6], off, 4, _offsets([2, 4]), 4, causal=True, num_targets=nt)
+            gdpa(q, k[:6], v[:6], off, 4, _offsets([2, 4]), 4, causal=True, num_targets=nt)
 
 
 # ------------------------------------------------------------------------------------------- GPU (H200)
