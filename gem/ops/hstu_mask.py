@@ -19,19 +19,18 @@ while it lies within m of them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-class HstuMask:
+class HstuMask(NamedTuple):
     """The normalised HSTU arguments of one call: num_targets an int tensor [B] on the values' device (zeros when
     none were given), contextual_len and max_attn (0 = unbounded) Python ints."""
 
-    __slots__ = ("contextual_len", "max_attn", "num_targets")
-
-    def __init__(self, num_targets: torch.Tensor, contextual_len: int, max_attn: int):
-        self.num_targets = num_targets
-        self.contextual_len = contextual_len
-        self.max_attn = max_attn
+    num_targets: torch.Tensor
+    contextual_len: int
+    max_attn: int
 
 
 def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tensor, causal: bool, window,

@@ -1,5 +1,6 @@
 """What the Triton attention kernels (JFA, GDPA, BlockAttention) share: dot helpers, window masks and the split of a
-tile loop into masked and unmasked runs, length buckets, and the per-batch work tables with their cache.
+tile loop into masked and unmasked runs, the HSTU mask and the tiles it leaves visible, length buckets, and the
+per-batch work tables with their cache.
 
 Work tables map a program to a (sequence, tile) item, built on the device (no host sync) and cached per offsets
 tensor pair. One builder, work_table(), serves every op; each op gives the cost that orders its items.
