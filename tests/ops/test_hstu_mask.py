@@ -219,6 +219,11 @@ def test_gdpa_triton_matches_reference(case, short_kv):
     _compare("gdpa", case, short_kv=short_kv)
 
 
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_bf16_and_grouped_heads(op):
+    _compare(op, CASES[2], dtype=torch.bfloat16, tol=3e-2, h=4, h_kv=2, d=32, seed=3)
+
+
 def test_max_attn_len_zero_is_unbounded():
     """generative-recommenders spells "no limit" 0; None is the same here."""
     case = ([12, 5], [3, 0], 2, None)
