@@ -301,17 +301,22 @@ def _gpu_case(seed, c, m):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+@pytest.mark.parametrize("op", ["jfa", "gdpa", "jfa-base"])
 @pytest.mark.parametrize("c,m", [(0, None), (1, 64), (5, 200), (37, None)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_matches_reference(op, c, m, d, monkeypatch):
+    """jfa-base: JFA's long-row backward form (dispatched from _BWD_BASE_MIN_LEN rows)."""
     _need_gpu()
+    from gem.ops import triton_jfa
+
     monkeypatch.setenv("GEM_AUTOTUNE", "0")
+    if op == "jfa-base":
+        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0)
     lengths, targets, c, m = _gpu_case(d + c, c, m)
     q, k, v = (x.detach().cuda().requires_grad_() for x in _inputs(lengths, h=4, h_kv=2, d=d, dtype=torch.bfloat16))
     off = _offsets(lengths).cuda()
     hstu = {"causal": True, "num_targets": torch.tensor(targets).cuda(), "contextual_len": c, "max_attn_len": m}
-    if op == "jfa":
+    if op.startswith("jfa"):
         def run(x, y, z, kernel):
             return jagged_attention(x, y, z, off, 2048, kernel=kernel, **hstu)
     else:
