@@ -122,6 +122,27 @@ def _cases():
                         triton_jfa._bwd(torch.randn_like(out), q, k, v, out, lse, off, off, 300, 300, 0.1, left,
                                         right, False)
                 cases.append(("jfa", f"jfa {form} d={d} {str(dtype)[6:]} window=({left},{right})", jfa))
+    # the HSTU mask (targets, contextual tokens, max_attn_len) in JFA's dispatched and base forms and GDPA's paths
+    targets = torch.tensor([40, 1, 0, 77, 3])
+    for form in ("auto", "base"):
+        def jfa_hstu(patch=forms[form]):
+            from scripts.bench.common import patched
+
+            with patched(triton_jfa, patch):
+                q, k, v = qkv(lens, lens, 4, 2, 128, torch.bfloat16)
+                off = offsets(lens)
+                out, lse = triton_jfa._fwd(q, k, v, off, off, 300, 300, 0.1, -1, -1, False, targets, 3, 64)
+                triton_jfa._bwd(torch.randn_like(out), q, k, v, out, lse, off, off, 300, 300, 0.1, -1, -1, False,
+                                targets, 3, 64)
+        cases.append(("jfa", f"jfa {form} d=128 bfloat16 hstu", jfa_hstu))
+    for short, lq, nt in ((1, [9, 4, 0, 50, 1], [2, 4, 0, 9, 1]), (0, lens, targets.tolist())):
+        def gdpa_hstu(short=short, lq=lq, nt=nt):  # short: sequences of up to 64 tokens, as the dispatch takes it
+            q, k, v = qkv(lq, lq, 4, 2, 128, torch.bfloat16)
+            off = offsets(lq)
+            args = (off, off, max(lq), max(lq), "silu", "", -1, 0, 0.1, 1.0, True, short, torch.tensor(nt), 3, 16)
+            out = triton_gdpa._gdpa_fwd(q, k, v, *args)
+            triton_gdpa._gdpa_bwd(torch.randn_like(out), q, k, v, *args)
+        cases.append(("gdpa", f"gdpa short_kv={short} silu hstu", gdpa_hstu))
     # short: a 64-key tile (a sequence past 32 keys), so the narrow 16- and 32-key branches compile too
     for short, lk in ((1, [9, 4, 0, 50, 1]), (0, [300, 70, 5, 1, 0])):
         for left, right in ((-1, -1), (-1, 0)):
@@ -244,7 +265,8 @@ def main() -> int:
     for op, name, thunk in cases:
         if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and (name.startswith("jfa pointer")
                                                                             or name.startswith("jfa base d=64")))
-                                          or (op == "rope" and "cfg0" not in name) or "one-pass bwd" in name)):
+                                          or (op == "rope" and "cfg0" not in name) or "one-pass bwd" in name
+                                          or "hstu" in name)):
             continue
         if a.match and a.match not in name:
             continue

@@ -11,6 +11,8 @@ Masking: key j is visible to query i iff (causal) j <= i + (Lk - Lq), i.e. causa
 for cross attention (the last query sees every key, as FlashAttention does), and (window=(left, right))
 i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a negative or None side is unbounded. Invisible scores
 contribute nothing (they are dropped, not set to 0 before the activation).
+num_targets / contextual_len / max_attn_len replace causal / window with generative-recommenders' HSTU mask
+(gem/ops/hstu_mask.py), for self attention.
 
 approx="poly6" swaps gelu / gelu_tanh / silu for relu(x) - p(min(|x|, c)), p a degree-6 polynomial with
 p(0) = 0 and p'(0) = 1/2 (so act(0) = 0 and the derivative is continuous at 0), fitted minimax to
@@ -35,6 +37,7 @@ from gem.ops._common import (
     resolve_kernel,
     tile_head_dim,
 )
+from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
 LEAKY_SLOPE = 0.01
@@ -161,10 +164,26 @@ def _check(q, k, v, offsets_q, offsets_k, activation, approx):
 
 
 def gdpa_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None,
-                   causal=False, window=None, scale=None, normalize=None):
+                   causal=False, window=None, scale=None, normalize=None, num_targets=None, contextual_len=0,
+                   max_attn_len=None):
     """Padded fp32 PyTorch with an explicit visibility mask (masked scores are dropped after the activation)."""
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
-    return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts)
+    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
+    return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts, hstu=hstu)
+
+
+def _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len) -> HstuMask | None:
+    """The checked HSTU arguments (gem.ops.hstu_mask), or None; key offsets are compared only when some are given
+    and they are not the query offsets' tensor."""
+    wanted = num_targets is not None or bool(contextual_len) or max_attn_len is not None
+    cross = wanted and offsets_k is not offsets_q and offsets_k.shape != offsets_q.shape
+    if wanted and not cross and offsets_k is not offsets_q:
+        if offsets_q.device.type == "cpu" and not torch.compiler.is_compiling():
+            cross = not torch.equal(offsets_k, offsets_q)
+        else:  # no host sync: an asynchronous device assert
+            torch._assert_async((offsets_k == offsets_q).all(), "the HSTU mask needs offsets_k equal to offsets_q")
+    return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
+                     cross=cross, device=q.device)
 
 
 def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, float, float]:
@@ -174,7 +193,8 @@ def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, 
     return left, right, scale, _out_scale(normalize, max_len_k)
 
 
-def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale):
+def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale,
+               hstu: HstuMask | None = None):
     h, hk = q.shape[1], k.shape[1]
     if max_len_q == 0 or q.shape[0] == 0:
         zero = 0 * (q.sum() + k.sum() + v.sum())  # nothing visible; keeps the graph (zero grads)
@@ -192,17 +212,22 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
     j = torch.arange(kp.shape[1], device=q.device)[None, None, :]
     diag = i + (lk - lq)[:, None, None]  # bottom-right aligned diagonal
     vis = mq[:, :, None] & mk[:, None, :]
-    if left >= 0:
-        vis = vis & (j >= diag - left)
-    if right >= 0:
-        vis = vis & (j <= diag + right)
+    if hstu is not None:
+        n = max(qp.shape[1], kp.shape[1])
+        vis = vis & hstu_visible_mask(lq, n, hstu)[:, : qp.shape[1], : kp.shape[1]]
+    else:
+        if left >= 0:
+            vis = vis & (j >= diag - left)
+        if right >= 0:
+            vis = vis & (j <= diag + right)
     a = torch.where(vis[:, None], activation_fn(s, activation, approx), 0.0)
     o = torch.einsum("bhij,bjhd->bihd", a, vp) * out_scale
     return padded_to_jagged(o, mq).to(q.dtype)
 
 
 def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None, causal=False,
-         window=None, scale=None, normalize=None, kernel="auto", ordered=True, short_kv=None):
+         window=None, scale=None, normalize=None, kernel="auto", ordered=True, short_kv=None, num_targets=None,
+         contextual_len=0, max_attn_len=None):
     """Jagged pointwise-activation attention; returns [Tq, H, Dv] (v's head dim) in q's dtype.
 
     activation: one of ACTIVATIONS; approx: None or "poly6" (gelu / gelu_tanh / silu).
@@ -211,6 +236,10 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     kernel: "auto" | "triton" | "reference". ordered: Triton work items longest first (load balance);
     short_kv: force (True/False) the short-K/V paths (forward: whole K/V in one tile; backward: one pass per
     sequence when that tile also holds fp32 dK/dV); None picks by max_len_k and D.
+    num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
+    first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
+    offsets_k equal to offsets_q). HSTU itself is activation="silu", normalize="max_len_k".
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
@@ -219,9 +248,11 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
         raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
     check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
     check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
+    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
-        return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts)
+        return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts,
+                          hstu=hstu)
     from gem.ops import triton_gdpa
 
     dv = v.shape[2]
@@ -229,7 +260,8 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
     short = -1 if short_kv is None else int(bool(short_kv))
     out = triton_gdpa.gdpa_op(
-        q, k, v, offsets_q, offsets_k, *lengths, activation, approx or "", *consts, bool(ordered), short
+        q, k, v, offsets_q, offsets_k, *lengths, activation, approx or "", *consts, bool(ordered), short,
+        *triton_gdpa.hstu_launch_args(hstu, offsets_q)
     )
     return out if width == dv else out[..., :dv]
 

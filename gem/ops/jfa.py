@@ -8,6 +8,8 @@ Masks, with i the query position and j the key position inside one sequence, and
   causal:            j <= i + shift
   window=(left, r):  i + shift - left <= j <= i + shift + r   (None or -1 = unbounded on that side)
   window=w (int):    causal left window, same as causal=True, window=(w, 0)
+  HSTU (num_targets, contextual_len, max_attn_len): generative-recommenders' target-aware causal mask for self
+                     attention (gem/ops/hstu_mask.py)
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
 Any head dim 1..256 (the Triton path zero-pads heads to its next tile width: 16, 32, 64, 128 or 256).
 
@@ -31,6 +33,7 @@ from gem.ops._common import (
     resolve_kernel,
     tile_head_dim,
 )
+from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -104,6 +107,9 @@ def jagged_attention(
     scale: float | None = None,
     kernel: str = "auto",
     mask_mode: str = "auto",
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    max_attn_len: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over jagged sequences -> [Tq, H, D] in q's dtype, or (out, lse) with return_lse.
@@ -121,8 +127,15 @@ def jagged_attention(
     per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
     not modified in place, so pass the same offsets objects to every layer (GEM_OFFSETS_CACHE=0 turns the cache
     off).
+
+    num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
+    first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
+    no offsets_k).
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
+    hstu = hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
+                     cross=offsets_k is not None and offsets_k is not offsets_q, device=q.device)
     if mask_mode not in ("auto", "sub", "inf"):
         raise ValueError(f"mask_mode={mask_mode!r}: expected 'auto', 'sub' or 'inf'")
     left, right = _norm_window(causal, window)
@@ -135,18 +148,21 @@ def jagged_attention(
     which = resolve_kernel(kernel, q, k, v)
     if which == "reference":
         out = jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
-                                         left=left, right=right, scale=scale, return_lse=return_lse)
+                                         left=left, right=right, scale=scale, hstu=hstu, return_lse=return_lse)
         return (out[0], out[1].detach()) if return_lse else out
+    if hstu is not None:  # the HSTU mask holds causality (and its own window)
+        left, right = -1, -1
     from gem.ops.triton_jfa import jfa_triton, jfa_triton_with_lse
 
     d = q.shape[2]
     width = tile_head_dim(d, pow2=True)
     q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
     args = (q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
+    extra = {} if hstu is None else {"hstu": hstu}
     if not return_lse:
-        out = jfa_triton(*args)
+        out = jfa_triton(*args, **extra)
         return out if width == d else out[..., :d]
-    out, lse = jfa_triton_with_lse(*args)
+    out, lse = jfa_triton_with_lse(*args, **extra)
     lse = lse.masked_fill(lse == math.inf, -math.inf)  # the kernels mark rows without keys with +inf
     return out if width == d else out[..., :d], lse
 
@@ -167,8 +183,9 @@ def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, lef
 
 
 def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, left=-1, right=-1,
-                               scale=None, return_lse=False):
-    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype.
+                               scale=None, hstu: HstuMask | None = None, return_lse=False):
+    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype. hstu (self
+    attention): the HSTU mask in place of left / right.
 
     return_lse: also the rows' log-sum-exp, [H, Tq] in the compute dtype, -inf for rows that see no key."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
@@ -185,7 +202,10 @@ def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len
         kp = kp.repeat_interleave(h // h_kv, dim=2)
         vp = vp.repeat_interleave(h // h_kv, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
-    vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
+    if hstu is not None:
+        vis = hstu_visible_mask(lq, max(mq, mk), hstu)[:, None, :mq, :mk]
+    else:
+        vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1).transpose(1, 2)[qmask].T.contiguous() if return_lse else None  # [H, Tq]
     s = s.masked_fill(~vis.any(-1, keepdim=True), 0.0)

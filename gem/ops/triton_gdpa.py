@@ -20,6 +20,8 @@ Launch configs are picked per shape by gem.ops._tune.ConfigTuner, as for the oth
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +29,23 @@ import triton.language as tl
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
-from gem.ops.triton_utils import dot, dot_acc, dot_prec, edge_runs, len_bucket, num_sms, window_mask, work_table
+from gem.ops.triton_utils import (
+    dot,
+    dot_acc,
+    dot_prec,
+    edge_runs,
+    hstu_key_tiles,
+    hstu_kw,
+    hstu_query_tiles,
+    hstu_seq,
+    hstu_tile_count,
+    hstu_tile_start,
+    hstu_visible,
+    len_bucket,
+    num_sms,
+    window_mask,
+    work_table,
+)
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
@@ -151,19 +169,28 @@ def tanh_form(activation: str, approx: str, dtype) -> bool:
 
 
 @triton.jit
-def _visible(offs_m, offs_n, doff, LEFT, RIGHT):
-    """[M, N] mask of key j visible to query i: diag-left <= j <= diag+right, diag = i + (Lk - Lq)."""
-    diag = offs_m[:, None] + doff
-    vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
-    return window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+def _visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
+    """[M, N] mask of key j visible to query i: diag-left <= j <= diag+right, diag = i + (Lk - Lq); HSTU: the
+    HSTU mask (gem.ops.triton_utils.hstu_visible) instead."""
+    if HSTU:
+        vis = hstu_visible(offs_m[:, None], offs_n[None, :], hstu)
+    else:
+        diag = offs_m[:, None] + doff
+        vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
+        vis = window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+    return vis
 
 
 @triton.jit
-def _visible_t(offs_n, offs_m, doff, LEFT, RIGHT):
+def _visible_t(offs_n, offs_m, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
     """_visible transposed, [N, M], built directly (no layout change of a mask)."""
-    diag = offs_m[None, :] + doff
-    vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
-    return window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+    if HSTU:
+        vis = hstu_visible(offs_m[None, :], offs_n[:, None], hstu)
+    else:
+        diag = offs_m[None, :] + doff
+        vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
+        vis = window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+    return vis
 
 
 @triton.jit
@@ -245,16 +272,24 @@ def _partner_range(p0, n, off, BELOW, ABOVE, MASKED: tl.constexpr, BLOCK_P: tl.c
 
 
 @triton.jit
-def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles of q rows [m0, m0 + BLOCK_M): first key, tile count, and the unmasked run [t_a, t_b)."""
+def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of q rows [m0, m0 + BLOCK_M): first key, tile count, the unmasked run [t_a, t_b), and the HSTU
+    mask's runs of tiles (gem.ops.triton_utils.hstu_key_tiles): every one masked, tile t from hstu_tile_start."""
     lo, hi = _partner_range(m0, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
     nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     t_a = 0
     t_b = nt
-    if MASKED:
+    runs = (0, 0, 0, 0, 0)
+    if HSTU:
+        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
+        nt = hstu_tile_count(runs)
+        t_a = nt
+        t_b = nt
+    elif MASKED:
         t_a, t_b = edge_runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, LEFT >= 0, RIGHT >= 0,
                              BLOCK_N)
-    return lo, nt, t_a, t_b
+    return lo, nt, t_a, t_b, runs
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -270,25 +305,25 @@ def _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M: tl.constexpr, S
 
 
 @triton.jit
-def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                 MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                 C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, hstu,
+                 HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                 C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                 CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc += act(q k^T) v over one key tile (q comes scaled); MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
     a = _act(dot(q, tl.trans(k), DOT_PREC), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
-        a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+        a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), a, 0.0)
     return dot_acc(a.to(v.dtype), v, acc, DOT_PREC)
 
 
 @triton.jit
 def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt, stride_vt,
-                    stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
-                    C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                    C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+                    stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
+                    POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                    C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """The short-K/V forward of one work item: its K/V in one BLOCK_N tile, loaded once, then its q tiles. The scale
     multiplies S, so each loaded q tile feeds the dot as loaded (the pipelined load can go straight to shared
     memory)."""
@@ -301,7 +336,7 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
         s = s * scale
         a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
         if MASKED:
-            a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), a, 0.0)
+            a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), a, 0.0)
         acc = dot(a.to(v.dtype), v, DOT_PREC)
         tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), mask=qmask)
 
@@ -313,7 +348,7 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
                 TILES: tl.constexpr, SHORT_KV: tl.constexpr, FLAT: tl.constexpr, MASKED: tl.constexpr,
                 ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
                 C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     """O of one work item: TILES q tiles of one head (SHORT_KV: over the sequence's whole K/V in one tile; FLAT:
     one fused loop over (q tile, K/V tile) pairs)."""
     b, group_id, head = _work_item(WORK, NUM_HEADS)
@@ -321,11 +356,12 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
         return
     q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, Ob = _q_item(
         Q, O, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
+    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
-    tl.static_assert(not (FLAT and (MASKED or SHORT_KV)))
+    tl.static_assert(not (FLAT and (MASKED or SHORT_KV or HSTU)))
     if SHORT_KV:
         # the whole K/V sequence in one tile, loaded once for all TILES q tiles of this item; its keys take the
         # narrowest of BLOCK_N, BLOCK_N / 2, BLOCK_N / 4 (>= 16) that holds them, so the dots and activations
@@ -333,19 +369,19 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
         if BLOCK_N >= 64:
             if lk <= BLOCK_N // 4:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 4,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N // 4, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             elif lk <= BLOCK_N // 2:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N // 2,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N // 2, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             else:
                 _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N,
-                                MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+                                stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M,
+                                BLOCK_N, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
         else:
-            _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt,
-                            stride_vt, stride_ot, scale, out_scale, LEFT, RIGHT, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
+            _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, stride_qt, stride_kt, stride_vt,
+                            stride_ot, scale, out_scale, LEFT, RIGHT, hstu, HSTU, BLOCK_D, BLOCK_M, BLOCK_N, MASKED,
                             ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     elif FLAT:
         # unmasked K/V tiles: every q tile has the same key trip count, so the compiler can fuse the two loops
@@ -356,8 +392,8 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
                                        True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for j in range(nt):
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                                   doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
                                    DOT_PREC)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
     else:
@@ -365,28 +401,30 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
             m0 = (first + t) * BLOCK_M
             q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+            lo, nt, t_a, t_b, runs = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
             for j in range(t_a):  # j: t is the q-tile loop's
-                acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                n0 = lo + j * BLOCK_N
+                if HSTU:
+                    n0 = hstu_tile_start(j, runs, BLOCK_N)
+                acc = _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff,
+                                   LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             for j in range(t_a, t_b):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6,
+                                   CLAMP, DOT_PREC)
             for j in range(t_b, nt):
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, lo + j * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                                   stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP,
-                                   DOT_PREC)
+                                   stride_vt, doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6,
+                                   CLAMP, DOT_PREC)
             tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(O.dtype.element_ty), mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------ backward
 @triton.jit
-def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT,
-                 RIGHT, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
-                 C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                 C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale, doff, LEFT, RIGHT,
+                 hstu, HSTU: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr,
+                 POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                 C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """dK, dV of one key tile += one query tile's share; MASK: the tile pair crosses the window edge. The loaded q
     feeds both dots as is; dK takes the scale at the end."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -398,7 +436,7 @@ def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt,
     dpt = dot(v, tl.trans(do), DOT_PREC)
     dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
-        vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT))
+        vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU))
         at = tl.where(vis, at, 0.0)
         dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
     dv = dot_acc(at.to(do.dtype), do, dv, DOT_PREC)
@@ -407,10 +445,10 @@ def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt,
 
 
 @triton.jit
-def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT,
-                MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT, RIGHT, hstu,
+                HSTU: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr,
+                C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
     """dQ of one query tile += one key tile's share; MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
@@ -418,7 +456,7 @@ def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride
     dp = dot(do, tl.trans(v), DOT_PREC)
     ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
-        ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT), ds, 0.0)
+        ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), ds, 0.0)
     return dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
 
 
@@ -429,7 +467,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                      ACT: tl.constexpr, POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
                      C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     DOT_PREC: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     """dK, dV of one key tile of one kv head, over the q tiles of every head of its GQA group."""
     b, tile, kvh = _work_item(WORK, NUM_HEADS)
     if b < 0:
@@ -437,6 +475,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     n0 = tile * BLOCK_N
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
+    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -450,7 +489,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     nt = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     t_a = 0
     t_b = nt
-    if MASKED:  # the mirror of the q tiles' runs: query i sees key j for j-doff-RIGHT <= i <= j-doff+LEFT
+    if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
+        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        t_a = hstu_tile_count(runs)
+        t_b = t_a
+        nt = t_a
+    elif MASKED:  # the mirror of the q tiles' runs: query i sees key j for j-doff-RIGHT <= i <= j-doff+LEFT
         t_a, t_b = edge_runs(n0, tl.minimum(n0 + BLOCK_N, lk) - 1, lo, nt, -doff, RIGHT, LEFT, RIGHT >= 0, LEFT >= 0,
                              BLOCK_M)
     for g in range(GROUP):
@@ -458,17 +502,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
         Qb = Q + q_start * stride_qt + head * stride_qh
         DOb = DO + q_start * stride_dot + head * stride_doh
         for t in range(t_a):
-            dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
-                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC)
+            m0 = lo + t * BLOCK_M
+            if HSTU:
+                m0 = hstu_tile_start(t, runs, BLOCK_M)
+            dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale,
+                                  doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4, C5, C6,
+                                  CLAMP, DOT_PREC)
         for t in range(t_a, t_b):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
-                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, False, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC)
+                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, False, ACT, POLY, C1, C2,
+                                  C3, C4, C5, C6, CLAMP, DOT_PREC)
         for t in range(t_b, nt):
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, lo + t * BLOCK_M, offs_n, lq, offs_d, d_ok, stride_qt,
-                                  stride_dot, scale, doff, LEFT, RIGHT, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4,
-                                  C5, C6, CLAMP, DOT_PREC)
+                                  stride_dot, scale, doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2,
+                                  C3, C4, C5, C6, CLAMP, DOT_PREC)
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
     DVb = DV + k_start * stride_dvt + kvh * stride_dvh
     dk_scale = out_scale * scale
@@ -482,29 +529,34 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
                    max_len_bucket, NUM_HEADS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
                    POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-                   C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr):
+                   C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, NUM_TARGETS,
+                   HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     """dQ of one q tile of one head."""
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
     q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, DOb = _q_item(
         Q, DO, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_dot, stride_doh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
+    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
     Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     m0 = group_id * BLOCK_M
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, nt, t_a, t_b = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, MASKED, BLOCK_M, BLOCK_N)
+    lo, nt, t_a, t_b, runs = _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU, MASKED, BLOCK_M, BLOCK_N)
     for t in range(t_a):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        n0 = lo + t * BLOCK_N
+        if HSTU:
+            n0 = hstu_tile_start(t, runs, BLOCK_N)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT,
+                         RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_a, t_b):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                         doff, LEFT, RIGHT, hstu, HSTU, False, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_b, nt):
-        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt,
-                         stride_vt, doff, LEFT, RIGHT, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
+        dq = _dq_kv_tile(dq, q, do, Kb, Vb, lo + t * BLOCK_N, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt,
+                         doff, LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -515,7 +567,8 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr, POLY: tl.constexpr,
                       C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-                      C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, KT: tl.constexpr):
+                      C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr, KT: tl.constexpr, NUM_TARGETS,
+                      HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     """Short K/V, one pass: a program owns one sequence's whole K/V (one tile) for one kv head, streams the
     sequence's q and dO tiles of every head in its group once, and writes dQ per tile and dK/dV at the end.
     5 matmuls per tile pair instead of the two-pass 7, and q/dO are read once. No atomics."""
@@ -525,6 +578,7 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
+    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
@@ -535,29 +589,29 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
         if lk <= BLOCK_N // 4:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 4, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M,
+                            BLOCK_N // 4, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
         elif lk <= BLOCK_N // 2:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N // 2, MASKED,
-                            ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M,
+                            BLOCK_N // 2, MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
         else:
             _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                             stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
-                            stride_dvt, scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT,
-                            POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
+                            stride_dvt, scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N,
+                            MASKED, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
     else:
         _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                         stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                        scale, out_scale, LEFT, RIGHT, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY, C1, C2, C3,
-                        C4, C5, C6, CLAMP, DOT_PREC, KT)
+                        scale, out_scale, LEFT, RIGHT, hstu, HSTU, GROUP, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, ACT, POLY,
+                        C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC, KT)
 
 
 @triton.jit
 def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, offs_d, d_ok, stride_qt, stride_qh,
                     stride_kt, stride_vt, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dvt,
-                    scale, out_scale, LEFT, RIGHT, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    scale, out_scale, LEFT, RIGHT, hstu, HSTU: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACT: tl.constexpr,
                     POLY: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                     C5: tl.constexpr, C6: tl.constexpr, CLAMP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -597,9 +651,9 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
             ds = ds * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             if MASKED:  # act'(0) != 0: drop masked entries explicitly
                 if KT:
-                    vis = _visible_t(offs_n, offs_m, doff, LEFT, RIGHT)
+                    vis = _visible_t(offs_n, offs_m, doff, LEFT, RIGHT, hstu, HSTU)
                 else:
-                    vis = _visible(offs_m, offs_n, doff, LEFT, RIGHT)
+                    vis = _visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU)
                 a = tl.where(vis, a, 0.0)
                 ds = tl.where(vis, ds, 0.0)
             if KT:
@@ -666,6 +720,8 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict) -> None:
     kernel, names = _KINDS[kind]
     key = tuple(kwargs[n] for n in _KEY + names) + (args[-2],) + tuple(
         a.dtype for a in args if isinstance(a, torch.Tensor))
+    if kwargs["HSTU"]:  # keys without the HSTU mask stay as they were
+        key += ("hstu",)
 
     def launch(cfg):
         kernel[grid](*args, **kwargs, **cfg)
@@ -737,11 +793,18 @@ def _table(offsets_a, offsets_b, max_len_a, rows, left, right, ordered, transpos
                       transpose=transpose, ordered=ordered, total=total)
 
 
-def _common(q, k, left, right, activation, approx) -> dict:
+def _common(q, k, left, right, activation, approx, hstu: bool = False) -> dict:
     """Constexprs shared by the forward and both backward kernels."""
     return dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[2], BLOCK_D=len_bucket(q.shape[2]),
-                MASKED=left >= 0 or right >= 0, DOT_PREC=dot_prec(q.dtype),
+                MASKED=left >= 0 or right >= 0 or hstu, DOT_PREC=dot_prec(q.dtype),
                 **_consts(activation, approx, tanh_form(activation, approx, q.dtype)))
+
+
+def hstu_launch_args(hstu, offsets_q) -> tuple:
+    """(num_targets, contextual_len, max_attn_len) of the custom ops from a gem.ops.hstu_mask.HstuMask or None."""
+    if hstu is None:
+        return None, 0, 0
+    return hstu.num_targets, hstu.contextual_len, hstu.max_attn
 
 
 def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, right, max_len, heads) -> tuple:
@@ -754,7 +817,9 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
 # _gdpa_fwd / _gdpa_bwd do the work; the custom ops wrap them for torch.compile, _GdpaFn for eager calls.
 def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
               max_len_q: int, max_len_k: int, activation: str, approx: str, left: int, right: int, scale: float,
-              out_scale: float, ordered: bool, short_kv: int) -> torch.Tensor:
+              out_scale: float, ordered: bool, short_kv: int,
+              num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+              hstu_ctx: int = 0, hstu_max_attn: int = 0) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     if t == 0 or max_len_q == 0 or h == 0:
@@ -768,11 +833,13 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     flat = False
     if use_short:  # the K/V load is amortised over the program's q tiles
         tiles = _tiles_per_program(t, block_m, h, offsets_q.numel() - 1, max_len_q, q.device)
-    elif left < 0 and right < 0:
+    elif left < 0 and right < 0 and num_targets is None:
         fused = _fused_tiles(t, block_m, h, offsets_q.numel() - 1, max_len_q, max_len_k, q.device)
         tiles, flat = max(fused, 1), fused > 0
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
-    common = dict(BLOCK_M=block_m, TILES=tiles, **_common(q, k, left, right, activation, approx))
+    common = dict(BLOCK_M=block_m, TILES=tiles,
+                  **_common(q, k, left, right, activation, approx, num_targets is not None),
+                  **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
@@ -794,25 +861,27 @@ def _(q, *args):
 
 def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor,
               offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, activation: str, approx: str, left: int,
-              right: int, scale: float, out_scale: float, ordered: bool,
-              short_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              right: int, scale: float, out_scale: float, ordered: bool, short_kv: int,
+              num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+              hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    hstu = hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
     kv_tile = len_bucket(max_len_k)
     fits = kv_tile <= 128 and kv_tile * len_bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
     wide = (offsets_q.numel() - 1) * k.shape[1] >= num_sms(q.device)
     if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
         return _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right,
-                               scale, out_scale, ordered)
+                               scale, out_scale, ordered, hstu)
     # every row lies in some work item's tiles (a sequence with no partners stores zeros), so no memset
     dq = _empty_like(q) if t and max_len_q > 0 else torch.zeros_like(q)
     dk = _empty_like(k) if k.shape[0] and max_len_k > 0 else torch.zeros_like(k)
     dv = _empty_like(v) if k.shape[0] and max_len_k > 0 else torch.zeros_like(v)
     block_n = _blocks(d)[1]
-    common = _common(q, k, left, right, activation, approx)
+    common = {**_common(q, k, left, right, activation, approx, num_targets is not None), **hstu}
     if k.shape[0] and max_len_k > 0:
         ktab = _table(offsets_k, offsets_q, max_len_k, block_n, left, right, ordered, True, k.shape[0])
         args = _launch_args(
@@ -829,7 +898,7 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right, scale, out_scale,
-                    ordered):
+                    ordered, hstu):
     """The one-pass backward (_bwd_short_kernel): one program per (sequence, kv head), longest q first."""
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)  # every row is written
     nb = offsets_q.numel() - 1
@@ -841,7 +910,7 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
         return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
 
     table = offsets_cached("gdpa_seq_order", offsets_q, offsets_k, (ordered,), order)
-    common = _common(q, k, left, right, activation, approx)
+    common = {**_common(q, k, left, right, activation, approx, hstu["HSTU"]), **hstu}
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
     _launch("bwd_short", (nb * k.shape[1],), args, dict(BLOCK_N=len_bucket(max_len_k), **common))
@@ -864,7 +933,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, do):
     dq, dk, dv = gdpa_bwd_op(do, *ctx.saved_tensors, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 12  # nothing for offsets, lengths and the constants
+    return (dq, dk, dv) + (None,) * 15  # nothing for offsets, lengths, num_targets and the constants
 
 
 gdpa_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -884,7 +953,7 @@ class _GdpaFn(torch.autograd.Function):
     def backward(ctx, do):
         with eager_tables():
             dq, dk, dv = _gdpa_bwd(do, *ctx.saved_tensors, *ctx.rest)
-        return (dq, dk, dv) + (None,) * 12
+        return (dq, dk, dv) + (None,) * 15
 
 
 def gdpa_op(q, k, v, offsets_q, offsets_k, *rest):

@@ -23,6 +23,7 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -30,7 +31,22 @@ import triton.language as tl
 
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
-from gem.ops.triton_utils import dot, dot_acc, dot_prec, edge_runs, len_bucket, window_mask, work_table
+from gem.ops.triton_utils import (
+    dot,
+    dot_acc,
+    dot_prec,
+    edge_runs,
+    hstu_key_tiles,
+    hstu_kw,
+    hstu_query_tiles,
+    hstu_seq,
+    hstu_tile_count,
+    hstu_tile_start,
+    hstu_visible,
+    len_bucket,
+    window_mask,
+    work_table,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -130,20 +146,29 @@ def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_
 
 
 @triton.jit
-def _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key tiles seen by the query rows of the tile at m0: start column, tile count, fully visible tiles
-    [k_lo, k_hi)."""
+    [k_lo, k_hi), and the HSTU mask's runs of tiles (gem.ops.triton_utils.hstu_key_tiles): every one masked, tile t
+    from hstu_tile_start."""
     rows_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
     lo = 0
     hi = Lk
+    runs = (0, 0, 0, 0, 0)
+    if HSTU:
+        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         lo = tl.maximum(m0 + shift - win_left, 0)
     if HAS_RIGHT:
         hi = tl.minimum(rows_last + shift + win_right + 1, Lk)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    k_lo, k_hi = edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
-    return lo, n_t, k_lo, k_hi
+    if HSTU:
+        n_t = hstu_tile_count(runs)
+        k_lo = 0
+        k_hi = 0
+    else:
+        k_lo, k_hi = edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    return lo, n_t, k_lo, k_hi, runs
 
 
 @triton.jit
@@ -173,7 +198,7 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
-               shift, Lq, Lk, win_left, win_right, qk_scale,
+               shift, Lq, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
                TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
@@ -186,7 +211,10 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
     s = dot(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
     if MASKED:
-        vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
+        if HSTU:
+            vis = hstu_visible(offs_m[:, None], cols[None, :], hstu)
+        else:
+            vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_use = m_new
@@ -201,7 +229,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
 
 @triton.jit
 def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d, shift, Lq, Lk,
-               win_left, win_right, qk_scale, lo, n_t, k_lo, k_hi,
+               win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale, lo, n_t, k_lo, k_hi, runs,
                SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr,
                DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_D: tl.constexpr):
@@ -210,19 +238,22 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for t in range(k_lo):  # left window edge
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                  lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu,
+                                  HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     k_full = k_hi
     if not SUB:
         k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)
     for t in range(k_lo, k_full):  # no mask at all
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+                                  lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu,
+                                  HSTU, qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     for t in range(k_full, n_t):  # right edge / causal diagonal
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                                   lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                   qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
+        n = lo + t * BLOCK_N
+        if HSTU:
+            n = hstu_tile_start(t, runs, BLOCK_N)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m,
+                                  offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True,
+                                  HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
     n_masked = 0
     if SUB:
         n_masked = tl.maximum(tl.minimum(lo + k_hi * BLOCK_N, lo + n_t * BLOCK_N) - Lk, 0)
@@ -233,33 +264,35 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
 @triton.jit
 def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-              stride_lh, qk_scale, win_left, win_right, NT,
+              stride_lh, qk_scale, win_left, win_right, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr, NT,
               GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
                                                                                   BLOCK_M, BLOCK_N, HEAD_D)
+    hstu = hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=in_q[:, None], other=0.0)
     k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT)
 
-    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
-                                         offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo, n_t, k_lo,
-                                         k_hi, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                                         HEAD_D)
+    acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo, n_t, k_lo, k_hi,
+                                        runs, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
+                                        HEAD_D)
     if SUB:
         l_raw = l_i
         l_i = tl.where(n_masked > 0, l_raw - n_masked * tl.math.exp2(-tl.maximum(m_i, 0.0)), l_raw)
         bad = in_q & (n_masked > 0) & (l_i * 64.0 < l_raw)
         if tl.max(bad.to(tl.int32), 0) > 0:  # cancellation: redo this tile with -inf masking
-            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m,
-                                                 offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale, lo,
-                                                 n_t, k_lo, k_hi, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC,
-                                                 TMA, BLOCK_M, BLOCK_N, HEAD_D)
+            acc, l_i, m_i, _unused = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n,
+                                               offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo,
+                                               n_t, k_lo, k_hi, runs, False, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED,
+                                               DOT_PREC, TMA, BLOCK_M, BLOCK_N, HEAD_D)
     empty = l_i <= 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -274,13 +307,14 @@ def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
                     stride_lh, qk_scale, win_left, win_right, NT,
                     H: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
-                    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                    NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     item, h = _program_item(WORK, H, True)
     if item >= 0:
-        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt,
-                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left,
-                  win_right, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M, BLOCK_N,
-                  HEAD_D)
+        _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                  stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left, win_right, NUM_TARGETS, HSTU_CTX,
+                  HSTU_MAX_ATTN, HSTU, NT, GROUP, SUB, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED, DOT_PREC, TMA, BLOCK_M,
+                  BLOCK_N, HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -302,7 +336,7 @@ def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, col, stride_qt, stride_dot, m,
-               offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+               offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
                ROWMAJOR: tl.constexpr, TMA: tl.constexpr):
     rows = m + offs_m
@@ -324,7 +358,9 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
         sT = dot(k, qT, DOT_PREC) * qk_scale
     pT = tl.math.exp2(sT - lse2[None, :])
     if MASKED:
-        if ROWMAJOR:
+        if HSTU:
+            vis = hstu_visible(rows[None, :], offs_n[:, None], hstu)
+        elif ROWMAJOR:
             vis = _vis2_t(rows, offs_n, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         else:
             vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
@@ -348,7 +384,8 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          qk_scale, sm_scale, win_left, win_right, NT,
                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN,
+                         HSTU: tl.constexpr):
     item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
@@ -356,6 +393,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     n0 = (item % NT) * BLOCK_N
     q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
+    hstu = hstu_seq(NUM_TARGETS, b, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -369,6 +407,11 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
     lo, n_t, k_lo, k_hi = _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
+        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        n_t = hstu_tile_count(runs)
+        k_lo = n_t
+        k_hi = n_t
     desc_q = None
     desc_do = None
     if TMA:
@@ -389,20 +432,22 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
         lse_base = LSE2 + h * stride_lh + q_start
         delta_base = DELTA + h * stride_lh + q_start
         for t in range(k_lo):  # rows still left of the causal / right-window edge
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot,
-                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            m = lo + t * BLOCK_M
+            if HSTU:
+                m = hstu_tile_start(t, runs, BLOCK_M)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
+                                hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
         for t in range(k_lo, k_hi):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot,
-                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
+                                win_left, win_right, hstu, HSTU, qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC,
+                                ROWMAJOR, TMA)
         for t in range(k_hi, n_t):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do,
-                                g * HEAD_D, stride_qt, stride_dot,
-                                lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
+                                stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
+                                win_left, win_right, hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC,
+                                ROWMAJOR, TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=in_k[:, None])
@@ -412,7 +457,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
-             shift, Lq, Lk, win_left, win_right, qk_scale,
+             shift, Lq, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale,
              MASKED: tl.constexpr, CLAMP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
@@ -433,7 +478,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
         s = tl.minimum(s, 0.0)
     p = tl.math.exp2(s)
     if MASKED:
-        if ROWMAJOR:
+        if HSTU:
+            vis = hstu_visible(offs_m[:, None], cols[None, :], hstu)
+        elif ROWMAJOR:
             vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         else:
             vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
@@ -458,12 +505,14 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        HAS_LEFT: tl.constexpr,
                        HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
                        ROWMAJOR: tl.constexpr, TMA: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN,
+                       HSTU: tl.constexpr):
     item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
     m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
                                                                                   BLOCK_M, BLOCK_N, HEAD_D)
+    hstu = hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     rows = (q_start + offs_m[:, None]).to(tl.int64)
     q = tl.load(Q + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=in_q[:, None], other=0.0)
     do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=in_q[:, None], other=0.0)
@@ -478,27 +527,31 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
     desc_k, desc_v = None, None
     if TMA:
         desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi = _col_runs(m0, Lq, shift, Lk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     for t in range(k_lo):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False,
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_lo, k_full):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      False, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, False, False,
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     for t in range(k_full, k_hi):  # the fully visible tile crossing Lk: masked, or clamped for the sub scheme
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
+                      offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
                       MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
                       ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt,
-                      lo + t * BLOCK_N, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, qk_scale,
-                      True, False, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+        n = lo + t * BLOCK_N
+        if HSTU:
+            n = hstu_tile_start(t, runs, BLOCK_N)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n,
+                      offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False, HAS_LEFT,
+                      HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
@@ -595,8 +648,9 @@ def _tma_ok(*tensors) -> bool:
 
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-         max_len_q: int, max_len_k: int, scale: float, left: int, right: int,
-         mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         max_len_q: int, max_len_k: int, scale: float, left: int, right: int, mask_inf: bool,
+         num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+         hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
@@ -607,7 +661,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
-              "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d}
+              "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d,
+              **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
@@ -619,13 +674,17 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
             num_stages=stages, **reg_cap(cfg), **common)
 
     key = (tma, d, q.dtype, len_bucket(max_len_q), len_bucket(max_len_k), left, right, mask_inf)
+    if num_targets is not None:  # keys without the HSTU mask stay as they were
+        key += ("hstu",)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))
     return out, lse
 
 
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
          offsets_q: torch.Tensor, offsets_k: torch.Tensor, max_len_q: int, max_len_k: int, scale: float, left: int,
-         right: int, mask_inf: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         right: int, mask_inf: bool,
+         num_targets: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+         hstu_ctx: int = 0, hstu_max_attn: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tq, h, d = q.shape
     tk, h_kv, _ = k.shape
     group = h // h_kv
@@ -650,7 +709,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d,
-              "ROWMAJOR": v2, "TMA": tma}
+              "ROWMAJOR": v2, "TMA": tma, **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
@@ -676,6 +735,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, len_bucket(max_len_q),
            len_bucket(max_len_k), left, right, group)
+    if num_targets is not None:
+        key += ("hstu",)
     # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
     for kind in ("bwd_dq", "bwd_dkdv") if v2 else ("bwd_dkdv", "bwd_dq"):
         if kind == "bwd_dkdv" and not tk:
@@ -693,7 +754,8 @@ jfa_fwd_op = torch.library.custom_op("gem::jfa_fwd", _fwd, mutates_args=())
 
 
 @jfa_fwd_op.register_fake
-def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, num_targets=None,
+      hstu_ctx=0, hstu_max_attn=0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -701,22 +763,23 @@ jfa_bwd_op = torch.library.custom_op("gem::jfa_bwd", _bwd, mutates_args=())
 
 
 @jfa_bwd_op.register_fake
-def _(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def _(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf,
+      num_targets=None, hstu_ctx=0, hstu_max_attn=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf = inputs
+    q, k, v, offsets_q, offsets_k, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
-    ctx.args = (max_len_q, max_len_k, scale, left, right, mask_inf)
+    ctx.args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
     dq, dk, dv = jfa_bwd_op(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.args))
 
 
 jfa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -744,15 +807,19 @@ class _JfaFn(torch.autograd.Function):
 
 
 def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
-                        mask_inf=False):
-    """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse."""
+                        mask_inf=False, hstu=None):
+    """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse. hstu:
+    a gem.ops.hstu_mask.HstuMask (self attention, no window)."""
     args = (q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
             float(scale), int(left), int(right), bool(mask_inf))
+    if hstu is not None:
+        args += (hstu.num_targets, hstu.contextual_len, hstu.max_attn)
     if torch.compiler.is_compiling():  # the custom op lets torch.compile trace around the kernels
         return jfa_fwd_op(*args)
     return _JfaFn.apply(*args)
 
 
-def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf):
+def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, hstu=None):
     """Triton path of gem.ops.jagged_attention (arguments already validated and normalised)."""
-    return jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf)[0]
+    return jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf,
+                               hstu)[0]

@@ -1,5 +1,6 @@
 """What the Triton attention kernels (JFA, GDPA, BlockAttention) share: dot helpers, window masks and the split of a
-tile loop into masked and unmasked runs, length buckets, and the per-batch work tables with their cache.
+tile loop into masked and unmasked runs, the HSTU mask and the tiles it leaves visible, length buckets, and the
+per-batch work tables with their cache.
 
 Work tables map a program to a (sequence, tile) item, built on the device (no host sync) and cached per offsets
 tensor pair. One builder, work_table(), serves every op; each op gives the cost that orders its items.
@@ -62,6 +63,89 @@ def edge_runs(p0, p_last, lo, n_t, off, below, above, HAS_BELOW, HAS_ABOVE, BLOC
     return t_a, t_b
 
 
+@triton.jit
+def hstu_visible(r, c, hstu):
+    """generative-recommenders' HSTU mask (gem/ops/hstu_mask.py) for query positions r and key positions c of one
+    sequence, broadcast against each other (r[:, None] and c[None, :], or transposed). hstu = (n, first target
+    position, contextual_len, max_attn_len with 0 unbounded); positions past n are invisible."""
+    n, ft, ctx, max_attn = hstu
+    cs = tl.maximum(ctx - 1, 0)
+    last = ft - cs
+    id_r = tl.minimum(tl.maximum(r - cs, 0), last)
+    id_c = tl.minimum(tl.maximum(c - cs, 0), last)
+    dist = id_r - id_c
+    vis = (r == c) | ((dist > 0) & ((dist <= max_attn) | (max_attn <= 0)))
+    vis = vis | ((ctx > 0) & (id_r == 0) & (id_c < last))
+    return vis & (r < n) & (c < n)
+
+
+@triton.jit
+def hstu_seq(NUM_TARGETS, b, n, ctx, max_attn, HSTU: tl.constexpr):
+    """The hstu tuple of sequence b (n tokens) for hstu_visible; a placeholder, never read, when not HSTU."""
+    ft = n
+    if HSTU:
+        ft = n - tl.load(NUM_TARGETS + b).to(tl.int32)
+    return n, ft, ctx, max_attn
+
+
+@triton.jit
+def hstu_key_tiles(m0, hstu, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles (BLOCK_N keys, aligned at 0) that query rows [m0, m0 + BLOCK_M) may see under hstu_visible, as
+    runs (see hstu_tile_start). Rows see earlier ids and themselves; contextual rows every non-target key; a
+    max_attn_len window counts from the row's id (the first target's for targets) and reaches back to 0 once it
+    meets the contextual block. A tile of targets only sees the history before the first target and itself, so
+    the other targets' tiles between are skipped."""
+    n, ft, ctx, max_attn = hstu
+    hi = tl.minimum(m0 + BLOCK_M, n)
+    hi = tl.minimum(tl.where(m0 < ctx, tl.maximum(hi, ft), hi), n)
+    lo = tl.minimum(m0, ft) - max_attn
+    lo = tl.where((max_attn > 0) & (lo >= ctx), lo, 0)
+    e1 = tl.where(m0 > ft, ft, hi)  # end of the history run
+    b0 = lo // BLOCK_N
+    b_end = tl.maximum(tl.cdiv(e1, BLOCK_N), b0)
+    c0 = tl.maximum(b_end, m0 // BLOCK_N)
+    n_c = tl.where(m0 > ft, tl.maximum(tl.cdiv(hi, BLOCK_N) - c0, 0), 0)
+    return 0, b0, b_end - b0, c0, n_c
+
+
+@triton.jit
+def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query tiles (BLOCK_M rows, aligned at 0) that may see key columns [n0, n0 + BLOCK_N) under hstu_visible,
+    as runs (see hstu_tile_start): contextual rows, rows from the key tile on up to the max_attn_len reach (its own
+    rows only for a tile of targets), the targets beyond that reach."""
+    n, ft, ctx, max_attn = hstu
+    cs = tl.maximum(ctx - 1, 0)
+    n_last = tl.minimum(n0 + BLOCK_N, n) - 1
+    a_end = tl.where((ctx > 0) & (n0 < ft), tl.minimum(tl.minimum(ctx, n0), n), 0)
+    n_a = tl.cdiv(a_end, BLOCK_M)
+    # targets see a non-target key j while the first target's id is within max_attn_len of j's
+    j_hist = tl.minimum(n_last, ft - 1)
+    t_see = (n0 < ft) & (ft - tl.maximum(j_hist, cs) <= max_attn)
+    hi_b = tl.where(max_attn > 0, tl.minimum(tl.maximum(n_last, cs) + max_attn + 1, n), n)
+    hi_b = tl.where(n0 >= ft, n_last + 1, hi_b)
+    c_end = tl.where((max_attn > 0) & t_see, n, 0)
+    b0 = tl.maximum(n0 // BLOCK_M, n_a)
+    b_end = tl.maximum(tl.cdiv(hi_b, BLOCK_M), b0)
+    c0 = tl.maximum(b_end, ft // BLOCK_M)
+    n_c = tl.maximum(tl.cdiv(c_end, BLOCK_M) - c0, 0)
+    return n_a, b0, b_end - b0, c0, n_c
+
+
+@triton.jit
+def hstu_tile_count(runs):
+    """The number of tiles in runs (hstu_key_tiles, hstu_query_tiles)."""
+    return runs[0] + runs[2] + runs[4]
+
+
+@triton.jit
+def hstu_tile_start(t, runs, BLOCK: tl.constexpr):
+    """First row (or key) of tile t of runs = (n_a, b0, n_b, c0, n_c): tiles [0, n_a), [b0, b0 + n_b) and
+    [c0, c0 + n_c) of a grid of BLOCK aligned at 0, disjoint and in order, so a loop over them visits each once."""
+    n_a, b0, n_b, c0 = runs[0], runs[1], runs[2], runs[3]
+    idx = tl.where(t < n_a, t, tl.where(t < n_a + n_b, b0 + t - n_a, c0 + t - n_a - n_b))
+    return idx * BLOCK
+
+
 # ----------------------------------------------------------------------------------------------- host helpers
 
 
@@ -70,6 +154,16 @@ def dot_prec(dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
     return "upcast" if triton_interpreting() else "tf32"
+
+
+def hstu_kw(offsets_q, num_targets, ctx: int, max_attn: int, max_len: int) -> dict:
+    """The kernels' HSTU keyword arguments (hstu_seq); without num_targets the HSTU code is compiled out and the
+    pointer is a placeholder. ctx and max_attn are cut to what can bind in sequences of max_len, so the kernels'
+    int32 row arithmetic stays far from overflow."""
+    if num_targets is None:
+        return {"NUM_TARGETS": offsets_q, "HSTU_CTX": 0, "HSTU_MAX_ATTN": 0, "HSTU": False}
+    return {"NUM_TARGETS": num_targets, "HSTU_CTX": min(ctx, max_len + 1), "HSTU_MAX_ATTN": min(max_attn, max_len),
+            "HSTU": True}
 
 
 def len_bucket(n: int) -> int:

@@ -1,0 +1,97 @@
+"""HSTU masks (generative-recommenders' target-aware, contextual and max-attention-length mask) for jagged self
+attention, shared by gem.ops.jagged_attention and gem.ops.gdpa.
+
+For one sequence of n tokens with t targets (its last t tokens), c contextual tokens (its first c) and a maximum
+attention length m (0 or None: unbounded), each position p gets an id:
+
+    cs = max(c - 1, 0);   last = n - t - cs;   id(p) = min(max(p - cs, 0), last)
+
+so the c contextual tokens share id 0 and every target shares the first target's id. Key j is visible to query i
+(both < n) when
+
+    i == j,  or  0 < id(i) - id(j) <= m  (no upper bound when m is unbounded),
+    or  (c > 0 and id(i) == 0 and id(j) < last)        (contextual rows see every non-target token).
+
+The mask is causal: a query sees earlier ids only (and itself). Targets see the history and themselves, not each
+other; a window counts from the first target's id; the contextual block acts as one position that later tokens see
+while it lies within m of them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class HstuMask(NamedTuple):
+    """The normalised HSTU arguments of one call: num_targets an int tensor [B] on the values' device (zeros when
+    none were given), contextual_len and max_attn (0 = unbounded) Python ints."""
+
+    num_targets: torch.Tensor
+    contextual_len: int
+    max_attn: int
+
+
+def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tensor, causal: bool, window,
+              cross: bool, device: torch.device) -> HstuMask | None:
+    """None when no HSTU argument is given, else the checked HstuMask. One clear error for combinations that do
+    not make sense: the HSTU mask is generative-recommenders' causal self-attention mask, so it needs causal=True,
+    no window (max_attn_len is its window) and no separate key sequences."""
+    if num_targets is None and not contextual_len and max_attn_len is None:
+        return None
+    if isinstance(contextual_len, bool) or not isinstance(contextual_len, int) or contextual_len < 0:
+        raise ValueError(f"contextual_len must be an int >= 0 (got {contextual_len!r})")
+    if max_attn_len is not None and (isinstance(max_attn_len, bool) or not isinstance(max_attn_len, int)
+                                     or max_attn_len < 0):
+        raise ValueError(f"max_attn_len must be None or an int >= 0, 0 = unbounded (got {max_attn_len!r})")
+    if not causal:
+        raise ValueError("num_targets / contextual_len / max_attn_len give the causal HSTU mask: pass causal=True "
+                         "(got causal=False)")
+    if window is not None:
+        raise ValueError(f"window does not combine with the HSTU mask: use max_attn_len (got window={window!r})")
+    if cross:
+        raise ValueError("the HSTU mask is for self attention: offsets_k must be offsets_q (got other key offsets)")
+    nb = offsets.numel() - 1
+    if num_targets is None:
+        targets = torch.zeros(nb, dtype=torch.int32, device=device)
+    else:
+        if (not isinstance(num_targets, torch.Tensor) or num_targets.dim() != 1 or num_targets.numel() != nb
+                or num_targets.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"num_targets must be an int32/int64 tensor [B] with B = {nb} sequences (got "
+                             f"{getattr(num_targets, 'dtype', type(num_targets))} "
+                             f"{tuple(getattr(num_targets, 'shape', ()))})")
+        if num_targets.device != device:
+            raise ValueError(f"num_targets is on {num_targets.device} but the values are on {device}")
+        targets = num_targets.contiguous()
+        lengths = offsets[1:] - offsets[:-1]
+        if nb and targets.device.type == "cpu" and not torch.compiler.is_compiling():
+            bad = (targets < 0) | (targets > lengths)
+            if bool(bad.any()):
+                b = int(bad.nonzero()[0, 0])
+                raise ValueError(f"num_targets[{b}] must lie in [0, length {int(lengths[b])}] "
+                                 f"(got {int(targets[b])})")
+        elif nb:  # no host sync: an asynchronous device assert
+            torch._assert_async(((targets >= 0) & (targets <= lengths)).all(),
+                                "num_targets must lie in [0, the sequence's length]")
+    return HstuMask(targets, int(contextual_len), int(max_attn_len or 0))
+
+
+def hstu_visible_mask(lengths: torch.Tensor, max_len: int, hstu: HstuMask) -> torch.Tensor:
+    """[B, max_len, max_len] bool: key j visible to query i under the HSTU mask (in-sequence positions only)."""
+    dev = lengths.device
+    n = lengths.long()[:, None, None]
+    cs = max(hstu.contextual_len - 1, 0)
+    last = n - hstu.num_targets.long().to(dev)[:, None, None] - cs
+    pos = torch.arange(max_len, device=dev)
+    i, j = pos[None, :, None], pos[None, None, :]
+    id_i = torch.minimum((i - cs).clamp_min(0), last)
+    id_j = torch.minimum((j - cs).clamp_min(0), last)
+    dist = id_i - id_j
+    near = dist > 0
+    if hstu.max_attn > 0:
+        near = near & (dist <= hstu.max_attn)
+    vis = (i == j) | near
+    if hstu.contextual_len > 0:
+        vis = vis | ((id_i == 0) & (id_j < last))
+    return vis & (i < n) & (j < n)
