@@ -316,14 +316,3 @@ def test_mxfp8_training_run_tracks_fp32():
     # the emulated numerics really ran: the trajectories differ
     assert results["mxfp8"].losses != results["bf16"].losses
 
-
-def test_gradient_quantization_op_matches_the_rows_formula():
-    """The custom op the fp8 backward quantizes gradients with (gem.ops.fp8 inside) gives _fp8_rows' bytes and
-    scales, eagerly and inside torch.compile (its fake impl has the real shapes)."""
-    torch.manual_seed(0)
-    g = torch.randn(37, 96, dtype=torch.bfloat16) * torch.logspace(-3, 3, 37)[:, None].to(torch.bfloat16)
-    want = prec._fp8_rows(g, torch.float8_e4m3fn)
-    for fn in (prec._fp8_rows_op, torch.compile(lambda t: prec._fp8_rows_op(t), dynamic=False)):
-        data, scale = fn(g)
-        assert data.dtype == torch.float8_e4m3fn and scale.shape == (37, 1)
-        assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
