@@ -293,26 +293,30 @@ def test_mxfp8_linear_compiled_equals_eager():
 
 
 @pytest.mark.slow
-def test_mxfp8_training_run_tracks_fp32():
-    """200 steps of the tiny model on synthetic data, fp32 (autocast none on CPU) vs mxfp8 from the same seed:
-    eval NE within 1% (relative) per task."""
+def test_low_precision_training_runs_track_fp32(monkeypatch):
+    """200 steps of the tiny model on synthetic data, fp32 (autocast none on CPU) vs mxfp8 and fp8 from the same
+    seed: eval NE within 1% (relative) per task. fp8 runs its recipe through torch._scaled_mm on the CPU (the
+    device check is bypassed): the recipe's numerics, with exact accumulation."""
     from gem.train.trainer import Trainer
     from tests.train._util import SMALL, compose
 
+    monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
     results = {}
-    for precision in ("bf16", "mxfp8"):
+    for precision, cls in (("bf16", None), ("mxfp8", MXFP8Linear), ("fp8", FP8Linear)):
         t = Trainer(compose(SMALL + ["train.steps=200", "train.eval_every=0", "train.seed=0", "train.log_every=50",
                                      "data.eval_batches=8", f"train.precision={precision}"]))
         try:
             kinds = {type(m) for m in t.inner.modules()}
-            assert (MXFP8Linear in kinds) == (precision == "mxfp8")
+            assert cls is None or cls in kinds
             results[precision] = t.fit()
         finally:
             t.close()
-    ref, mx8 = results["bf16"].eval_metrics, results["mxfp8"].eval_metrics
-    for task in ("click", "conversion"):
-        assert ref[f"{task}/ne"] < 0.99, ref  # the model learned something, so NE compares trained models
-        assert mx8[f"{task}/ne"] == pytest.approx(ref[f"{task}/ne"], rel=0.01), (task, ref, mx8)
-    # the emulated numerics really ran: the trajectories differ
-    assert results["mxfp8"].losses != results["bf16"].losses
+    ref = results["bf16"].eval_metrics
+    for precision in ("mxfp8", "fp8"):
+        low = results[precision].eval_metrics
+        for task in ("click", "conversion"):
+            assert ref[f"{task}/ne"] < 0.99, ref  # the model learned something, so NE compares trained models
+            assert low[f"{task}/ne"] == pytest.approx(ref[f"{task}/ne"], rel=0.01), (precision, task, ref, low)
+        # the low-precision numerics really ran: the trajectories differ
+        assert results[precision].losses != results["bf16"].losses
 
