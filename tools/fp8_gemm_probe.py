@@ -5,75 +5,116 @@ the raw forward of torch._scaled_grouped_mm against torch._grouped_mm). Writes $
 
     T=65536 python tools/fp8_gemm_probe.py
 """
-import json, os, sys, traceback
-import torch, torch.nn as nn
+
+import json
+import os
+import traceback
+
+import torch
+from torch import nn
 from triton.testing import do_bench
+
 torch.backends.cuda.matmul.allow_tf32 = True
-T = int(os.environ.get("T", 65536))
+T = int(os.environ.get("T", "65536"))
+E = 8  # experts
 res = {}
+
+
 def bench(name, fn, flops):
     try:
-        fn(); torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
         ms = do_bench(fn, warmup=25, rep=200)
         res[name] = ms
         print(f"{name:48s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (a recipe this stack cannot run is reported, not fatal)
         print(f"{name:48s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-def linear_case(kind, K, N):
-    torch._dynamo.reset()
-    lin = nn.Linear(K, N, bias=False, device="cuda")
+
+def make_linear(kind, k, n):
+    lin = nn.Linear(k, n, bias=False, device="cuda")
     if kind == "gem":
         from gem.model.precision import FP8Linear
-        new = FP8Linear.__new__(FP8Linear); new.__dict__ = dict(lin.__dict__); lin = new
-    elif kind == "torchao":
-        from torchao.float8 import convert_to_float8_training, Float8LinearConfig
-        m = nn.Sequential(lin); convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise")); lin = m[0]
-    elif kind == "torchao_gwhp":
-        from torchao.float8 import convert_to_float8_training, Float8LinearConfig
-        m = nn.Sequential(lin); convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")); lin = m[0]
+
+        new = FP8Linear.__new__(FP8Linear)
+        new.__dict__ = dict(lin.__dict__)
+        return new
+    if kind in ("torchao", "torchao_gwhp"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        m = nn.Sequential(lin)
+        recipe = "rowwise" if kind == "torchao" else "rowwise_with_gw_hp"
+        convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
+        return m[0]
+    return lin
+
+
+def linear_case(kind, k, n):
+    torch._dynamo.reset()
+    lin = make_linear(kind, k, n)
     f = torch.compile(lin, dynamic=False)
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, n, device="cuda", dtype=torch.bfloat16)
+
     def step():
         with torch.autocast("cuda", torch.bfloat16):
             y = f(x)
         y.backward(g)
-        x.grad = None; lin.weight.grad = None
-    bench(f"linear {kind} T{T} {K}->{N} fwd+bwd", step, 6 * T * K * N)
+        x.grad = None
+        lin.weight.grad = None
 
-for K, N in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]:
-    for kind in ("bf16", "gem", "torchao", "torchao_gwhp"):
-        linear_case(kind, K, N)
+    bench(f"linear {kind} T{T} {k}->{n} fwd+bwd", step, 6 * T * k * n)
 
-# grouped experts: 8 experts, 2T assignments, padded groups
-E = 8
-for K, N in [(1024, 2048), (2048, 1024)]:
-    M = 2 * T
-    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (M // E)
-    A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    W = (torch.randn(E, K, N, device="cuda") / K ** 0.5).requires_grad_()
-    G = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+def grouped_case(k, n):
+    m = 2 * T
+    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (m // E)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(E, k, n, device="cuda") / k ** 0.5).requires_grad_()
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
     def bf16_step():
-        y = torch._grouped_mm(A, W.to(torch.bfloat16), offs=offs); y.backward(G); A.grad = None; W.grad = None
-    torch._dynamo.reset()
-    bench(f"grouped bf16 M{M} {K}->{N} fwd+bwd", torch.compile(bf16_step, dynamic=False) if False else bf16_step, 6 * M * K * N)
+        torch._grouped_mm(a, w.to(torch.bfloat16), offs=offs).backward(g)
+        a.grad = None
+        w.grad = None
+
+    bench(f"grouped bf16 M{m} {k}->{n} fwd+bwd", bf16_step, 6 * m * k * n)
+    wt = (torch.randn(E, n, k, device="cuda") / k ** 0.5).requires_grad_()
     try:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as tg
-        Wt = (torch.randn(E, N, K, device="cuda") / K ** 0.5).requires_grad_()
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as tao_mm
+
         def ao_step():
-            y = tg(A, Wt.to(torch.bfloat16).transpose(-2, -1), offs); y.backward(G); A.grad = None; Wt.grad = None
-        bench(f"grouped torchao fp8 M{M} {K}->{N} fwd+bwd", ao_step, 6 * M * K * N)
+            tao_mm(a, wt.to(torch.bfloat16).transpose(-2, -1), offs).backward(g)
+            a.grad = None
+            wt.grad = None
+
+        bench(f"grouped torchao fp8 M{m} {k}->{n} fwd+bwd", ao_step, 6 * m * k * n)
         torch._dynamo.reset()
-        bench(f"grouped torchao fp8 compiled M{M} {K}->{N} fwd+bwd", torch.compile(ao_step, dynamic=False), 6 * M * K * N)
-    except Exception:
+        bench(f"grouped torchao fp8 compiled M{m} {k}->{n} fwd+bwd", torch.compile(ao_step, dynamic=False),
+              6 * m * k * n)
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
-    # raw scaled grouped mm forward only
-    try:
-        a8 = A.detach().to(torch.float8_e4m3fn); w8 = Wt.detach().to(torch.float8_e4m3fn).transpose(-2, -1)
-        sa = torch.ones(M, device="cuda"); sw = torch.ones(E, N, device="cuda")
-        bench(f"raw _scaled_grouped_mm fwd M{M} {K}->{N}", lambda: torch._scaled_grouped_mm(a8, w8, sa, sw, offs=offs, out_dtype=torch.bfloat16), 2 * M * K * N)
-        bench(f"raw _grouped_mm bf16 fwd M{M} {K}->{N}", lambda: torch._grouped_mm(A.detach(), W.detach().to(torch.bfloat16), offs=offs), 2 * M * K * N)
-    except Exception:
+    try:  # the GEMMs alone: forward with unit scales
+        a8 = a.detach().to(torch.float8_e4m3fn)
+        w8 = wt.detach().to(torch.float8_e4m3fn).transpose(-2, -1)
+        sa, sw = torch.ones(m, device="cuda"), torch.ones(E, n, device="cuda")
+        bench(f"raw _scaled_grouped_mm fwd M{m} {k}->{n}",
+              lambda: torch._scaled_grouped_mm(a8, w8, sa, sw, offs=offs, out_dtype=torch.bfloat16), 2 * m * k * n)
+        bench(f"raw _grouped_mm bf16 fwd M{m} {k}->{n}",
+              lambda: torch._grouped_mm(a.detach(), w.detach().to(torch.bfloat16), offs=offs), 2 * m * k * n)
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
-json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "fp8probe.json"), "w"), indent=1)
+
+
+def main():
+    for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]:
+        for kind in ("bf16", "gem", "torchao", "torchao_gwhp"):
+            linear_case(kind, k, n)
+    for k, n in [(1024, 2048), (2048, 1024)]:
+        grouped_case(k, n)
+    with open(os.path.join(os.environ.get("OUT", "."), "fp8probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
