@@ -53,10 +53,9 @@ def run_case(i: int) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
+    import gem.ops.triton_jfa as tj
     from gem.ops import jagged_attention
     from tests.ops.test_jfa import _check, _inputs, _offsets, _run
-
-    import gem.ops.triton_jfa as tj
 
     var, d, h, h_kv, lens, max_q, causal, window, *forced = CASES[i]
     if forced:  # one backward config

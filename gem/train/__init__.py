@@ -3,7 +3,7 @@
 `python -m gem.train [hydra overrides]` runs it (see gem/train/__main__.py).
 """
 
-from gem.train.checkpoint import CheckpointError, Checkpointer, latest_checkpoint, list_checkpoints
+from gem.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, list_checkpoints
 from gem.train.config import TrainConfig, TrainConfigError
 from gem.train.metrics import TaskMetrics, auc_with_ties
 from gem.train.mfu import device_peak_flops, mfu_report

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gem._config import ConfigError
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
 from gem.model import GEMModel, ModelConfig, validate_against_schema
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
-from gem._config import ConfigError
 from gem.train.checkpoint import Checkpointer, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator

@@ -38,8 +38,8 @@ from scripts.bench.common import (
     copy_rate,
     device_ms,
     jagged_lengths,
-    patched,
     offsets_of,
+    patched,
     peak_mem_mb,
 )
 
