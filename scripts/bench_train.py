@@ -557,9 +557,14 @@ def print_report(conf: dict, agg: dict, ranks: list[dict]) -> None:
               "per step: the run is likely bound by data generation, not by the GPU")
     if not agg["loss_finite"]:
         print("warning: a non-finite loss was seen during the run")
+    if agg["step_ms"] > 1.2 * agg["step_ms_median"]:
+        print(f"warning: the mean step ({agg['step_ms']:.0f} ms) is {agg['step_ms'] / agg['step_ms_median']:.1f}x the "
+              f"median ({agg['step_ms_median']:.0f} ms): some timed steps carried one-off work (a recompile, or kernel "
+              "tuning for a new length bucket); raise --warmup, or read the median")
     line = [f"{agg['tflops_per_device']:.4g} TFLOP/s/device", f"MFU {_f(agg['mfu_e2e'], pct)}",
             f"local {_f(agg['mfu_local'], pct)}", f"scaling {_f(agg['scaling_ratio'], '{:.3f}')}"]
-    line += [f"vs measured {_f(agg['mfu_measured'], pct)}", f"{agg['step_ms']:.1f} ms/step",
+    line += [f"vs measured {_f(agg['mfu_measured'], pct)}",
+             f"{agg['step_ms']:.1f} ms/step (median {agg['step_ms_median']:.1f})",
              f"{agg['samples_per_s']:,.0f} samples/s", f"peak {_f(agg['peak_allocated_gib_max'], '{:.1f}')} GiB"]
     print("bench_train summary: " + " | ".join(line))
     sys.stdout.flush()
