@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class Dispatcher(Protocol):
@@ -146,7 +147,7 @@ class MoE(nn.Module):
         first, count = self.dispatcher.local_expert_range(self.num_experts)
         out = []
         for w in (self.w1, self.w3, self.w2):
-            if hasattr(w, "to_local"):  # DTensor sharded over the expert dim
+            if isinstance(w, DTensor):  # sharded over the expert dim (isinstance: Dynamo traces it, hasattr not)
                 w = w.to_local()
             if w.shape[0] == self.num_experts and count != self.num_experts:
                 w = w[first:first + count]
