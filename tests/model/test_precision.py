@@ -204,16 +204,21 @@ def test_fp8_grouped_mm_recipe(monkeypatch, counts):
 
 def test_fp8_conversion_covers_linears_and_moe_experts(monkeypatch):
     """fp8 (device check bypassed: the conversion itself is device-free) swaps the filtered nn.Linear layers and
-    switches the MoE layers' experts to fp8; mxfp8 leaves MoE layers alone; torchao missing is one line."""
+    switches the MoE layers' experts to fp8 where the filter names them (not by default); mxfp8 leaves MoE layers
+    alone; torchao missing is one line."""
     monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
     model = GEMModel(tiny_cfg())
-    converted = apply_precision(model, "fp8", "cpu", DEFAULT_FILTER)
     moes = {n for n, m in model.named_modules() if isinstance(m, MoE)}
+    assert not set(apply_precision(model, "fp8", "cpu", DEFAULT_FILTER)) & moes
+    assert not any(m.fp8_experts for m in model.modules() if isinstance(m, MoE))
+    with_experts = (*DEFAULT_FILTER, "blocks.*.ffn")
+    model = GEMModel(tiny_cfg())
+    converted = apply_precision(model, "fp8", "cpu", with_experts)
     assert moes and moes <= set(converted)
     assert all(m.fp8_experts for m in model.modules() if isinstance(m, MoE))
     assert all(type(m) is FP8Linear for n, m in model.named_modules() if n in converted and n not in moes)
     model = GEMModel(tiny_cfg())
-    assert not set(apply_precision(model, "mxfp8", "cpu", DEFAULT_FILTER)) & moes
+    assert not set(apply_precision(model, "mxfp8", "cpu", with_experts)) & moes
     assert not any(m.fp8_experts for m in model.modules() if isinstance(m, MoE))
     try:
         import torchao  # noqa: F401
