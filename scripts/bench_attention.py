@@ -1,10 +1,12 @@
 """Attention benchmark: our Triton kernels beside the alternatives (docs/PERF.md), on one GPU.
 
     python scripts/bench_attention.py [--sections jfa,swa,gdpa,block] [--quick] [--json out.json] [--plot out.png]
-                                      [--jfa-anchors all|none|varlen_attn,...]
+                                      [--jfa-anchors all|none|varlen_attn,...] [--processes N]
 
 Prints the measured bf16 matmul peak, then one markdown table per section. A section whose module is missing
 or fails is reported and skipped; inside a section each competitor that cannot run says why in its notes.
+--processes N runs the whole benchmark in N fresh processes, one after another, and prints min / median / max
+per row over them, with each row's process-to-process spread.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import argparse
 import importlib
 import math
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -21,7 +26,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from scripts.bench.common import dump_json, matmul_peak_tflops, print_table
+from scripts.bench.common import (
+    aggregate_rows,
+    dump_json,
+    largest_spread,
+    load_json,
+    matmul_peak_tflops,
+    medians,
+    print_spread,
+    print_table,
+)
 
 # section -> (module under scripts/bench, function returning list[Row])
 SECTIONS = {
@@ -67,12 +81,89 @@ def _plot(rows, path):
     print(f"plot written to {path}")
 
 
+# the parent's own options: a child gets every other argument as given
+PARENT_OPTIONS = ("--processes", "--json", "--plot")
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """argv without the parent's own options and their values (also as --opt=value or an abbreviation argparse
+    accepted: the parse already rejected ambiguous ones)."""
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in PARENT_OPTIONS):
+            i += 1 if "=" in argv[i] else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _tail(text: str, chars: int = 300) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return " / ".join(lines[-3:])[-chars:] or "no stderr"
+
+
+def _run_processes(args, argv: list[str]) -> None:
+    """The benchmark in args.processes fresh processes in sequence (they share one GPU), then the summary."""
+    n, forwarded = args.processes, child_argv(argv)
+    print(f"# attention benchmark in {n} fresh processes, one after another: {' '.join(forwarded) or '(defaults)'}")
+    runs, record = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_attention.") as tmp:
+        for i in range(1, n + 1):
+            out = os.path.join(tmp, f"process{i}.json")
+            t0 = time.time()
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *forwarded, "--json", out],
+                                  check=False, capture_output=True, text=True)
+            took = time.time() - t0
+            if proc.returncode == 0 and os.path.exists(out):
+                rows = load_json(out)
+                runs.append(rows)
+                record.append({"process": i, "status": "ok", "rows": rows})
+                print(f"process {i}/{n}: {len(rows)} rows in {took:.0f} s")
+                for line in proc.stdout.splitlines():  # its GPU and peak, and any section it skipped
+                    if line.startswith(("# attention benchmark", "measured bf16")) or re.match(r"## \S+: ", line):
+                        print(f"  {line}")
+            else:
+                rc = proc.returncode
+                status = f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
+                record.append({"process": i, "status": status, "stderr_tail": _tail(proc.stderr), "rows": []})
+                print(f"process {i}/{n}: failed ({status}, {took:.0f} s): {_tail(proc.stderr)}")
+            sys.stdout.flush()
+    if not runs:
+        sys.exit(f"bench_attention: error: all {n} processes failed")
+    failed = f" ({n - len(runs)} of {n} failed)" if len(runs) < n else ""
+    agg = aggregate_rows(runs)
+    for section in dict.fromkeys(r.section for r in agg):
+        rows = [r for r in agg if r.section == section]
+        print_table(rows, f"{section}: min / median / max over {len(runs)} processes{failed}")
+        print_spread(rows, f"{section}: process-to-process spread, (max - min) / median")
+    pct, row, part = largest_spread(agg)
+    if row is None:
+        print("\nlargest process-to-process spread: none (no row was timed in 2 or more processes)")
+    else:
+        print(f"\nlargest process-to-process spread: {pct:.1f}% ({row.section} | {row.case} | {row.impl}, {part})")
+    if args.json:
+        dump_json({"processes": record, "aggregate": agg}, args.json)
+        print(f"rows written to {args.json}")
+    if args.plot:
+        try:
+            _plot(medians(agg), args.plot)
+        except Exception as e:  # noqa: BLE001
+            print(f"plot skipped: {type(e).__name__}: {e}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ",".join(SECTIONS))
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (< 3 minutes)")
-    p.add_argument("--json", default=None, help="write every row to this JSON file")
-    p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s vs N per implementation")
+    p.add_argument("--json", default=None, help="write every row to this JSON file (with --processes: each "
+                   "process's rows and the summary)")
+    p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s vs N per implementation (with --processes: "
+                   "the medians)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the benchmark in this many fresh processes, one after another, and print min / median "
+                        "/ max per row and the process-to-process spread")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of skipped competitors")
     p.add_argument("--jfa-anchors", default="all",
                    help="competitors timed in the jfa/swa sections: 'all', 'none' or a comma list of row names")
@@ -84,10 +175,16 @@ def main(argv=None):
     p.add_argument("--block-impls", default=None,
                    help="block section: only the rows whose name holds one of these comma-separated texts (e.g. "
                         "'no RoPE,flex'; the fused row always runs, as the ratios' base)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.processes < 1:
+        p.error(f"--processes: must be at least 1 (got {args.processes})")
 
     if not torch.cuda.is_available():
         sys.exit("the attention benchmark needs a CUDA device")
+    if args.processes > 1:
+        _run_processes(args, argv)
+        return
     print(f"# attention benchmark: {torch.cuda.get_device_name()} torch {torch.__version__}", end="")
     try:
         import triton

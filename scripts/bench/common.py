@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -134,6 +136,166 @@ def print_table(rows: list[Row], title: str = "") -> None:
         )
 
 
-def dump_json(rows: list[Row], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([r.__dict__ for r in rows], f, indent=1)
+def _jsonable(o):
+    if isinstance(o, Row):
+        return o.__dict__
+    if isinstance(o, Stat):
+        return {"min": o.min, "median": o.median, "max": o.max, "n": o.n}
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def dump_json(rows, path: str) -> None:
+    """Rows (or a dict/list holding rows and Stats) as JSON; written beside `path`, then renamed over it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def load_json(path: str) -> list[Row]:
+    """The rows dump_json wrote for one run."""
+    with open(path) as f:
+        return [Row(**d) for d in json.load(f)]
+
+
+# Several processes: the same rows timed in each fresh process, summarised per (section, case, impl).
+
+
+@dataclass(frozen=True)
+class Stat:
+    """min / median / max of one number over the processes that measured it (n of them; nan ones left out)."""
+
+    min: float
+    median: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values) -> Stat:
+        vals = sorted(v for v in values if not math.isnan(v))
+        if not vals:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(vals[0], statistics.median(vals), vals[-1], len(vals))
+
+    @property
+    def spread_pct(self) -> float:
+        """(max - min) / median in percent; nan below 2 measurements."""
+        if self.n < 2 or not self.median:
+            return math.nan
+        return 100.0 * (self.max - self.min) / abs(self.median)
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return str(self)
+        if self.n == 0:
+            return format(math.nan, spec)
+        return f"{self.min:{spec}} / {self.median:{spec}} / {self.max:{spec}}"
+
+    def __str__(self) -> str:  # a note: one value when every process agrees
+        if self.n and self.min == self.max:
+            return format(self.min, ".6g")
+        return format(self, ".6g")
+
+
+class Stats(tuple):
+    """A note such as 'x=1.23/1.45' (fwd/bwd ratios) summarised part by part."""
+
+    def __str__(self) -> str:
+        return "/".join(f"({s})" if s.n and s.min != s.max else str(s) for s in self)
+
+
+@dataclass
+class AggRow(Row):
+    """A Row whose numbers are Stats over `processes` of the processes run."""
+
+    processes: int = 0
+
+
+_TIMED = ("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "mem_mb")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _numbers(v) -> list[float] | None:
+    """'1.23/1.45' -> [1.23, 1.45]; None when v is not such a string."""
+    if not isinstance(v, str) or "/" not in v:
+        return None
+    try:
+        return [float(x) for x in v.split("/")]
+    except ValueError:
+        return None
+
+
+def _aggregate_note(values: list):
+    """One note over the processes that have it: numbers and ratios (as measured in each process) become Stats,
+    anything else the distinct values in order."""
+    if all(_number(v) for v in values):
+        return Stat.of(values)
+    parts = [_numbers(v) for v in values]
+    if all(p is not None for p in parts) and len({len(p) for p in parts}) == 1:
+        return Stats(Stat.of(p[i] for p in parts) for i in range(len(parts[0])))
+    distinct = list(dict.fromkeys(str(v) for v in values))
+    return distinct[0] if len(distinct) == 1 else "; ".join(distinct)
+
+
+def aggregate_rows(runs: list[list[Row]]) -> list[AggRow]:
+    """Rows of several processes -> one AggRow per (section, case, impl), in first-seen order.
+
+    Times, rates, memory and numeric notes become Stats over the processes that have the row; a ratio note is
+    summarised from each process's own ratio (never recomputed from medians). A row missing in some processes
+    (a competitor that failed there) is summarised from the rest and notes how many processes it has."""
+    groups: dict[tuple, list[Row]] = {}
+    for rows in runs:
+        seen: dict[tuple, int] = {}
+        for r in rows:
+            key = (r.section, r.case, r.impl)
+            seen[key] = seen.get(key, 0) + 1
+            groups.setdefault((*key, seen[key]), []).append(r)  # a repeated row pairs with its repeat elsewhere
+    out = []
+    for (section, case, impl, _), rows in groups.items():
+        extra = {}
+        for k in dict.fromkeys(k for r in rows for k in r.extra):
+            extra[k] = _aggregate_note([r.extra[k] for r in rows if k in r.extra])
+        if len(rows) < len(runs):
+            extra["processes"] = f"{len(rows)}/{len(runs)}"
+        out.append(AggRow(section, case, impl,
+                          **{f: Stat.of(getattr(r, f) for r in rows) for f in _TIMED},
+                          extra=extra, processes=len(rows)))
+    return out
+
+
+def largest_spread(rows: list[AggRow]) -> tuple[float, AggRow | None, str]:
+    """The row and part (fwd or bwd) whose time varies most between processes: (percent, row, part)."""
+    best = (math.nan, None, "")
+    for r in rows:
+        for part in ("fwd", "bwd"):
+            pct = getattr(r, f"{part}_ms").spread_pct
+            if not math.isnan(pct) and (best[1] is None or pct > best[0]):
+                best = (pct, r, part)
+    return best
+
+
+def print_spread(rows: list[AggRow], title: str = "") -> None:
+    """Each row's process-to-process spread of fwd and bwd time, (max - min) / median."""
+    if title:
+        print(f"\n{title}")
+    print("| case | impl | processes | fwd spread % | bwd spread % |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.case} | {r.impl} | {r.processes} | {r.fwd_ms.spread_pct:.1f} | {r.bwd_ms.spread_pct:.1f} |")
+
+
+def medians(rows: list[AggRow]) -> list[Row]:
+    """Plain Rows holding each Stat's median (what a plot of one process draws)."""
+
+    def med(v):
+        if isinstance(v, Stat):
+            return v.median
+        if isinstance(v, Stats):
+            return "/".join(f"{s.median:.2f}" for s in v)
+        return v
+
+    return [Row(r.section, r.case, r.impl, **{f: med(getattr(r, f)) for f in _TIMED},
+                extra={k: med(v) for k, v in r.extra.items()}) for r in rows]
