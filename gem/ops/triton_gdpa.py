@@ -26,26 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gem.ops import triton_utils as tu
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner
 from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
-from gem.ops.triton_utils import (
-    dot,
-    dot_acc,
-    dot_prec,
-    edge_runs,
-    hstu_key_tiles,
-    hstu_kw,
-    hstu_query_tiles,
-    hstu_seq,
-    hstu_tile_count,
-    hstu_tile_start,
-    hstu_visible,
-    len_bucket,
-    num_sms,
-    window_mask,
-    work_table,
-)
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
@@ -173,11 +157,11 @@ def _visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
     """[M, N] mask of key j visible to query i: diag-left <= j <= diag+right, diag = i + (Lk - Lq); HSTU: the
     HSTU mask (gem.ops.triton_utils.hstu_visible) instead."""
     if HSTU:
-        vis = hstu_visible(offs_m[:, None], offs_n[None, :], hstu)
+        vis = tu.hstu_visible(offs_m[:, None], offs_n[None, :], hstu)
     else:
         diag = offs_m[:, None] + doff
         vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)  # full [M, N] shape from the start
-        vis = window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+        vis = tu.window_mask(vis, diag, offs_n[None, :], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
     return vis
 
 
@@ -185,11 +169,11 @@ def _visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
 def _visible_t(offs_n, offs_m, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr):
     """_visible transposed, [N, M], built directly (no layout change of a mask)."""
     if HSTU:
-        vis = hstu_visible(offs_m[None, :], offs_n[:, None], hstu)
+        vis = tu.hstu_visible(offs_m[None, :], offs_n[:, None], hstu)
     else:
         diag = offs_m[None, :] + doff
         vis = (offs_n[:, None] >= 0) & (offs_m[None, :] >= 0)
-        vis = window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
+        vis = tu.window_mask(vis, diag, offs_n[:, None], LEFT, RIGHT, LEFT >= 0, RIGHT >= 0)
     return vis
 
 
@@ -211,10 +195,12 @@ def _seq_bounds(OFF_Q, OFF_K, b):
 
 
 @triton.jit
-def _q_item(Q, X, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, stride_xh, GROUP: tl.constexpr,
+def _q_item(Q, X, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, stride_xh, stride_kt, stride_kh,
+            stride_vt, stride_vh, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr, GROUP: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A q-tiled program's sequence: bounds, diagonal offset, kv head, head-dim and key offsets, and the rows of
-    its head in q and in X (the output of the forward, dO in the dQ pass)."""
+    """A q-tiled program's sequence: bounds, diagonal offset, kv head, head-dim and key offsets, the rows of its
+    head in q, in X (the output of the forward, dO in the dQ pass) and of its kv head in K and V, and its hstu
+    tuple."""
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
     kvh = head // GROUP
@@ -223,13 +209,10 @@ def _q_item(Q, X, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, stride
     offs_n0 = tl.arange(0, BLOCK_N)
     Qb = Q + q_start * stride_qt + head * stride_qh
     Xb = X + q_start * stride_xt + head * stride_xh
-    return q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, Xb
-
-
-@triton.jit
-def _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh):
-    """The rows of kv head kvh of one sequence in K and V."""
-    return K + k_start * stride_kt + kvh * stride_kh, V + k_start * stride_vt + kvh * stride_vh
+    Kb = K + k_start * stride_kt + kvh * stride_kh
+    Vb = V + k_start * stride_vt + kvh * stride_vh
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    return q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Xb, Kb, Vb, hstu
 
 
 @triton.jit
@@ -282,12 +265,12 @@ def _key_runs(m0, lq, lk, doff, LEFT, RIGHT, hstu, HSTU: tl.constexpr, MASKED: t
     t_b = nt
     runs = (0, 0, 0, 0, 0)
     if HSTU:
-        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
-        nt = hstu_tile_count(runs)
+        runs = tu.hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
+        nt = tu.hstu_tile_count(runs)
         t_a = nt
         t_b = nt
     elif MASKED:
-        t_a, t_b = edge_runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, LEFT >= 0, RIGHT >= 0,
+        t_a, t_b = tu.edge_runs(m0, tl.minimum(m0 + BLOCK_M, lq) - 1, lo, nt, doff, LEFT, RIGHT, LEFT >= 0, RIGHT >= 0,
                              BLOCK_N)
     return lo, nt, t_a, t_b, runs
 
@@ -312,10 +295,10 @@ def _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_k
     """acc += act(q k^T) v over one key tile (q comes scaled); MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-    a = _act(dot(q, tl.trans(k), DOT_PREC), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
+    a = _act(tu.dot(q, tl.trans(k), DOT_PREC), ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), a, 0.0)
-    return dot_acc(a.to(v.dtype), v, acc, DOT_PREC)
+    return tu.dot_acc(a.to(v.dtype), v, acc, DOT_PREC)
 
 
 @triton.jit
@@ -332,12 +315,12 @@ def _fwd_short_item(Qb, Ob, Kb, Vb, first, n_tiles, lq, lk, doff, offs_d, d_ok, 
     for t in range(n_tiles):
         m0 = (first + t) * BLOCK_M
         q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, False)
-        s = dot(q, tl.trans(k), DOT_PREC)
+        s = tu.dot(q, tl.trans(k), DOT_PREC)
         s = s * scale
         a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
         if MASKED:
             a = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), a, 0.0)
-        acc = dot(a.to(v.dtype), v, DOT_PREC)
+        acc = tu.dot(a.to(v.dtype), v, DOT_PREC)
         tl.store(_rows(Ob, offs_m, stride_ot, offs_d), (acc * out_scale).to(Ob.dtype.element_ty), mask=qmask)
 
 
@@ -354,10 +337,9 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, Ob = _q_item(
-        Q, O, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
-    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
-    Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    _q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Ob, Kb, Vb, hstu = _q_item(
+        Q, O, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt,
+        stride_vh, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
     # this item's q tiles that hold rows: a trip count, not a per-tile branch, so the loop can be pipelined
     first = group_id * TILES
     n_tiles = tl.minimum(tl.cdiv(tl.maximum(lq - first * BLOCK_M, 0), BLOCK_M), TILES)
@@ -405,7 +387,7 @@ def _fwd_kernel(Q, K, V, O, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, stride_kt,
             for j in range(t_a):  # j: t is the q-tile loop's
                 n0 = lo + j * BLOCK_N
                 if HSTU:
-                    n0 = hstu_tile_start(j, runs, BLOCK_N)
+                    n0 = tu.hstu_tile_start(j, runs, BLOCK_N)
                 acc = _fwd_kv_tile(acc, q, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff,
                                    LEFT, RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
             for j in range(t_a, t_b):
@@ -431,16 +413,16 @@ def _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt,
     qmask = (offs_m[:, None] < lq) & d_ok[None, :]
     q = tl.load(_rows(Qb, offs_m, stride_qt, offs_d), mask=qmask, other=0.0)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
-    st = dot(k, tl.trans(q), DOT_PREC) * scale  # [BN, BM] = S^T
+    st = tu.dot(k, tl.trans(q), DOT_PREC) * scale  # [BN, BM] = S^T
     at = _act(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
-    dpt = dot(v, tl.trans(do), DOT_PREC)
+    dpt = tu.dot(v, tl.trans(do), DOT_PREC)
     dst = dpt * _dact(st, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         vis = tl.trans(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU))
         at = tl.where(vis, at, 0.0)
         dst = tl.where(vis, dst, 0.0)  # act'(0) != 0: drop masked entries explicitly
-    dv = dot_acc(at.to(do.dtype), do, dv, DOT_PREC)
-    dk = dot_acc(dst.to(q.dtype), q, dk, DOT_PREC)
+    dv = tu.dot_acc(at.to(do.dtype), do, dv, DOT_PREC)
+    dk = tu.dot_acc(dst.to(q.dtype), q, dk, DOT_PREC)
     return dk, dv
 
 
@@ -452,12 +434,12 @@ def _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride
     """dQ of one query tile += one key tile's share; MASK: the tile crosses the window edge."""
     offs_n = n0 + offs_n0
     k, v, _ = _load_kv(Kb, Vb, offs_n, lk, offs_d, d_ok, stride_kt, stride_vt)
-    s = dot(q, tl.trans(k), DOT_PREC)
-    dp = dot(do, tl.trans(v), DOT_PREC)
+    s = tu.dot(q, tl.trans(k), DOT_PREC)
+    dp = tu.dot(do, tl.trans(v), DOT_PREC)
     ds = dp * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
     if MASK:
         ds = tl.where(_visible(offs_m, offs_n, doff, LEFT, RIGHT, hstu, HSTU), ds, 0.0)
-    return dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
+    return tu.dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
 
 
 @triton.jit
@@ -475,7 +457,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     n0 = tile * BLOCK_N
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -490,12 +472,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     t_a = 0
     t_b = nt
     if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
-        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
-        t_a = hstu_tile_count(runs)
+        runs = tu.hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        t_a = tu.hstu_tile_count(runs)
         t_b = t_a
         nt = t_a
     elif MASKED:  # the mirror of the q tiles' runs: query i sees key j for j-doff-RIGHT <= i <= j-doff+LEFT
-        t_a, t_b = edge_runs(n0, tl.minimum(n0 + BLOCK_N, lk) - 1, lo, nt, -doff, RIGHT, LEFT, RIGHT >= 0, LEFT >= 0,
+        t_a, t_b = tu.edge_runs(n0, tl.minimum(n0 + BLOCK_N, lk) - 1, lo, nt, -doff, RIGHT, LEFT, RIGHT >= 0, LEFT >= 0,
                              BLOCK_M)
     for g in range(GROUP):
         head = kvh * GROUP + g
@@ -504,7 +486,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
         for t in range(t_a):
             m0 = lo + t * BLOCK_M
             if HSTU:
-                m0 = hstu_tile_start(t, runs, BLOCK_M)
+                m0 = tu.hstu_tile_start(t, runs, BLOCK_M)
             dk, dv = _dkdv_q_tile(dk, dv, k, v, Qb, DOb, m0, offs_n, lq, offs_d, d_ok, stride_qt, stride_dot, scale,
                                   doff, LEFT, RIGHT, hstu, HSTU, BLOCK_M, True, ACT, POLY, C1, C2, C3, C4, C5, C6,
                                   CLAMP, DOT_PREC)
@@ -535,11 +517,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
     b, group_id, head = _work_item(WORK, NUM_HEADS)
     if b < 0:
         return
-    q_start, lq, k_start, lk, doff, kvh, offs_d, d_ok, offs_n0, Qb, DOb = _q_item(
-        Q, DO, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_dot, stride_doh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
-    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, DOb, Kb, Vb, hstu = _q_item(
+        Q, DO, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_dot, stride_doh, stride_kt, stride_kh,
+        stride_vt, stride_vh, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
     DQb = DQ + q_start * stride_dqt + head * stride_dqh
-    Kb, Vb = _kv_rows(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     m0 = group_id * BLOCK_M
     q, offs_m, qmask = _q_tile(Qb, m0, lq, offs_d, d_ok, stride_qt, scale, BLOCK_M, True)
     do = tl.load(_rows(DOb, offs_m, stride_dot, offs_d), mask=qmask, other=0.0)
@@ -548,7 +529,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, OFF_Q, OFF_K, WORK, stride_qt, stride_qh, st
     for t in range(t_a):
         n0 = lo + t * BLOCK_N
         if HSTU:
-            n0 = hstu_tile_start(t, runs, BLOCK_N)
+            n0 = tu.hstu_tile_start(t, runs, BLOCK_N)
         dq = _dq_kv_tile(dq, q, do, Kb, Vb, n0, offs_m, offs_n0, lk, offs_d, d_ok, stride_kt, stride_vt, doff, LEFT,
                          RIGHT, hstu, HSTU, True, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP, DOT_PREC)
     for t in range(t_a, t_b):
@@ -578,7 +559,7 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
@@ -639,15 +620,15 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
             # padded rows / keys give 0 and act(0) = 0; the loaded q feeds both dots as is and dK takes the scale
             # at the end
             if KT:
-                s = dot(k, tl.trans(q), DOT_PREC)  # S^T [BN, BM]
+                s = tu.dot(k, tl.trans(q), DOT_PREC)  # S^T [BN, BM]
             else:
-                s = dot(q, tl.trans(k), DOT_PREC)  # [BM, BN]
+                s = tu.dot(q, tl.trans(k), DOT_PREC)  # [BM, BN]
             s = s * scale
             a = _act(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             if KT:
-                ds = dot(v, tl.trans(do), DOT_PREC)
+                ds = tu.dot(v, tl.trans(do), DOT_PREC)
             else:
-                ds = dot(do, tl.trans(v), DOT_PREC)
+                ds = tu.dot(do, tl.trans(v), DOT_PREC)
             ds = ds * _dact(s, ACT, POLY, C1, C2, C3, C4, C5, C6, CLAMP)
             if MASKED:  # act'(0) != 0: drop masked entries explicitly
                 if KT:
@@ -657,13 +638,13 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
                 a = tl.where(vis, a, 0.0)
                 ds = tl.where(vis, ds, 0.0)
             if KT:
-                dv = dot_acc(a.to(do.dtype), do, dv, DOT_PREC)
-                dk = dot_acc(ds.to(q.dtype), q, dk, DOT_PREC)
-                dq = dot(tl.trans(ds.to(k.dtype)), k, DOT_PREC)
+                dv = tu.dot_acc(a.to(do.dtype), do, dv, DOT_PREC)
+                dk = tu.dot_acc(ds.to(q.dtype), q, dk, DOT_PREC)
+                dq = tu.dot(tl.trans(ds.to(k.dtype)), k, DOT_PREC)
             else:
-                dv = dot_acc(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC)
-                dk = dot_acc(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC)
-                dq = dot(ds.to(k.dtype), k, DOT_PREC)
+                dv = tu.dot_acc(tl.trans(a.to(do.dtype)), do, dv, DOT_PREC)
+                dk = tu.dot_acc(tl.trans(ds.to(q.dtype)), q, dk, DOT_PREC)
+                dq = tu.dot(ds.to(k.dtype), k, DOT_PREC)
             tl.store(_rows(DQb, offs_m, stride_dqt, offs_d), (dq * (scale * out_scale)).to(DQ.dtype.element_ty),
                      mask=qmask)
     dk_scale = out_scale * scale
@@ -759,7 +740,7 @@ def _tiles_per_program(t: int, block_m: int, h: int, n_seq: int, max_len_q: int,
     waves of programs, and no more than the longest sequence has (the extra ones would only be skipped)."""
     est_tiles = (t // block_m + n_seq) * h
     tiles = 1
-    while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * num_sms(device):
+    while tiles < 8 and tiles * block_m < max_len_q and est_tiles // (2 * tiles) >= 4 * tu.num_sms(device):
         tiles *= 2
     return tiles
 
@@ -789,14 +770,14 @@ def _consts(activation: str, approx: str, tanh: bool = False) -> dict:
 
 def _table(offsets_a, offsets_b, max_len_a, rows, left, right, ordered, transpose, total):
     """The work table of one pass (gem.ops.triton_utils.work_table, cost "tile_span")."""
-    return work_table("tile_span", offsets_a, offsets_b, max_len_a, rows, left=left, right=right,
+    return tu.work_table("tile_span", offsets_a, offsets_b, max_len_a, rows, left=left, right=right,
                       transpose=transpose, ordered=ordered, total=total)
 
 
 def _common(q, k, left, right, activation, approx, hstu: bool = False) -> dict:
     """Constexprs shared by the forward and both backward kernels."""
-    return dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[2], BLOCK_D=len_bucket(q.shape[2]),
-                MASKED=left >= 0 or right >= 0 or hstu, DOT_PREC=dot_prec(q.dtype),
+    return dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[2], BLOCK_D=tu.len_bucket(q.shape[2]),
+                MASKED=left >= 0 or right >= 0 or hstu, DOT_PREC=tu.dot_prec(q.dtype),
                 **_consts(activation, approx, tanh_form(activation, approx, q.dtype)))
 
 
@@ -810,7 +791,7 @@ def hstu_launch_args(hstu, offsets_q) -> tuple:
 def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, right, max_len, heads) -> tuple:
     """The kernels' runtime arguments: tensors, offsets, work table, (token, head) strides of each tensor, scalars."""
     strides = [s for x in tensors for s in (x.stride(0), x.stride(1))]
-    return (*tensors, offsets_q, offsets_k, table, *strides, scale, out_scale, left, right, len_bucket(max_len), heads)
+    return (*tensors, offsets_q, offsets_k, table, *strides, scale, out_scale, left, right, tu.len_bucket(max_len), heads)
 
 
 # ------------------------------------------------------------------------------------ custom ops + autograd
@@ -825,8 +806,8 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     if t == 0 or max_len_q == 0 or h == 0:
         return torch.zeros_like(q)
     out = _empty_like(q)  # every row lies in some work item's tiles, so the kernel writes it
-    kv_tile = len_bucket(max_len_k)
-    use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * len_bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(
+    kv_tile = tu.len_bucket(max_len_k)
+    use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * tu.len_bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(
         short_kv)
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
     tiles = 1
@@ -839,7 +820,7 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles,
                   **_common(q, k, left, right, activation, approx, num_targets is not None),
-                  **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
+                  **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
@@ -868,11 +849,11 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    hstu = hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
-    kv_tile = len_bucket(max_len_k)
-    fits = kv_tile <= 128 and kv_tile * len_bucket(d) <= SHORT_BWD_ELEMS
+    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
+    kv_tile = tu.len_bucket(max_len_k)
+    fits = kv_tile <= 128 and kv_tile * tu.len_bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
-    wide = (offsets_q.numel() - 1) * k.shape[1] >= num_sms(q.device)
+    wide = (offsets_q.numel() - 1) * k.shape[1] >= tu.num_sms(q.device)
     if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
         return _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right,
                                scale, out_scale, ordered, hstu)
@@ -913,7 +894,7 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     common = {**_common(q, k, left, right, activation, approx, hstu["HSTU"]), **hstu}
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _launch("bwd_short", (nb * k.shape[1],), args, dict(BLOCK_N=len_bucket(max_len_k), **common))
+    _launch("bwd_short", (nb * k.shape[1],), args, dict(BLOCK_N=tu.len_bucket(max_len_k), **common))
     return dq, dk, dv
 
 

@@ -29,24 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gem.ops import triton_utils as tu
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
 from gem.ops._tune import ConfigTuner, reg_cap
-from gem.ops.triton_utils import (
-    dot,
-    dot_acc,
-    dot_prec,
-    edge_runs,
-    hstu_key_tiles,
-    hstu_kw,
-    hstu_query_tiles,
-    hstu_seq,
-    hstu_tile_count,
-    hstu_tile_start,
-    hstu_visible,
-    len_bucket,
-    window_mask,
-    work_table,
-)
 
 LOG2E = 1.4426950408889634
 
@@ -57,14 +42,14 @@ LOG2E = 1.4426950408889634
 def _vis(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """[len(rows), len(cols)] visibility: in-sequence and inside the (bottom-right aligned) window."""
     m = (rows[:, None] < Lq) & (cols[None, :] < Lk)
-    return window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
+    return tu.window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
 def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Transposed _vis: [len(cols), len(rows)]."""
     m = (rows[None, :] < Lq) & (cols[:, None] < Lk)
-    return window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
+    return tu.window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
@@ -134,7 +119,7 @@ def _vis2(rows, cols, shift, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HA
     m = cols[None, :] >= 0
     if not RIGHT_CLOSED:
         m = cols[None, :] < Lk
-    return window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
+    return tu.window_mask(m, rows[:, None] + shift, cols[None, :], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
@@ -142,7 +127,7 @@ def _vis2_t(rows, cols, shift, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_
     """Transposed _vis2 for dK/dV: no in-sequence checks at all (queries past Lq have lse = +inf, so p = 0, and
     keys past Lk are never stored)."""
     m = cols[:, None] >= 0
-    return window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
+    return tu.window_mask(m, rows[None, :] + shift, cols[:, None], win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
 
 @triton.jit
@@ -156,18 +141,18 @@ def _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, 
     hi = Lk
     runs = (0, 0, 0, 0, 0)
     if HSTU:
-        runs = hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
+        runs = tu.hstu_key_tiles(m0, hstu, BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         lo = tl.maximum(m0 + shift - win_left, 0)
     if HAS_RIGHT:
         hi = tl.minimum(rows_last + shift + win_right + 1, Lk)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     if HSTU:
-        n_t = hstu_tile_count(runs)
+        n_t = tu.hstu_tile_count(runs)
         k_lo = 0
         k_hi = 0
     else:
-        k_lo, k_hi = edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+        k_lo, k_hi = tu.edge_runs(m0, rows_last, lo, n_t, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
     return lo, n_t, k_lo, k_hi, runs
 
 
@@ -183,7 +168,7 @@ def _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M: tl.constex
         hi = tl.minimum(cols_last - shift + win_left + 1, Lq)
     n_t = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     # the mirror of _col_runs: query i sees key j for j - shift - right <= i <= j - shift + left
-    k_lo, k_hi = edge_runs(n0 - shift, cols_last - shift, lo, n_t, 0, win_right, win_left, HAS_RIGHT, HAS_LEFT,
+    k_lo, k_hi = tu.edge_runs(n0 - shift, cols_last - shift, lo, n_t, 0, win_right, win_left, HAS_RIGHT, HAS_LEFT,
                            BLOCK_M)
     return lo, n_t, k_lo, k_hi
 
@@ -209,10 +194,10 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
         in_k = cols < Lk
         k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-    s = dot(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
+    s = tu.dot(q, tl.trans(k), DOT_PREC)  # raw scores; scale*log2(e) applies in fp32 below (qk_scale > 0)
     if MASKED:
         if HSTU:
-            vis = hstu_visible(offs_m[:, None], cols[None, :], hstu)
+            vis = tu.hstu_visible(offs_m[:, None], cols[None, :], hstu)
         else:
             vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         s = tl.where(vis, s, float("-inf"))
@@ -223,7 +208,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, strid
     p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
+    acc = tu.dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -250,7 +235,7 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
     for t in range(k_full, n_t):  # right edge / causal diagonal
         n = lo + t * BLOCK_N
         if HSTU:
-            n = hstu_tile_start(t, runs, BLOCK_N)
+            n = tu.hstu_tile_start(t, runs, BLOCK_N)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m,
                                   offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True,
                                   HAS_LEFT, HAS_RIGHT, DOT_PREC, TMA, RIGHT_CLOSED)
@@ -262,23 +247,39 @@ def _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, o
 
 
 @triton.jit
+def _q_kv_item(K, V, OFF_Q, OFF_K, item, h, NT, stride_kt, stride_kh, stride_vt, stride_vh, win_left, win_right,
+               NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_D: tl.constexpr):
+    """What the forward and dQ passes need of a (q tile, head) item: _q_item's values, the hstu tuple, the K/V rows
+    (and their TMA descriptors; without TMA the row pointers stand in, never read as descriptors) and _col_runs'
+    key tiles."""
+    m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
+                                                                                  BLOCK_M, BLOCK_N, HEAD_D)
+    hstu = tu.hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
+    desc_k, desc_v = k_base, v_base
+    if TMA:
+        desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
+    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT)
+    return (q_start, Lq, Lk, shift, offs_m, offs_n, offs_d, in_q, hstu, k_base, v_base, desc_k, desc_v, lo, n_t, k_lo,
+            k_hi, runs)
+
+
+@triton.jit
 def _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               stride_lh, qk_scale, win_left, win_right, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr, NT,
               GROUP: tl.constexpr, SUB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
-                                                                                  BLOCK_M, BLOCK_N, HEAD_D)
-    hstu = hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    (q_start, Lq, Lk, shift, offs_m, offs_n, offs_d, in_q, hstu, k_base, v_base, desc_k, desc_v, lo, n_t, k_lo, k_hi,
+     runs) = _q_kv_item(K, V, OFF_Q, OFF_K, item, h, NT, stride_kt, stride_kh, stride_vt, stride_vh, win_left,
+                              win_right, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU, GROUP, HAS_LEFT, HAS_RIGHT, TMA,
+                              BLOCK_M, BLOCK_N, HEAD_D)
     q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=in_q[:, None], other=0.0)
-    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
-    desc_k, desc_v = None, None
-    if TMA:
-        desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT)
 
     acc, l_i, m_i, n_masked = _fwd_loop(q, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, offs_m, offs_n, offs_d,
                                         shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, lo, n_t, k_lo, k_hi,
@@ -352,28 +353,28 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
             q = desc_q.load([m, col])
         else:
             q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=in_q[:, None], other=0.0)
-        sT = dot(k, tl.trans(q), DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        sT = tu.dot(k, tl.trans(q), DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
     else:
         qT = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=in_q[None, :], other=0.0)
-        sT = dot(k, qT, DOT_PREC) * qk_scale
+        sT = tu.dot(k, qT, DOT_PREC) * qk_scale
     pT = tl.math.exp2(sT - lse2[None, :])
     if MASKED:
         if HSTU:
-            vis = hstu_visible(rows[None, :], offs_n[:, None], hstu)
+            vis = tu.hstu_visible(rows[None, :], offs_n[:, None], hstu)
         elif ROWMAJOR:
             vis = _vis2_t(rows, offs_n, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         else:
             vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         pT = tl.where(vis, pT, 0.0)
-    dpT = dot(v, tl.trans(do), DOT_PREC)
+    dpT = tu.dot(v, tl.trans(do), DOT_PREC)
     if ROWMAJOR:
-        dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PREC)
+        dv = tu.dot_acc(pT.to(do.dtype), do, dv, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
-        dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
+        dk = tu.dot_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
     else:
-        dv += dot(pT.to(do.dtype), do, DOT_PREC)
+        dv += tu.dot(pT.to(do.dtype), do, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
-        dk += dot(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
+        dk += tu.dot(dsT.to(qT.dtype), tl.trans(qT), DOT_PREC)
     return dk, dv
 
 
@@ -393,7 +394,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     n0 = (item % NT) * BLOCK_N
     q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
-    hstu = hstu_seq(NUM_TARGETS, b, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -408,8 +409,8 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     cols_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
     lo, n_t, k_lo, k_hi = _row_runs(n0, cols_last, shift, Lq, win_left, win_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     if HSTU:  # masked q tiles only, in up to three runs (gem.ops.triton_utils.hstu_query_tiles)
-        runs = hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
-        n_t = hstu_tile_count(runs)
+        runs = tu.hstu_query_tiles(n0, hstu, BLOCK_N, BLOCK_M)
+        n_t = tu.hstu_tile_count(runs)
         k_lo = n_t
         k_hi = n_t
     desc_q = None
@@ -434,7 +435,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
         for t in range(k_lo):  # rows still left of the causal / right-window edge
             m = lo + t * BLOCK_M
             if HSTU:
-                m = hstu_tile_start(t, runs, BLOCK_M)
+                m = tu.hstu_tile_start(t, runs, BLOCK_M)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
                                 stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
                                 hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
@@ -469,30 +470,30 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
         else:
             k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=in_k[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        s = dot(q, tl.trans(k), DOT_PREC) * qk_scale - lse2[:, None]
+        s = tu.dot(q, tl.trans(k), DOT_PREC) * qk_scale - lse2[:, None]
     else:
         kT = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=in_k[None, :], other=0.0)
         vT = tl.load(v_base + cols[None, :] * stride_vt + offs_d[:, None], mask=in_k[None, :], other=0.0)
-        s = dot(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
+        s = tu.dot(q, kT, DOT_PREC) * qk_scale - lse2[:, None]
     if CLAMP:  # zero-loaded keys: p <= 1 holds for real keys, the clamp keeps masked ones finite (times k = 0)
         s = tl.minimum(s, 0.0)
     p = tl.math.exp2(s)
     if MASKED:
         if HSTU:
-            vis = hstu_visible(offs_m[:, None], cols[None, :], hstu)
+            vis = tu.hstu_visible(offs_m[:, None], cols[None, :], hstu)
         elif ROWMAJOR:
             vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         else:
             vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         p = tl.where(vis, p, 0.0)
     if ROWMAJOR:
-        dp = dot(do, tl.trans(v), DOT_PREC)
+        dp = tu.dot(do, tl.trans(v), DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
+        dq = tu.dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
     else:
-        dp = dot(do, vT, DOT_PREC)
+        dp = tu.dot(do, vT, DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq += dot(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
+        dq += tu.dot(ds.to(q.dtype), tl.trans(kT), DOT_PREC)
     return dq
 
 
@@ -500,19 +501,18 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
 def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dqt, stride_dqh, stride_ot, stride_oh, stride_lh, qk_scale, sm_scale, win_left,
-                       win_right, NT,
-                       H_GRID: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, MASK_EDGE: tl.constexpr,
-                       HAS_LEFT: tl.constexpr,
-                       HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
-                       ROWMAJOR: tl.constexpr, TMA: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN,
-                       HSTU: tl.constexpr):
+                       win_right, NT, H_GRID: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
+                       MASK_EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr,
+                       FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                       NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
     item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
     if item < 0:
         return
-    m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
-                                                                                  BLOCK_M, BLOCK_N, HEAD_D)
-    hstu = hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    (q_start, Lq, Lk, shift, offs_m, offs_n, offs_d, in_q, hstu, k_base, v_base, desc_k, desc_v, lo, n_t, k_lo, k_hi,
+     runs) = _q_kv_item(K, V, OFF_Q, OFF_K, item, h, NT, stride_kt, stride_kh, stride_vt, stride_vh, win_left,
+                              win_right, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU, GROUP, HAS_LEFT, HAS_RIGHT, TMA,
+                              BLOCK_M, BLOCK_N, HEAD_D)
     rows = (q_start + offs_m[:, None]).to(tl.int64)
     q = tl.load(Q + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=in_q[:, None], other=0.0)
     do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=in_q[:, None], other=0.0)
@@ -523,12 +523,6 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
         tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=in_q)
     else:
         delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=in_q, other=0.0)
-    k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
-    desc_k, desc_v = None, None
-    if TMA:
-        desc_k, desc_v = _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N, HEAD_D)
-    lo, n_t, k_lo, k_hi, runs = _col_runs(m0, Lq, shift, Lk, win_left, win_right, hstu, HSTU, BLOCK_M, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT)
     k_full = tl.maximum(tl.minimum(k_hi, (Lk - lo) // BLOCK_N), k_lo)  # fully visible and fully in-sequence
 
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
@@ -548,7 +542,7 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
     for t in range(k_hi, n_t):
         n = lo + t * BLOCK_N
         if HSTU:
-            n = hstu_tile_start(t, runs, BLOCK_N)
+            n = tu.hstu_tile_start(t, runs, BLOCK_N)
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n,
                       offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False, HAS_LEFT,
                       HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
@@ -562,7 +556,7 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
 
 def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int):
     """The work table of one pass over tiles of `block` rows of offsets_a's sequences (gem.ops.triton_utils)."""
-    return work_table("seq_span", offsets_a, offsets_b, max_len_a, block, left=left, right=right)
+    return tu.work_table("seq_span", offsets_a, offsets_b, max_len_a, block, left=left, right=right)
 
 
 # The backward form per call: "base" from this max_len_q up when there is no left window (full or causal rows; v2
@@ -661,8 +655,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
-              "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d,
-              **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+              "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
+              **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
@@ -673,7 +667,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
             max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **reg_cap(cfg), **common)
 
-    key = (tma, d, q.dtype, len_bucket(max_len_q), len_bucket(max_len_k), left, right, mask_inf)
+    key = (tma, d, q.dtype, tu.len_bucket(max_len_q), tu.len_bucket(max_len_k), left, right, mask_inf)
     if num_targets is not None:  # keys without the HSTU mask stay as they were
         key += ("hstu",)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d, left >= 0 or right >= 0), launch, q.device))
@@ -708,8 +702,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         _jfa_bwd_pre_kernel[(cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
-    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": dot_prec(q.dtype), "HEAD_D": d,
-              "ROWMAJOR": v2, "TMA": tma, **hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+    common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
+              "ROWMAJOR": v2, "TMA": tma, **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
@@ -721,7 +715,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     passes = {
         "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, 1, h_kv, (dk, dv), {}),
         "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, 0, h, (dq, out),
-                   dict(SUB=not mask_inf, MASK_EDGE=mask_inf, FUSE_DELTA=v2, RIGHT_CLOSED=right == 0)),
+                   {"SUB": not mask_inf, "MASK_EDGE": mask_inf, "FUSE_DELTA": v2, "RIGHT_CLOSED": right == 0}),
     }
 
     def launch(kind, cfg):
@@ -733,8 +727,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
-    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, len_bucket(max_len_q),
-           len_bucket(max_len_k), left, right, group)
+    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, tu.len_bucket(max_len_q),
+           tu.len_bucket(max_len_k), left, right, group)
     if num_targets is not None:
         key += ("hstu",)
     # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it

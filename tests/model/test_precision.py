@@ -297,31 +297,49 @@ def test_mxfp8_linear_compiled_equals_eager():
         m.zero_grad()
 
 
-@pytest.mark.slow
-def test_low_precision_training_runs_track_fp32(monkeypatch):
-    """200 steps of the tiny model on synthetic data, fp32 (autocast none on CPU) vs mxfp8 and fp8 from the same
-    seed: eval NE within 1% (relative) per task. fp8 runs its recipe through torch._scaled_mm on the CPU (the
-    device check is bypassed): the recipe's numerics, with exact accumulation."""
+def _training_runs(precisions, extra=()):
+    """{precision: fit result} of 200 steps of the tiny model on synthetic data from one seed."""
     from gem.train.trainer import Trainer
     from tests.train._util import SMALL, compose
 
-    monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
     results = {}
-    for precision, cls in (("bf16", None), ("mxfp8", MXFP8Linear), ("fp8", FP8Linear)):
+    for precision, cls in precisions:
         t = Trainer(compose(SMALL + ["train.steps=200", "train.eval_every=0", "train.seed=0", "train.log_every=50",
-                                     "data.eval_batches=8", f"train.precision={precision}"]))
+                                     "data.eval_batches=8", f"train.precision={precision}", *extra]))
         try:
             kinds = {type(m) for m in t.inner.modules()}
             assert cls is None or cls in kinds
             results[precision] = t.fit()
         finally:
             t.close()
-    ref = results["bf16"].eval_metrics
-    for precision in ("mxfp8", "fp8"):
-        low = results[precision].eval_metrics
-        for task in ("click", "conversion"):
-            assert ref[f"{task}/ne"] < 0.99, ref  # the model learned something, so NE compares trained models
-            assert low[f"{task}/ne"] == pytest.approx(ref[f"{task}/ne"], rel=0.01), (precision, task, ref, low)
-        # the low-precision numerics really ran: the trajectories differ
-        assert results[precision].losses != results["bf16"].losses
+    return results
 
+
+def _assert_ne_tracks(results, ref="bf16"):
+    """Eval NE within 1% (relative) of the `ref` run per task, and the low-precision trajectories really differ."""
+    base = results[ref]
+    for precision, res in results.items():
+        if precision == ref:
+            continue
+        for task in ("click", "conversion"):
+            assert base.eval_metrics[f"{task}/ne"] < 0.99, base.eval_metrics  # trained models are compared
+            assert res.eval_metrics[f"{task}/ne"] == pytest.approx(base.eval_metrics[f"{task}/ne"], rel=0.01), (
+                precision, task, base.eval_metrics, res.eval_metrics)
+        assert res.losses != base.losses
+
+
+@pytest.mark.slow
+def test_low_precision_training_runs_track_fp32(monkeypatch):
+    """200 steps of the tiny model on synthetic data, fp32 (autocast none on CPU) vs mxfp8 and fp8 from the same
+    seed: eval NE within 1% (relative) per task. fp8 runs its recipe through torch._scaled_mm on the CPU (the
+    device check is bypassed): the recipe's numerics, with exact accumulation."""
+    monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
+    _assert_ne_tracks(_training_runs((("bf16", None), ("mxfp8", MXFP8Linear), ("fp8", FP8Linear))))
+
+
+@pytest.mark.gpu
+def test_fp8_training_run_tracks_bf16_on_gpu():
+    """The same 200 steps on the GPU with the Triton kernels and bf16 autocast: fp8 (tensor-core GEMMs) vs bf16."""
+    if not (torch.cuda.is_available() and prec.fp8_supported(torch.device("cuda"))):
+        pytest.skip("needs a GPU with FP8 tensor cores")
+    _assert_ne_tracks(_training_runs((("bf16", None), ("fp8", FP8Linear)), extra=["model.kernel=auto"]))
