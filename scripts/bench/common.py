@@ -123,17 +123,21 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def print_table(rows: list[Row], title: str = "") -> None:
+def _markdown(title: str, header: list[str], lines) -> None:
+    """A markdown table under an optional `## title`; `lines` yields each row's cells."""
     if title:
         print(f"\n## {title}")
-    print("| section | case | impl | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | peak MB | notes |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        notes = " ".join(f"{k}={v}" for k, v in r.extra.items())
-        print(
-            f"| {r.section} | {r.case} | {r.impl} | {r.fwd_ms:.3f} | {r.bwd_ms:.3f} | {r.fwd_tflops:.1f} | "
-            f"{r.bwd_tflops:.1f} | {r.mem_mb:.0f} | {notes} |"
-        )
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for cells in lines:
+        print("| " + " | ".join(cells) + " |")
+
+
+def print_table(rows: list[Row], title: str = "") -> None:
+    _markdown(title, ["section", "case", "impl", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s", "peak MB", "notes"],
+              ([r.section, r.case, r.impl, f"{r.fwd_ms:.3f}", f"{r.bwd_ms:.3f}", f"{r.fwd_tflops:.1f}",
+                f"{r.bwd_tflops:.1f}", f"{r.mem_mb:.0f}", " ".join(f"{k}={v}" for k, v in r.extra.items())]
+               for r in rows))
 
 
 def _jsonable(o):
@@ -279,12 +283,9 @@ def largest_spread(rows: list[AggRow]) -> tuple[float, AggRow | None, str]:
 
 def print_spread(rows: list[AggRow], title: str = "") -> None:
     """Each row's process-to-process spread of fwd and bwd time, (max - min) / median."""
-    if title:
-        print(f"\n{title}")
-    print("| case | impl | processes | fwd spread % | bwd spread % |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r.case} | {r.impl} | {r.processes} | {r.fwd_ms.spread_pct:.1f} | {r.bwd_ms.spread_pct:.1f} |")
+    _markdown(title, ["case", "impl", "processes", "fwd spread %", "bwd spread %"],
+              ([r.case, r.impl, str(r.processes), f"{r.fwd_ms.spread_pct:.1f}", f"{r.bwd_ms.spread_pct:.1f}"]
+               for r in rows))
 
 
 def medians(rows: list[AggRow]) -> list[Row]:
