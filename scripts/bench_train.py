@@ -21,6 +21,7 @@ step-time breakdown (input, forward, backward, optimizer, exposed communication)
 the top ops by self device time (self CPU time without CUDA) and the device time grouped into matmul / attention /
 communication / embedding / other. Those steps stay in the timing (the profiler slows them; the report compares
 them with the other timed steps). `--profile-dir DIR` also writes each rank's chrome trace there.
+`--profile-sources 'aten::copy_,...'` also splits those ops' time by the gem source lines that called them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         "(0: off; needs --warmup > this)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="run the last K timed steps under torch.profiler and print the top ops (0: off)")
+    p.add_argument("--profile-sources", default="",
+                   help="with --profile-steps: comma list of op names (e.g. 'aten::copy_,aten::add_') whose time is "
+                        "also split by the gem source lines that called them (records Python stacks)")
     p.add_argument("--profile-dir", default=None,
                    help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
     args, rest = p.parse_known_args(argv)
@@ -99,6 +103,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.profile_dir and not args.profile_steps:
         p.error("--profile-dir needs --profile-steps K > 0")
+    if args.profile_sources and not args.profile_steps:
+        p.error("--profile-sources needs --profile-steps K > 0")
     if args.single_gpu_tflops is not None and not args.single_gpu_tflops > 0:
         p.error(f"--single-gpu-tflops must be > 0, got {args.single_gpu_tflops}")
     for o in rest:
@@ -403,21 +409,24 @@ def _bucket(kernel: str | None, op, memo: dict) -> str:
     return b or "elementwise/other"
 
 
+_GEM_FRAME = re.compile(r"(?:^|/)(gem/[\w/]+\.py\(\d+\): \w+)")  # a profiler frame inside the gem package
+
+
 class StepProfiler:
     """torch.profiler over the last `k` of `total` trainer steps, advanced by StepRecorder at each step's end.
 
     Step total-k runs under the profiler's warmup (tracer started, events dropped) so that the start-up cost stays
     out of the recorded steps total-k+1 .. total."""
 
-    def __init__(self, total: int, k: int, cuda: bool) -> None:
+    def __init__(self, total: int, k: int, cuda: bool, sources: tuple[str, ...] = ()) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        self.first, self.last, self.k, self.cuda = total - k + 1, total, k, cuda
+        self.first, self.last, self.k, self.cuda, self.sources = total - k + 1, total, k, cuda, tuple(sources)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.activities = [a.name for a in acts]
         # schedule(n) is the action during trainer step n (start() takes one step first)
         self.prof = profile(activities=acts, schedule=schedule(wait=total - k, warmup=1, active=k, repeat=1),
-                            record_shapes=False, with_stack=False, profile_memory=False)
+                            record_shapes=False, with_stack=bool(self.sources), profile_memory=False)
         self.running = False
 
     def start(self) -> None:
@@ -502,7 +511,36 @@ class StepProfiler:
             "buckets": {b: {"ms_per_step": us / 1e3 / n, "pct": pct(us)} for b, us in buckets.items()},
             "kernels": [{"name": name[:300], "calls_per_step": c / n, "ms_per_step": us / 1e3 / n, "pct": pct(us)}
                         for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]],
+            "sources": self._sources(events, top),
         }
+
+    def _sources(self, events, top: int) -> list[dict]:
+        """For each op named in `sources`: its time (the kernels it launched, or self CPU time without CUDA) per
+        calling site, the innermost gem frames of its Python stack; ops run by autograd's backward have none."""
+        from torch.autograd import DeviceType
+
+        if not self.sources:
+            return []
+        sites: dict[tuple[str, str], list] = {}
+        for e in events:
+            if e.device_type != DeviceType.CPU or e.name not in self.sources:
+                continue
+            frames = list(getattr(e, "stack", None) or ())
+            if not frames:  # newer torch records the stack as python_function events: the op's ancestors
+                q = e.cpu_parent
+                while q is not None and len(frames) < 3:
+                    if _GEM_FRAME.search(q.name):
+                        frames.append(q.name)
+                    q = q.cpu_parent
+            frames = [m.group(1) for m in map(_GEM_FRAME.search, frames) if m][:3]
+            site = " < ".join(frames) or "(no gem frame: autograd backward or torch internals)"
+            us = sum(k.duration for k in (getattr(e, "kernels", None) or ())) if self.cuda else e.self_cpu_time_total
+            acc = sites.setdefault((e.name, site), [0.0, 0])
+            acc[0] += us
+            acc[1] += 1
+        rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"op": op, "site": site, "calls_per_step": c / self.k, "ms_per_step": us / 1e3 / self.k}
+                for (op, site), (us, c) in rows]
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -612,6 +650,11 @@ def print_profile(profiles: list[dict], ranks: list[dict], warmup: int) -> None:
             for k in p["kernels"]:
                 print(f"| {_cell(k['name'])} | {k['calls_per_step']:.4g} | {k['ms_per_step']:.3f} | "
                       f"{_f(k['pct'], '{:.1%}')} |")
+        if p.get("sources"):
+            print(f"\n| op (rank {rk}) | called from (innermost gem frames) | calls/step | {unit} ms/step |\n"
+                  "|---|---|---|---|")
+            for x in p["sources"]:
+                print(f"| {x['op']} | {_cell(x['site'], 160)} | {x['calls_per_step']:.4g} | {x['ms_per_step']:.3f} |")
         wall = r["step_ms_profiled_mean"]
         if dev:  # kernel time against the step's GPU timeline: what is left is idle (or overlapped) time
             print(f"note: rank {rk}: kernels {p['ms_per_step']:.2f} ms/step = {p['ms_per_step'] / wall:.0%} of the "
@@ -667,7 +710,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         torch.cuda.empty_cache()
 
     trainer = Trainer(cfg, run_dir=args.run_dir)
-    profiler = StepProfiler(total, args.profile_steps, trainer.is_cuda) if args.profile_steps else None
+    sources = tuple(x.strip() for x in args.profile_sources.split(",") if x.strip())
+    profiler = StepProfiler(total, args.profile_steps, trainer.is_cuda, sources) if args.profile_steps else None
     try:
         rec = StepRecorder(trainer, profiler, args.warmup, probe_steps)
         t0 = time.perf_counter()

@@ -12,7 +12,8 @@ from tests.train._util import ROOT, env
 def test_profile_steps_cpu(tmp_path):
     out, traces = tmp_path / "bench.json", tmp_path / "traces"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--warmup", "2", "--steps", "4",
-           "--profile-steps", "2", "--profile-dir", str(traces), "--json", str(out), "experiment=tiny_cpu"]
+           "--profile-steps", "2", "--profile-dir", str(traces), "--profile-sources", "aten::mm", "--json", str(out),
+           "experiment=tiny_cpu"]
     p = subprocess.run(cmd, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=240, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.splitlines()
@@ -36,6 +37,11 @@ def test_profile_steps_cpu(tmp_path):
     assert rank0["rows"] and rank0["rows"][0]["self_cpu_ms_per_step"] > 0
     assert sum(b["pct"] for b in rank0["buckets"].values()) > 0.999
     assert "profile" not in res["ranks"][0] and res["ranks"][0]["step_ms_profiled_mean"] > 0
+    # aten::mm split by caller: the forward's projections name their gem functions (innermost first)
+    sites = {x["site"]: x for x in rank0["sources"]}
+    assert all(x["op"] == "aten::mm" and x["calls_per_step"] > 0 for x in rank0["sources"]), rank0["sources"]
+    assert any(site.startswith("gem/model/attention.py(") and "project" in site for site in sites), sites
+    assert any(ln.startswith("| aten::mm | gem/model/attention.py(") for ln in lines), p.stdout
     assert sorted(f.name for f in traces.iterdir()) == ["trace_rank0.json"]  # no temp file left behind
     assert json.loads((traces / "trace_rank0.json").read_text())["traceEvents"]
 
