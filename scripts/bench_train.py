@@ -675,7 +675,7 @@ def _setup_logging(rank: int) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from gem.parallel.dims import init_distributed
+    from gem.parallel.dims import ParallelConfig, init_distributed
     from gem.train.mfu import device_peak_flops, measure_matmul_peak
     from gem.train.trainer import Trainer, build_configs
 
@@ -702,7 +702,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"note: warmup {args.warmup} and {timed} timed steps share no divisor >= 5: the trainer syncs the host "
               f"every {log_every} step(s), which can cost throughput", flush=True)
 
-    device = init_distributed()
+    device = init_distributed(ParallelConfig.from_any(cfg.parallel).timeout_s)
     measured = None
     if device.type == "cuda" and not args.no_matmul:
         measured = measure_matmul_peak(device, n=args.matmul_n)

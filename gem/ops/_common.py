@@ -122,10 +122,10 @@ def offsets_cached(attr: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, 
     Every layer of a model, and its backward, gets the same offsets tensors, so per-batch tables (work orders,
     tile counts) are built once. A hit needs the same two objects at the same _version (an in-place write
     misses) on the same CUDA stream. Cached only in eager calls (eager_tables); not while compiling, during CUDA
-    graph capture (a hit would freeze the table into the graph), for inference tensors (no version), or with
-    GEM_OFFSETS_CACHE=0 (for offsets written where the version counter does not see it, e.g. through .data).
+    graph capture (a hit would freeze the table into the graph) or for inference tensors (no version). Offsets
+    rewritten where the version counter does not see it (through .data) must be passed as a new tensor.
     """
-    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling() or os.environ.get("GEM_OFFSETS_CACHE") == "0":
+    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling():
         return build()
     stream = None
     if offsets_a.is_cuda:

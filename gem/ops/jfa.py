@@ -125,8 +125,7 @@ def jagged_attention(
     H200 for each. The Triton forward loads K/V through TMA descriptors where the tensors allow it; the backward
     takes its "base" form for long rows (max_len_q >= 8192) without a left window, else the v2 one. The
     per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
-    not modified in place, so pass the same offsets objects to every layer (GEM_OFFSETS_CACHE=0 turns the cache
-    off).
+    not modified in place, so pass the same offsets objects to every layer.
 
     num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
     first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give

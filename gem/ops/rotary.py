@@ -54,8 +54,8 @@ def positions_of(offsets: torch.Tensor, total: int) -> torch.Tensor:
 
 def positions_cached(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """positions_of as int32 for the kernels, built once per offsets tensor and row count in eager calls
-    (gem.ops._common.offsets_cached; GEM_OFFSETS_CACHE=0 rebuilds every call): building it is ~7 small launches,
-    far more than the rope kernel's own memory time at 64K tokens."""
+    (gem.ops._common.offsets_cached): building it is ~7 small launches, far more than the rope kernel's own memory
+    time at 64K tokens."""
     return offsets_cached("rope_pos", offsets, offsets, (int(total),),
                           lambda: positions_of(offsets, total).to(torch.int32))
 

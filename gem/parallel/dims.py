@@ -49,6 +49,12 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     ac_every: int = 1  # selective: checkpoint every n-th block
     compile: bool | Literal["auto"] = "auto"  # torch.compile the dense parts of each block (auto: on CUDA)
+    timeout_s: float = 600.0  # seconds before a collective that hangs fails (a rank stuck or gone)
+
+    def __post_init__(self) -> None:  # checked here: the process group is created before the layout is validated
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ParallelConfigError("parallel.timeout_s", "must be a number of seconds > 0", t)
 
     @classmethod
     def from_any(cls, cfg: Any) -> ParallelConfig:
@@ -139,14 +145,14 @@ def _check_sharding_types(st: Any) -> None:
                 raise ParallelConfigError("parallel.sharding_types", f"must be {one_of(SHARDING_TYPES)}", t)
 
 
-def init_distributed(timeout_s: float | None = None, store: dist.Store | None = None) -> torch.device:
+def init_distributed(timeout_s: float = 600.0, store: dist.Store | None = None) -> torch.device:
     """Create the default process group once (nccl on CUDA, gloo on CPU) and return this rank's device.
 
     Under torchrun the env:// variables are used; without them a one-rank group is created in-process, so the
     same code path (TorchRec DMP, fused optimizer) serves single-process runs. With torchrun's agent `store`, the
     group's keys go under a prefix per restart attempt: the store keeps a failed attempt's keys, and a restarted
     attempt would otherwise read its dead peers' addresses and fail to connect (pytorch/pytorch#135712).
-    The collective timeout defaults to $GEM_DIST_TIMEOUT_S, else 600 s.
+    `timeout_s`: the collective timeout (the trainer passes `parallel.timeout_s`).
     """
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -158,8 +164,6 @@ def init_distributed(timeout_s: float | None = None, store: dist.Store | None = 
     if dist.is_initialized():
         return device
     backend = "nccl" if use_cuda else "gloo"
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("GEM_DIST_TIMEOUT_S", "600"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is not None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

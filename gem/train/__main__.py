@@ -78,6 +78,12 @@ def _overrides(argv: list[str]) -> list[str]:
 
 def preflight(overrides: list[str], world_size: int | None) -> str | None:
     """Compose the config and run every validator; returns None if good, else a one-line message."""
+    return _checked(overrides, world_size)[0]
+
+
+def _checked(overrides: list[str], world_size: int | None):
+    """(None, the typed configs) when the composed config passes every validator, else (a one-line message,
+    None)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -87,17 +93,18 @@ def preflight(overrides: list[str], world_size: int | None) -> str | None:
         with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR, job_name="gem_train"):
             cfg = compose(config_name="config", overrides=overrides)
     except Exception as e:  # noqa: BLE001 - any composition problem is a config error
-        return _one_line(e)
+        return _one_line(e), None
     finally:
         GlobalHydra.instance().clear()
     try:
         from gem.train.config import check_device
         from gem.train.trainer import build_configs
 
-        check_device(build_configs(cfg, world_size))
+        cfgs = build_configs(cfg, world_size)
+        check_device(cfgs)
     except Exception as e:  # noqa: BLE001 - config errors, omegaconf interpolation / missing-value errors
-        return _one_line(e)
-    return None
+        return _one_line(e), None
+    return None, cfgs
 
 
 def _register_resolvers() -> None:
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
     if any(a in ("--hydra-help", "--info", "-i", "--cfg", "-c") for a in argv):
         return _run_hydra(argv, rank, None)
 
-    problem = preflight(_overrides(argv), world_size)
+    problem, cfgs = _checked(_overrides(argv), world_size)
     if problem is not None:
         if rank == 0:
             _err(problem)
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
     from gem.parallel.dims import init_distributed
 
     store = _elastic_store()
-    init_distributed(store=store)  # once per process, outside Hydra's job
+    init_distributed(cfgs.parallel.timeout_s, store=store)  # once per process, outside Hydra's job
     _agree_on_run_id(rank, world_size, store)
     state: dict = {"store": store}
     code = _run_hydra(argv, rank, state, hooks)

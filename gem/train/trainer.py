@@ -91,7 +91,7 @@ class Trainer:
     """Builds everything from the composed config and trains; `fit()` returns a TrainResult."""
 
     def __init__(self, cfg: Any, run_dir: str | None = None, hooks: Sequence[StepHook] = ()) -> None:
-        self.device = init_distributed()
+        self.device = init_distributed(ParallelConfig.from_any(cfg.get("parallel")).timeout_s)
         self.rank, self.world_size = _rank_world()
         self.cfgs = build_configs(cfg, self.world_size)
         tc = self.tcfg = self.cfgs.train

@@ -33,6 +33,8 @@ def _v(world: int, **kw) -> ParallelConfig:
     (4, dict(activation_checkpoint="some"),
      "parallel.activation_checkpoint: must be none, full or selective (got some)"),
     (4, dict(compile="yes"), "parallel.compile: expected true or false or auto (got yes)"),
+    (4, dict(timeout_s=0), "parallel.timeout_s: must be a number of seconds > 0 (got 0.0)"),
+    (4, dict(timeout_s="10m"), "parallel.timeout_s: expected a number (got 10m)"),
     (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: must be table_wise,"),
     (4, dict(sharding_types={"item": []}), "parallel.sharding_types: expected a non-empty list of types"),
     (4, dict(sharding_types=["data_parallel"]), "parallel.sharding_types: data_parallel is not offered"),
@@ -118,3 +120,32 @@ def test_sparse_optimizer_spec():
         sparse_optimizer_spec({"name": "lamb"})
     with pytest.raises(ParallelConfigError, match=r"^sparse_optimizer\.betaz: unknown key"):
         sparse_optimizer_spec({"name": "adam", "betaz": 1})
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("entry", ["trainer", "cli"])
+def test_timeout_is_the_process_groups(monkeypatch, entry):
+    """parallel.timeout_s is the collective timeout the process group is created with, by the trainer and by the
+    command line (which creates the group before Hydra's job)."""
+    from gem.parallel import dims
+    from gem.train import trainer
+    from gem.train.__main__ import main
+    from tests.train._util import SMALL, compose
+
+    seen = []
+
+    def fake(timeout_s=600.0, store=None):
+        seen.append(timeout_s)
+        raise _Stop
+
+    monkeypatch.setattr(trainer, "init_distributed", fake)
+    monkeypatch.setattr(dims, "init_distributed", fake)
+    with pytest.raises(_Stop):
+        if entry == "trainer":
+            trainer.Trainer(compose([*SMALL, "parallel.timeout_s=42"]))
+        else:
+            main(["experiment=tiny_cpu", "parallel.timeout_s=42"])
+    assert seen == [42.0]

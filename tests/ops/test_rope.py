@@ -154,11 +154,11 @@ def test_gpu_matches_complex_rotation(cfg):
     torch.testing.assert_close(got.double(), _complex_rope(x.cpu(), lengths, cfg), atol=1e-4, rtol=1e-4)
 
 
-def _count_position_builds(monkeypatch, cache):
-    """positions_of calls over 3 eager fwd+bwd rope calls on one offsets tensor, then after an in-place write."""
+def test_positions_built_once_per_offsets(monkeypatch):
+    """positions_of calls over 3 eager fwd+bwd rope calls on one offsets tensor, then after an in-place write: the
+    forward and backward of every call share one positions vector until the offsets are written."""
     from gem.ops import rotary
 
-    monkeypatch.setenv("GEM_OFFSETS_CACHE", cache)
     built = []
     real = rotary.positions_of
     monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
@@ -174,17 +174,7 @@ def _count_position_builds(monkeypatch, cache):
     y = rope(x, off, 20, config=cfg, kernel="triton")
     torch.testing.assert_close(y.double(), _complex_rope(x.detach(), new, cfg), atol=1e-5, rtol=1e-5)
     counts.append(len(built))
-    return counts
-
-
-def test_positions_built_once_per_offsets(monkeypatch):
-    # the forward and backward of every call share one positions vector until the offsets are written
-    assert _count_position_builds(monkeypatch, "1") == [1, 1, 1, 2]
-
-
-def test_positions_cache_off_rebuilds(monkeypatch):
-    # GEM_OFFSETS_CACHE=0: one build per kernel call (so the test above would fail without the cache)
-    assert _count_position_builds(monkeypatch, "0") == [2, 4, 6, 7]
+    assert counts == [1, 1, 1, 2]  # without the cache: [2, 4, 6, 7], one build per kernel call
 
 
 def test_custom_op_does_not_cache_positions(monkeypatch):
