@@ -484,7 +484,7 @@ def test_gpu_forward_register_caps_leave_room_for_two_programs(monkeypatch):
     from gem.ops import triton_jfa
 
     monkeypatch.setattr(triton_jfa, "triton_interpreting", lambda: False)
-    capped = [c for d in (32, 64, 128, 256) for m in (False, True) for c in triton_jfa._fwd_configs(d, m) if len(c) > 4]
+    capped = [c for d in (32, 64, 128, 256) for c in triton_jfa._fwd_configs(d) if len(c) > 4]
     assert capped and all(2 * c[2] * 32 * c[4] <= 65536 for c in capped), capped
 
 
@@ -787,10 +787,10 @@ def test_gpu_forms_every_config(form, monkeypatch):
     lens = [1, 700, 2048, 63, 0, 1500]
     q, k, v = _inputs(lens, h=4, h_kv=4, d=128, dtype=torch.bfloat16, device="cuda")
     form = "base" if form == "base" else "v2"
-    fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128, True), triton_jfa._bwd_configs(128, form)
+    fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128), triton_jfa._bwd_configs(128, form)
     for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
-        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False, f=f: [f])
+        monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, f=f: [f])
         monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, var, b=b: [b])
         triton_jfa._TUNER.best.clear()
         # full, causal, and a sliding window (its default -inf mask)
