@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from gem import ops
 from gem.model import GEMModel
 from gem.parallel.fsdp import apply_compile
 from tests.model._batches import make_batch, tiny_cfg
@@ -19,10 +20,10 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
-def _pair(backend, **tower):
+def _pair(backend, kernel="reference", **tower):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = tiny_cfg(**tower)
+    cfg = tiny_cfg(kernel, **tower)
     eager = GEMModel(cfg, embedding_device="cpu")
     compiled = copy.deepcopy(eager)
     apply_compile(compiled, compiled.blocks, backend=backend)
@@ -54,3 +55,30 @@ def test_inductor_fused_block_matches_eager():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for name, g in grads_e.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tower", [dict(attention="jfa", num_kv_heads=1), dict(attention="swa", window=3)])
+def test_rope_runs_inside_the_compiled_region(monkeypatch, tower):
+    """With compiled regions RoPE is part of the `_qkv` graph: the rope op is not called, and loss and gradients
+    equal the eager model's, which rotates q and k with the Triton rope op, over batches of changing shape."""
+    cfg, eager, compiled = _pair("aot_eager", kernel="triton", num_blocks=2, moe_every=0, **tower)
+    calls = {"n": 0}
+    rope_op = ops.rope
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return rope_op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "rope", counted)
+    for i, lengths in enumerate([[5, 3], [11, 0, 2, 7]]):
+        batch = make_batch(cfg, lengths, seed=i)
+        calls["n"] = 0
+        loss_e, grads_e = _loss_and_grads(eager, batch)
+        assert calls["n"] == 2 * cfg.tower.num_blocks  # q and k per block
+        calls["n"] = 0
+        loss_c, grads_c = _loss_and_grads(compiled, batch)
+        assert calls["n"] == 0
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys()
+        for name, g in grads_e.items():
+            torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
