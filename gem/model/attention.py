@@ -13,7 +13,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
-from gem.ops.rotary import RopeConfig
+from gem.ops.rotary import RopeConfig, rope_tables, rotate
 
 
 class RMSNorm(nn.RMSNorm):
@@ -59,14 +59,14 @@ class JaggedSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
         return q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int
-               ) -> torch.Tensor:
-        """The attention op (RoPE included) -> [T, H * D]."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
+               roped: bool = False) -> torch.Tensor:
+        """The attention op (RoPE included unless `roped`: q and k already rotated) -> [T, H * D]."""
         if self.kind == "block":
             o = ops.block_attention(q, k, v, offsets, max_len, block_size=self.block_size, causal=True,
                                     rope=self.rope, kernel=self.kernel)
         else:
-            if self.rope is not None:
+            if self.rope is not None and not roped:
                 q = ops.rope(q, offsets, max_len, config=self.rope, kernel=self.kernel)
                 k = ops.rope(k, offsets, max_len, config=self.rope, kernel=self.kernel)
             window = self.window if self.kind == "swa" else None
@@ -82,7 +82,8 @@ class TransformerBlock(nn.Module):
 
     The block runs in three parts: `_qkv` (norm + QKV projection), the attention kernels, `_finish` (output
     projection, residual, norm, FFN or MoE, residual). `compile_regions` compiles the two dense parts, so the
-    elementwise chains around the GEMMs fuse while the attention stays on its own Triton kernels.
+    elementwise chains around the GEMMs fuse while the attention stays on its own Triton kernels; RoPE (jfa/swa)
+    then runs in `_qkv` as plain ops instead of gem.ops.rope.
     """
 
     def __init__(self, d_model: int, attn: JaggedSelfAttention, ffn: nn.Module, norm: str = "rmsnorm"):
@@ -91,9 +92,17 @@ class TransformerBlock(nn.Module):
         self.attn = attn
         self.ffn_norm = make_norm(norm, d_model)
         self.ffn = ffn
+        self._rope_in_qkv = False  # set by compile_regions
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.attn.project(self.attn_norm(x))
+    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm + QKV projection; with `rope` = (positions, cos table, sin table) q and k rotated too."""
+        q, k, v = self.attn.project(self.attn_norm(x))
+        if rope is not None:
+            pos, cos, sin = rope
+            c, s, il = cos[pos], sin[pos], self.attn.rope.interleaved
+            q, k = rotate(q, c, s, il), rotate(k, c, s, il)
+        return q, k, v
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn.out(o)
@@ -105,13 +114,19 @@ class TransformerBlock(nn.Module):
         return x + y, aux
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._qkv(x)
-        return self._finish(x, self.attn.attend(q, k, v, offsets, max_len))
+        rope = None
+        if self._rope_in_qkv:
+            a = self.attn
+            rope = rope_tables(offsets, x.shape[0], max_len, a.rope.resolve_dim(a.head_dim), a.rope.base)
+        q, k, v = self._qkv(x, rope)
+        return self._finish(x, self.attn.attend(q, k, v, offsets, max_len, roped=rope is not None))
 
     def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile `_qkv` and `_finish` (the token count varies per batch: dynamic after the first)."""
         self._qkv = torch.compile(self._qkv, **compile_kwargs)
         self._finish = torch.compile(self._finish, **compile_kwargs)
+        # RoPE as plain ops in `_qkv`: Inductor fuses it into the q/k/v split (and its backward into the dqkv concat)
+        self._rope_in_qkv = self.attn.rope is not None and self.attn.kind != "block"
 
 
 def build_blocks(cfg) -> nn.ModuleList:

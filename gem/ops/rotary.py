@@ -92,29 +92,47 @@ def _check(x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> None:
     check_offsets("offsets", offsets, x.shape[0], max_len, x.device)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, *,
+           inverse: bool = False) -> torch.Tensor:
+    """x [T, H, D] rotated by per-token angle rows cos/sin [T, rotary_dim // 2] (fp32), in fp32; returns x's dtype.
+
+    Plain differentiable torch ops without data-dependent control flow, so torch.compile traces it whole."""
+    rd = 2 * cos.shape[-1]
+    c = cos[:, None, :]
+    s = -sin[:, None, :] if inverse else sin[:, None, :]
+    xf = x.float()
+    rot, rest = xf[..., :rd], xf[..., rd:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    if interleaved:
+        y = torch.stack((y1, y2), dim=-1).flatten(-2)
+    else:
+        y = torch.cat((y1, y2), dim=-1)
+    return torch.cat((y, rest), dim=-1).to(x.dtype)
+
+
 def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config: RopeConfig, *,
                    inverse: bool = False) -> torch.Tensor:
     """Plain PyTorch RoPE in fp32 (differentiable); returns x's dtype."""
     rd = config.resolve_dim(x.shape[-1])
     pos = positions_of(offsets, x.shape[0])
     cos, sin = cos_sin_table(max(max_len, 1), rd, config.base, x.device)
-    c = cos[pos][:, None, :]
-    s = sin[pos][:, None, :]
-    if inverse:
-        s = -s
-    xf = x.float()
-    rot, rest = xf[..., :rd], xf[..., rd:]
-    if config.interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    if config.interleaved:
-        y = torch.stack((y1, y2), dim=-1).flatten(-2)
-    else:
-        y = torch.cat((y1, y2), dim=-1)
-    return torch.cat((y, rest), dim=-1).to(x.dtype)
+    return rotate(x, cos[pos], sin[pos], config.interleaved, inverse=inverse)
+
+
+def rope_tables(offsets: torch.Tensor, total: int, max_len: int, rotary_dim: int, base: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions [total] int32, cos table, sin table) for `rotate` of a jagged batch in a caller's own graph:
+    cos[positions] are the rows. Positions are built once per offsets tensor, the tables once per length class."""
+    check_offsets("offsets", offsets, total, max_len)  # the rows gathered by position must exist in the tables
+    with eager_tables():
+        pos = positions_cached(offsets, total)
+    cos, sin = cos_sin_table(max(max_len, 1), rotary_dim, base, offsets.device)
+    return pos, cos, sin
 
 
 # ----------------------------------------------------------------------------------------------------------------

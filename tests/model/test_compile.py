@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from gem import ops
 from gem.model import GEMModel
 from gem.parallel.fsdp import apply_compile
 from tests.model._batches import make_batch, tiny_cfg
@@ -19,10 +20,20 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
-def _pair(backend, **tower):
+def _assert_match(eager, compiled, batch):
+    """Same loss and gradients (same parameters) from both models on batch."""
+    loss_e, grads_e = _loss_and_grads(eager, batch)
+    loss_c, grads_c = _loss_and_grads(compiled, batch)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    assert grads_c.keys() == grads_e.keys()
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _pair(backend, kernel="reference", **tower):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = tiny_cfg(**tower)
+    cfg = tiny_cfg(kernel, **tower)
     eager = GEMModel(cfg, embedding_device="cpu")
     compiled = copy.deepcopy(eager)
     apply_compile(compiled, compiled.blocks, backend=backend)
@@ -35,22 +46,32 @@ def test_compiled_regions_match_eager_over_changing_batch_shapes():
     cfg, eager, compiled = _pair("aot_eager", num_blocks=3, moe_every=2)
     assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     for i, lengths in enumerate([[5, 3], [0, 9, 1], [11, 2, 9, 4], [1]]):
-        batch = make_batch(cfg, lengths, seed=i)
-        loss_e, grads_e = _loss_and_grads(eager, batch)
-        loss_c, grads_c = _loss_and_grads(compiled, batch)
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-        assert grads_c.keys() == grads_e.keys()
-        for name, g in grads_e.items():
-            torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        _assert_match(eager, compiled, make_batch(cfg, lengths, seed=i))
 
 
 @pytest.mark.slow
 def test_inductor_fused_block_matches_eager():
     """The fused kernels Inductor generates for a dense block (RMSNorm, SwiGLU, residuals) and the heads."""
     cfg, eager, compiled = _pair("inductor", num_blocks=1, moe_every=0)
-    batch = make_batch(cfg, [7, 0, 12], seed=3)
-    loss_e, grads_e = _loss_and_grads(eager, batch)
-    loss_c, grads_c = _loss_and_grads(compiled, batch)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    for name, g in grads_e.items():
-        torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_match(eager, compiled, make_batch(cfg, [7, 0, 12], seed=3))
+
+
+@pytest.mark.parametrize("tower", [{"attention": "jfa", "num_kv_heads": 1}, {"attention": "swa", "window": 3}])
+def test_rope_runs_inside_the_compiled_region(monkeypatch, tower):
+    """With compiled regions RoPE is part of the `_qkv` graph: the rope op is not called, and loss and gradients
+    equal the eager model's, which rotates q and k with the Triton rope op, over batches of changing shape."""
+    cfg, eager, compiled = _pair("aot_eager", kernel="triton", num_blocks=2, moe_every=0, **tower)
+    calls, running = [], {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.register_forward_pre_hook(lambda m, args, _name=name: running.update(model=_name))
+    rope_op = ops.rope
+
+    def counted(*args, **kwargs):
+        calls.append(running["model"])
+        return rope_op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "rope", counted)
+    for i, lengths in enumerate([[5, 3], [11, 0, 2, 7]]):
+        calls.clear()
+        _assert_match(eager, compiled, make_batch(cfg, lengths, seed=i))
+        assert calls == ["eager"] * (2 * cfg.tower.num_blocks)  # q and k per block, none in the compiled model

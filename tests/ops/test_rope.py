@@ -126,6 +126,34 @@ def test_torch_compile_and_opcheck():
     torch.library.opcheck(_rope_op, (x.detach(), off, 7, 10000.0, 16, False, False))
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_rotate_traces_whole_in_a_compiled_graph(cfg):
+    """`rotate` with the rows gathered from rope_tables inside a graph (as a model's compiled region runs it): one
+    graph for jagged batches of changing size, forward and backward equal to the complex rotation."""
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True, dynamic=True)
+    def f(x, pos, cos, sin):
+        return rotary.rotate(x, cos[pos], sin[pos], cfg.interleaved)
+
+    for lengths in ([5, 0, 9], [3, 14, 1, 2]):
+        x = torch.randn(sum(lengths), 3, 32, requires_grad=True)
+        gy = torch.randn(sum(lengths), 3, 32)
+        rd = cfg.resolve_dim(32)
+        pos, cos, sin = rotary.rope_tables(_offsets(lengths), x.shape[0], max(lengths), rd, cfg.base)
+        assert pos.dtype == torch.int32 and cos.shape[1] == rd // 2
+        y = f(x, pos, cos, sin)
+        y.backward(gy)
+        torch.testing.assert_close(y.double(), _complex_rope(x.detach(), lengths, cfg), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad.double(), _complex_rope(gy, lengths, cfg, inverse=True), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_rope_tables_reject_offsets_longer_than_max_len():
+    with pytest.raises(ValueError, match="max_len"):
+        rotary.rope_tables(_offsets([3, 9]), 12, 4, 16, 10000.0)
+
+
 @pytest.mark.parametrize(
     "cfg,match",
     [(RopeConfig(rotary_dim=7), "rotary_dim"), (RopeConfig(rotary_dim=40), "rotary_dim"),
