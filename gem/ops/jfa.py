@@ -25,6 +25,7 @@ import math
 import torch
 
 from gem.ops._common import (
+    KERNELS,
     check_head_dim,
     check_offsets,
     clamp_window,
@@ -33,6 +34,7 @@ from gem.ops._common import (
     resolve_kernel,
     tile_head_dim,
 )
+from gem.ops.dispatch import call_class, choose
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -118,7 +120,10 @@ def jagged_attention(
     the keys row i sees: [H, Tq] (FlashAttention varlen's layout), fp32, natural log, -inf for rows that see no key
     (FlashAttention writes +inf there). lse carries no gradient; gradients flow through out only.
 
-    kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference), "triton", "reference".
+    kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else reference; on CUDA a torch alternative instead
+    for the classes where one measured faster on this GPU, gem/ops/dispatch.py), "triton", "reference", or an
+    alternative by name: "varlen" (torch's FlashAttention varlen_attn; CUDA, bf16/fp16) or "sdpa" (padded
+    scaled_dot_product_attention). The alternatives take no HSTU mask and no return_lse.
     mask_mode (Triton only): "sub" loads out-of-sequence keys as zeros and subtracts their share of the softmax
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf; "auto" (the
     default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise, the faster of the two on the
@@ -144,7 +149,21 @@ def jagged_attention(
         offsets_k, max_len_k = offsets_q, max_len_q
     left, right = clamp_window(left, right, int(max_len_q), int(max_len_k))
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    which = resolve_kernel(kernel, q, k, v)
+    if kernel not in KERNELS and kernel not in _ALTERNATIVES:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS + tuple(_ALTERNATIVES)}")
+    if kernel in _ALTERNATIVES:
+        why = _unusable(kernel, q, k, hstu, return_lse)
+        if why:
+            raise ValueError(f"kernel={kernel!r}: {why}")
+        which = kernel
+    else:
+        which = resolve_kernel(kernel, q, k, v)
+        if kernel == "auto" and which == "triton":
+            alt = choose("jfa", q.device, lambda: call_class(left, right, max_len_q, q.shape[2], q.dtype))
+            if alt != "triton" and not _unusable(alt, q, k, hstu, return_lse):
+                which = alt
+    if which in _ALTERNATIVES:
+        return _ALTERNATIVES[which](q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale)
     if which == "reference":
         out = jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k,
                                          left=left, right=right, scale=scale, hstu=hstu, return_lse=return_lse)
@@ -164,6 +183,70 @@ def jagged_attention(
     out, lse = jfa_triton_with_lse(*args, **extra)
     lse = lse.masked_fill(lse == math.inf, -math.inf)  # the kernels mark rows without keys with +inf
     return out if width == d else out[..., :d], lse
+
+
+# ------------------------------------------------------------------------------------ torch alternatives
+
+
+def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: bool) -> str:
+    """Why an alternative cannot run this call ("" when it can)."""
+    if hstu is not None or return_lse:
+        return "no HSTU mask and no return_lse here; use kernel='triton'"
+    if kernel == "varlen":
+        if not q.is_cuda:
+            return "torch's varlen_attn needs CUDA tensors"
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            return f"torch's varlen_attn takes bfloat16 or float16, not {q.dtype}"
+        if q.shape[2] % 8:
+            return f"torch's varlen_attn needs a head dim divisible by 8 (got {q.shape[2]})"
+        params = _varlen_params()
+        if params is None:
+            return "this torch has no torch.nn.attention.varlen.varlen_attn"
+        if "window_size" not in params:
+            return "this torch's varlen_attn has no window_size"
+        if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
+            return "this torch's varlen_attn has no enable_gqa (fewer key/value heads than query heads)"
+    return ""
+
+
+def _varlen_params():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    return inspect.signature(varlen_attn).parameters
+
+
+def _varlen(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return varlen_attn(q, k, v, offsets_q.to(torch.int32), offsets_k.to(torch.int32), max_len_q, max_len_k,
+                       scale=scale, window_size=(left, right), **kw)
+
+
+def _padded_sdpa(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale):
+    """scaled_dot_product_attention on zero-padded [B, H, N, D] tensors; rows that see no key give 0."""
+    qp, qmask = jagged_to_padded(q, offsets_q, max_len_q)
+    kp, _ = jagged_to_padded(k, offsets_k, max_len_k)
+    vp, _ = jagged_to_padded(v, offsets_k, max_len_k)
+    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, vp))
+    kw = {"scale": scale, "enable_gqa": k.shape[1] != q.shape[1]}
+    if offsets_k is offsets_q and left < 0 and right == 0:
+        # self attention, right padding: real queries reach only real keys, so is_causal is exact (flash backend)
+        out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, **kw)
+    else:
+        lq, lk = offsets_q[1:] - offsets_q[:-1], offsets_k[1:] - offsets_k[:-1]
+        vis = visible_mask(lq, lk, max_len_q, max_len_k, left, right)[:, None]
+        seen = vis.any(-1, keepdim=True)
+        out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=vis | ~seen, **kw)
+        out = out * seen  # keyless rows attended everywhere above: zero them (and their gradients)
+    return out.transpose(1, 2)[qmask]
+
+
+_ALTERNATIVES = {"varlen": _varlen, "sdpa": _padded_sdpa}
 
 
 def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, left: int, right: int) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""scripts/bench_dispatch.py off the GPU: its argument checks and the crossover table it prints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scripts import bench_dispatch
+
+
+def test_write_needs_three_processes():
+    with pytest.raises(SystemExit):
+        bench_dispatch.main(["--processes", "2", "--write", "x.json"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_refuses_without_a_gpu():
+    with pytest.raises(SystemExit, match="bench_dispatch: error: needs a CUDA GPU"):
+        bench_dispatch.main(["--processes", "1"])
+
+
+def test_classes_cover_the_issue_shapes():
+    cases = bench_dispatch.classes(quick=False)
+    assert {(c["n"], c["causal"], c["window"]) for c in cases} >= {
+        (256, False, None), (1024, True, None), (8192, False, None), (16384, True, 512), (32768, True, 512)}
+
+
+def test_report_marks_the_pick(capsys):
+    rows = [{"class": "window/32768/128/bfloat16", "backend": b, "process": p, "ms": ms}
+            for p in (1, 2, 3) for b, ms in (("triton", 10.0), ("varlen", 8.0))]
+    rows += [{"class": "window/32768/128/bfloat16", "backend": "sdpa", "process": p, "skipped": "too large"}
+             for p in (1, 2, 3)]
+    from gem.ops import dispatch
+
+    bench_dispatch.report(rows, dispatch.winners([r for r in rows if "ms" in r]))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| window"))
+    assert line == "| window/32768/128/bfloat16 | 10.000 / 10.000 / 10.000 | 8.000 / 8.000 / 8.000 | skipped | varlen (1.25x) |"
