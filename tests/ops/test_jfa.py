@@ -777,17 +777,18 @@ def test_gpu_large_negative_and_determinism(form, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("form", ["base", "tma"])
-def test_gpu_forms_every_config(form, monkeypatch):
-    """Every config in the lists compiles and matches (the tuner would silently drop one that fails)."""
+@pytest.mark.parametrize("form,d", [("base", 128), ("tma", 128), ("tma", 64), ("tma", 256)])
+def test_gpu_forms_every_config(form, d, monkeypatch):
+    """Every config in the lists compiles, runs and matches on jagged rows with empty and one-token sequences: the
+    tuner times every candidate, and one that faults ends the process's CUDA context."""
     _need_gpu()
     from gem.ops import triton_jfa
 
     _pin_form(form, monkeypatch)
     lens = [1, 700, 2048, 63, 0, 1500]
-    q, k, v = _inputs(lens, h=4, h_kv=4, d=128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = _inputs(lens, h=4, h_kv=4, d=d, dtype=torch.bfloat16, device="cuda")
     form = "base" if form == "base" else "v2"
-    fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(128), triton_jfa._bwd_configs(128, form)
+    fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(d), triton_jfa._bwd_configs(d, form)
     for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]
         monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, f=f: [f])
