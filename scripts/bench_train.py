@@ -412,6 +412,18 @@ def _bucket(kernel: str | None, op, memo: dict) -> str:
 _GEM_FRAME = re.compile(r"(?:^|/)(gem/[\w/]+\.py\(\d+\): \w+)")  # a profiler frame inside the gem package
 
 
+def _gem_frames(e) -> str:
+    """The innermost gem frames (up to 3) of a profiler event's Python stack, "a < b < c", or ""."""
+    frames = list(getattr(e, "stack", None) or ())
+    if not frames:  # newer torch records the stack as python_function events: the op's ancestors
+        q = e.cpu_parent
+        while q is not None and len(frames) < 3:
+            if _GEM_FRAME.search(q.name):
+                frames.append(q.name)
+            q = q.cpu_parent
+    return " < ".join([m.group(1) for m in map(_GEM_FRAME.search, frames) if m][:3])
+
+
 class StepProfiler:
     """torch.profiler over the last `k` of `total` trainer steps, advanced by StepRecorder at each step's end.
 
@@ -516,24 +528,35 @@ class StepProfiler:
 
     def _sources(self, events, top: int) -> list[dict]:
         """For each op named in `sources`: its time (the kernels it launched, or self CPU time without CUDA) per
-        calling site, the innermost gem frames of its Python stack; ops run by autograd's backward have none."""
+        calling site, the innermost gem frames of its Python stack. An op that autograd's backward runs is put at
+        the forward site of the node it runs for ("backward of ..."): the engine's evaluate_function event and the
+        forward op that recorded the node share a sequence number (on CUDA the engine's thread has no Python
+        stack at all)."""
         from torch.autograd import DeviceType
 
         if not self.sources:
             return []
+        forward_site: dict[int, str] = {}  # sequence number -> the gem frames of the forward op that recorded it
+        for e in events:
+            seq = getattr(e, "sequence_nr", -1)
+            if e.device_type == DeviceType.CPU and seq >= 0 and seq not in forward_site \
+                    and not e.name.startswith("autograd::engine"):
+                site = _gem_frames(e)
+                if site:
+                    forward_site[seq] = site
         sites: dict[tuple[str, str], list] = {}
         for e in events:
             if e.device_type != DeviceType.CPU or e.name not in self.sources:
                 continue
-            frames = list(getattr(e, "stack", None) or ())
-            if not frames:  # newer torch records the stack as python_function events: the op's ancestors
-                q = e.cpu_parent
-                while q is not None and len(frames) < 3:
-                    if _GEM_FRAME.search(q.name):
-                        frames.append(q.name)
-                    q = q.cpu_parent
-            frames = [m.group(1) for m in map(_GEM_FRAME.search, frames) if m][:3]
-            site = " < ".join(frames) or "(no gem frame: autograd backward or torch internals)"
+            node = e.cpu_parent
+            while node is not None and not node.name.startswith("autograd::engine::evaluate_function: "):
+                node = node.cpu_parent
+            if node is not None:
+                grad_fn = node.name.split(": ", 1)[1]
+                fwd = forward_site.get(getattr(node, "sequence_nr", -1))
+                site = f"backward of {fwd} ({grad_fn})" if fwd else f"backward ({grad_fn}, no gem frame)"
+            else:
+                site = _gem_frames(e) or "(no gem frame: torch internals)"
             us = sum(k.duration for k in (getattr(e, "kernels", None) or ())) if self.cuda else e.self_cpu_time_total
             acc = sites.setdefault((e.name, site), [0.0, 0])
             acc[0] += us

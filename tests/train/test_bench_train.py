@@ -42,6 +42,9 @@ def test_profile_steps_cpu(tmp_path):
     assert all(x["op"] == "aten::mm" and x["calls_per_step"] > 0 for x in rank0["sources"]), rank0["sources"]
     assert any(site.startswith("gem/model/attention.py(") and "project" in site for site in sites), sites
     assert any(ln.startswith("| aten::mm | gem/model/attention.py(") for ln in lines), p.stdout
+    # the backward's matmuls sit at the forward site of the node they run for
+    assert any(site.startswith("backward of gem/model/attention.py(") and site.endswith("(MmBackward0)")
+               for site in sites), sites
     assert sorted(f.name for f in traces.iterdir()) == ["trace_rank0.json"]  # no temp file left behind
     assert json.loads((traces / "trace_rank0.json").read_text())["traceEvents"]
 
