@@ -76,6 +76,8 @@ def _shipped() -> dict:
 def choose(op: str, device: torch.device, key: Callable[[], str], table: dict | None = None) -> str:
     """"triton", or the alternative measured faster for the call's class (key() gives it, only computed when this
     device and torch have measured classes) on this device and torch."""
+    if torch.compiler.is_compiling():  # compiled graphs run the Triton custom op
+        return "triton"
     table = _shipped() if table is None else table
     if not table:
         return "triton"

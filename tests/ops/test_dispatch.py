@@ -203,3 +203,21 @@ def test_merged_tables_round_trip_and_replace_only_their_entry():
     mine = next(e for e in body["entries"] if e["env"] == env)
     assert mine["classes"]["window/32768/128/bfloat16"] == {"use": "varlen", "speedup": 1.31, "processes": 3}
     assert dispatch.merged(None, env, "jfa", {}) == {"format": 1, "entries": []}
+
+
+def test_compiled_calls_keep_triton(monkeypatch):
+    """Under torch.compile "auto" stays on the Triton custom op (no table lookup in the graph)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = CASES[0]
+    q, k, v = _inputs(case)
+    off = _offsets(case[0])
+    rules = dispatch.parse(_table({"causal/32/32/float32": {"use": "sdpa"}}), "t")
+    monkeypatch.setattr(dispatch, "_shipped", lambda: rules)
+    from gem.ops import jfa
+
+    monkeypatch.setitem(jfa._ALTERNATIVES, "sdpa", lambda *a: (_ for _ in ()).throw(AssertionError("dispatched")))
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c: jagged_attention(a, b, c, off, 17, causal=True), fullgraph=True,
+                      backend="aot_eager")
+    want = jagged_attention(q, k, v, off, 17, causal=True, kernel="triton")
+    torch.testing.assert_close(f(q, k, v), want)
