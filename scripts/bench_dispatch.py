@@ -42,19 +42,21 @@ def classes(quick: bool) -> list[dict]:
     return out
 
 
-def _child(args) -> list[dict]:
+def _child(args, device: str = "cuda", timer=None) -> list[dict]:
+    """One process's rows; device and timer (fn, warmup=, rep=) -> ms are for testing off the GPU."""
     import torch
 
     from gem.ops import dispatch
     from gem.ops.jfa import _norm_window, _unusable, jagged_attention
     from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
 
+    timer = timer or bench_ms
     rows = []
     for c in classes(args.quick):
-        lengths = jagged_lengths(c["n"], c["tokens"], low=c["low"], seed=c["n"], device="cuda")
+        lengths = jagged_lengths(c["n"], c["tokens"], low=c["low"], seed=c["n"], device=device)
         off, max_len = offsets_of(lengths), int(lengths.max())
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(int(off[-1]), c["heads"], c["dim"], device="cuda", dtype=torch.bfloat16,
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(int(off[-1]), c["heads"], c["dim"], device=device, dtype=torch.bfloat16,
                                generator=g).requires_grad_() for _ in range(3))
         left, right = _norm_window(c["causal"], c["window"])
         cls = dispatch.call_class(left, right, max_len, c["dim"], q.dtype)
@@ -73,10 +75,11 @@ def _child(args) -> list[dict]:
 
                 try:
                     step()  # tuning and compiling stay out of the timing
-                    row["ms"] = bench_ms(step, warmup=5, rep=30 if args.quick else 60)
+                    row["ms"] = timer(step, warmup=5, rep=30 if args.quick else 60)
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "OOM"
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -35,3 +35,26 @@ def test_report_marks_the_pick(capsys):
     bench_dispatch.report(rows, dispatch.winners([r for r in rows if "ms" in r]))
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| window"))
     assert line == "| window/32768/128/bfloat16 | 10.000 / 10.000 / 10.000 | 8.000 / 8.000 / 8.000 | skipped | varlen (1.25x) |"
+
+
+def test_child_times_every_backend_it_can_run(monkeypatch):
+    """One process's rows on CPU (Triton interpreted, a stand-in timer): varlen_attn is skipped with its reason."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tiny = [{"n": 16, "low": 1, "tokens": 48, "heads": 2, "dim": 16, "causal": True, "window": None},
+            {"n": 24, "low": 12, "tokens": 48, "heads": 2, "dim": 16, "causal": True, "window": 4}]
+    monkeypatch.setattr(bench_dispatch, "classes", lambda quick: tiny)
+    calls = []
+
+    def timer(fn, warmup, rep):
+        fn()
+        calls.append(1)
+        return 1.0
+
+    args = bench_dispatch.argparse.Namespace(quick=True, child=2)
+    rows = bench_dispatch._child(args, device="cpu", timer=timer)
+    assert [(r["class"].split("/")[0], r["backend"]) for r in rows] == [
+        ("causal", "triton"), ("causal", "varlen"), ("causal", "sdpa"),
+        ("window", "triton"), ("window", "varlen"), ("window", "sdpa")]
+    assert all(r["process"] == 2 for r in rows)
+    assert [r.get("ms") for r in rows if r["backend"] != "varlen"] == [1.0] * 4 and len(calls) == 4
+    assert all(r["skipped"] == "torch's varlen_attn needs CUDA tensors" for r in rows if r["backend"] == "varlen")
