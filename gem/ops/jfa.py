@@ -206,6 +206,8 @@ def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: b
             return "this torch's varlen_attn has no window_size"
         if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
             return "this torch's varlen_attn has no enable_gqa (fewer key/value heads than query heads)"
+        if "scale" not in params:
+            return "this torch's varlen_attn has no scale"
     return ""
 
 
