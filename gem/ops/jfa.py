@@ -20,6 +20,7 @@ once per offsets tensor and version (gem.ops._common.check_offsets).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -148,11 +149,12 @@ def jagged_attention(
     if offsets_k is None:
         offsets_k, max_len_k = offsets_q, max_len_q
     left, right = clamp_window(left, right, int(max_len_q), int(max_len_k))
+    default_scale = scale is None or float(scale) == 1.0 / math.sqrt(q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     if kernel not in KERNELS and kernel not in _ALTERNATIVES:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS + tuple(_ALTERNATIVES)}")
     if kernel in _ALTERNATIVES:
-        why = _unusable(kernel, q, k, hstu, return_lse)
+        why = _unusable(kernel, q, k, hstu, return_lse, default_scale)
         if why:
             raise ValueError(f"kernel={kernel!r}: {why}")
         which = kernel
@@ -160,7 +162,7 @@ def jagged_attention(
         which = resolve_kernel(kernel, q, k, v)
         if kernel == "auto" and which == "triton":
             alt = choose("jfa", q.device, lambda: call_class(left, right, max_len_q, q.shape[2], q.dtype))
-            if alt != "triton" and not _unusable(alt, q, k, hstu, return_lse):
+            if alt != "triton" and not _unusable(alt, q, k, hstu, return_lse, default_scale):
                 which = alt
     if which in _ALTERNATIVES:
         return _ALTERNATIVES[which](q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale)
@@ -188,7 +190,8 @@ def jagged_attention(
 # ------------------------------------------------------------------------------------ torch alternatives
 
 
-def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: bool) -> str:
+def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: bool,
+              default_scale: bool = True) -> str:
     """Why an alternative cannot run this call ("" when it can)."""
     if hstu is not None or return_lse:
         return "no HSTU mask and no return_lse here; use kernel='triton'"
@@ -206,27 +209,31 @@ def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: b
             return "this torch's varlen_attn has no window_size"
         if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
             return "this torch's varlen_attn has no enable_gqa (fewer key/value heads than query heads)"
-        if "scale" not in params:
-            return "this torch's varlen_attn has no scale"
+        if "scale" not in params and not default_scale:
+            return "this torch's varlen_attn takes no scale (only 1/sqrt(head dim))"
     return ""
 
 
+@functools.lru_cache(maxsize=None)
 def _varlen_params():
+    """The parameter names of this torch's varlen_attn (None without one)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     import inspect
 
-    return inspect.signature(varlen_attn).parameters
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _varlen(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale):
     from torch.nn.attention.varlen import varlen_attn
 
     kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if "scale" in _varlen_params():  # else _unusable made sure the scale is varlen_attn's default
+        kw["scale"] = scale
     return varlen_attn(q, k, v, offsets_q.to(torch.int32), offsets_k.to(torch.int32), max_len_q, max_len_k,
-                       scale=scale, window_size=(left, right), **kw)
+                       window_size=(left, right), **kw)
 
 
 def _padded_sdpa(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale):
