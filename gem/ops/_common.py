@@ -95,6 +95,14 @@ def padded_to_jagged(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return padded[mask]
 
 
+def padded_rows(offsets: torch.Tensor, max_len: int, rows: int) -> torch.Tensor:
+    """[rows] int64: row t of a jagged tensor sits at flat row b * max_len + (t - offsets[b]) of its
+    [B * max_len] padding. Built without a host sync (unlike boolean-mask indexing), for padding on a hot path."""
+    t = torch.arange(rows, device=offsets.device)
+    b = torch.searchsorted(offsets[1:].to(torch.int64), t, right=True)
+    return b * max_len + (t - offsets.to(torch.int64)[b])
+
+
 OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and table kind: (pass, block) pairs of the tuned configs
 
 # Per-offsets caches live here, not on the tensors: a tensor's __dict__ travels with pickle / deepcopy (and a

@@ -32,6 +32,7 @@ from gem.ops._common import (
     clamp_window,
     jagged_to_padded,
     pad_head_dim,
+    padded_rows,
     resolve_kernel,
     tile_head_dim,
 )
@@ -237,11 +238,16 @@ def _varlen(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, sc
 
 
 def _padded_sdpa(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, right, scale):
-    """scaled_dot_product_attention on zero-padded [B, H, N, D] tensors; rows that see no key give 0."""
-    qp, qmask = jagged_to_padded(q, offsets_q, max_len_q)
-    kp, _ = jagged_to_padded(k, offsets_k, max_len_k)
-    vp, _ = jagged_to_padded(v, offsets_k, max_len_k)
-    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, vp))
+    """scaled_dot_product_attention on zero-padded [B, H, N, D] tensors; rows that see no key give 0. Padding and
+    unpadding index without host syncs."""
+    b = offsets_q.numel() - 1
+    rows_q = padded_rows(offsets_q, max_len_q, q.shape[0])
+    rows_k = rows_q if offsets_k is offsets_q else padded_rows(offsets_k, max_len_k, k.shape[0])
+
+    def pad(x, rows, n):
+        return x.new_zeros((b * n,) + x.shape[1:]).index_copy(0, rows, x).view(b, n, *x.shape[1:]).transpose(1, 2)
+
+    qp, kp, vp = pad(q, rows_q, max_len_q), pad(k, rows_k, max_len_k), pad(v, rows_k, max_len_k)
     kw = {"scale": scale, "enable_gqa": k.shape[1] != q.shape[1]}
     if offsets_k is offsets_q and left < 0 and right == 0:
         # self attention, right padding: real queries reach only real keys, so is_causal is exact (flash backend)
@@ -252,7 +258,7 @@ def _padded_sdpa(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, left, righ
         seen = vis.any(-1, keepdim=True)
         out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=vis | ~seen, **kw)
         out = out * seen  # keyless rows attended everywhere above: zero them (and their gradients)
-    return out.transpose(1, 2)[qmask]
+    return out.transpose(1, 2).reshape(b * max_len_q, *q.shape[1:]).index_select(0, rows_q)
 
 
 _ALTERNATIVES = {"varlen": _varlen, "sdpa": _padded_sdpa}

@@ -221,3 +221,18 @@ def test_compiled_calls_keep_triton(monkeypatch):
                       backend="aot_eager")
     want = jagged_attention(q, k, v, off, 17, causal=True, kernel="triton")
     torch.testing.assert_close(f(q, k, v), want)
+
+
+@pytest.mark.gpu
+def test_gpu_padded_sdpa_never_syncs_the_host():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for case in (CASES[0], CASES[2], CASES[4]):
+        q, k, v = _inputs(case, "cuda", torch.bfloat16)
+        _fwd_bwd(case, "sdpa", q, k, v)  # warm up (first-call work may sync)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _fwd_bwd(case, "sdpa", q, k, v)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
