@@ -1,7 +1,8 @@
 """kernel="auto" across backends: gem's Triton kernel, unless a measurement shipped for this GPU and torch says a
 torch alternative is faster on the call's class.
 
-A class is (mask, length bucket, head-dim tile, dtype): mask "full", "causal" or "window" (any left bound); the
+A class is (mask, length bucket, head-dim tile, dtype): mask "full", "causal" or "window" (a left bound, or a
+right bound past the diagonal); the
 length bucket is max_len_q rounded up to a power of two; the head-dim tile is the Triton kernel's width for that
 head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version), the classes where an alternative beat
 the Triton kernel on forward + backward in every one of >= 3 fresh benchmark processes, by more than MARGIN at the
@@ -87,8 +88,8 @@ def choose(op: str, device: torch.device, key: Callable[[], str], table: dict | 
 
 
 def winners(results: list[dict], margin: float = MARGIN) -> dict:
-    """From per-process timings [{"class": c, "backend": b, "ms": fwd+bwd ms}, ...] (one dict per process, class
-    and backend): {class: (backend, median speedup, [speedup per process])} for the classes where one alternative
+    """From timings [{"class": c, "backend": b, "process": p, "ms": fwd+bwd ms}, ...] (one per process, class and
+    backend): {class: (backend, median speedup, [speedup per process])} for the classes where one alternative
     beat "triton" in every process and by more than `margin` at the median (the fastest such alternative)."""
     by: dict = {}
     for r in results:

@@ -124,15 +124,19 @@ def test_the_shipped_table_parses():
     assert isinstance(dispatch._shipped(), dict)
 
 
-def test_auto_takes_the_listed_alternative(monkeypatch):
-    """With a table naming this device, "auto" runs the listed alternative for that class only (under the
-    interpreter "auto" resolves to Triton on CPU, which is where the table is consulted)."""
+@pytest.fixture
+def sdpa_listed(monkeypatch):
+    """CASES[0]'s (q, k, v, offsets) under the interpreter (where "auto" resolves to Triton on CPU and consults the
+    table), with a table that lists its class, causal/32/32/float32, for padded SDPA on this device."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    case = CASES[0]
-    q, k, v = _inputs(case)
-    off = _offsets(case[0])
     rules = dispatch.parse(_table({"causal/32/32/float32": {"use": "sdpa"}}), "t")
     monkeypatch.setattr(dispatch, "_shipped", lambda: rules)
+    return (*_inputs(CASES[0]), _offsets(CASES[0][0]))
+
+
+def test_auto_takes_the_listed_alternative(sdpa_listed, monkeypatch):
+    """With a table naming this device, "auto" runs the listed alternative for that class only."""
+    q, k, v, off = sdpa_listed
     ran = []
     from gem.ops import jfa
 
@@ -205,14 +209,9 @@ def test_merged_tables_round_trip_and_replace_only_their_entry():
     assert dispatch.merged(None, env, "jfa", {}) == {"format": 1, "entries": []}
 
 
-def test_compiled_calls_keep_triton(monkeypatch):
+def test_compiled_calls_keep_triton(sdpa_listed, monkeypatch):
     """Under torch.compile "auto" stays on the Triton custom op (no table lookup in the graph)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    case = CASES[0]
-    q, k, v = _inputs(case)
-    off = _offsets(case[0])
-    rules = dispatch.parse(_table({"causal/32/32/float32": {"use": "sdpa"}}), "t")
-    monkeypatch.setattr(dispatch, "_shipped", lambda: rules)
+    q, k, v, off = sdpa_listed
     from gem.ops import jfa
 
     monkeypatch.setitem(jfa._ALTERNATIVES, "sdpa", lambda *a: (_ for _ in ()).throw(AssertionError("dispatched")))
