@@ -2,9 +2,8 @@
 torch alternative is faster on the call's class.
 
 A class is (mask, length bucket, head-dim tile, dtype): mask "full", "causal" or "window" (a left bound, or a
-right bound past the diagonal); the
-length bucket is max_len_q rounded up to a power of two; the head-dim tile is the Triton kernel's width for that
-head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version), the classes where an alternative beat
+right bound past the diagonal); the length bucket is max_len_q rounded up to a power of two; the head-dim tile is
+the Triton kernel's width for that head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version), the classes where an alternative beat
 the Triton kernel on forward + backward in every one of >= 3 fresh benchmark processes, by more than MARGIN at the
 median (scripts/bench_dispatch.py measures and writes it). Every other class, GPU or torch runs Triton. The file is
 plain JSON, never unpickled; a malformed one is an error naming the file.
