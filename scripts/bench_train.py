@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--profile-sources", default="",
                    help="with --profile-steps: comma list of op names (e.g. 'aten::copy_,aten::add_') whose time is "
                         "also split by the gem source lines that called them (records Python stacks)")
+    p.add_argument("--profile-top", type=int, default=25,
+                   help="with --profile-steps: how many ops, kernels and call sites the tables list")
     p.add_argument("--profile-dir", default=None,
                    help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
     args, rest = p.parse_known_args(argv)
@@ -103,6 +105,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.profile_dir and not args.profile_steps:
         p.error("--profile-dir needs --profile-steps K > 0")
+    if args.profile_top < 1:
+        p.error("--profile-top must be at least 1")
     if args.profile_sources and not args.profile_steps:
         p.error("--profile-sources needs --profile-steps K > 0")
     if args.single_gpu_tflops is not None and not args.single_gpu_tflops > 0:
@@ -468,7 +472,7 @@ class StepProfiler:
             tmp.unlink(missing_ok=True)
         return str(final)
 
-    def summary(self, rank: int, top: int = 25, top_kernels: int = 10) -> dict:
+    def summary(self, rank: int, top: int = 25) -> dict:
         """Per step of the recorded steps: the top ops by self device time (self CPU time without CUDA), device time
         per bucket and, with CUDA, the top kernels. An op's self device time is the kernels it launched itself."""
         from torch.autograd import DeviceType
@@ -522,7 +526,7 @@ class StepProfiler:
                       "self_cpu_ms_per_step": r["cpu_us"] / 1e3 / n} for r in rows],
             "buckets": {b: {"ms_per_step": us / 1e3 / n, "pct": pct(us)} for b, us in buckets.items()},
             "kernels": [{"name": name[:300], "calls_per_step": c / n, "ms_per_step": us / 1e3 / n, "pct": pct(us)}
-                        for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]],
+                        for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
             "sources": self._sources(events, top),
         }
 
@@ -752,7 +756,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if profiler is not None:
             if not profiler.recorded():
                 raise RuntimeError("the profiler recorded nothing: the trainer never reached the profiled steps")
-            mine["profile"] = profiler.summary(trainer.rank)
+            mine["profile"] = profiler.summary(trainer.rank, args.profile_top)
             mine["profile"]["trace"] = profiler.export(args.profile_dir, trainer.rank) if args.profile_dir else None
     finally:
         trainer.close()
