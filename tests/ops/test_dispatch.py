@@ -5,12 +5,13 @@ choice rule."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from gem.ops import dispatch
-from gem.ops.jfa import jagged_attention
+from gem.ops.jfa import _unusable, jagged_attention
 
 CASES = [
     # (lens_q, lens_k or None for self attention, causal, window, heads, kv heads, head dim)
@@ -182,6 +183,11 @@ def test_gpu_alternatives_match_the_reference(case, kernel):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     q, k, v = _inputs(case, "cuda", torch.bfloat16)
+    why = _unusable(kernel, q, k, None, False)
+    if why:  # e.g. GQA on a torch whose varlen_attn lacks enable_gqa: one clear line, not a wrong answer
+        with pytest.raises(ValueError, match=re.escape(f"kernel='{kernel}': {why}")):
+            _fwd_bwd(case, kernel, q, k, v)
+        return
     got = _fwd_bwd(case, kernel, q, k, v)
     want = _fwd_bwd(case, "reference", *(x.detach().float().requires_grad_() for x in (q, k, v)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
