@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gem.model.precision import inductor_options
 from gem.parallel.dims import ParallelDims, init_distributed
 from gem.parallel.embedding import ShardedEmbeddings, shard_embeddings
 from gem.parallel.expert import apply_expert_parallel, find_moe_modules
@@ -96,7 +97,8 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
     if blocks is not None:
         apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
-        apply_compile(inner, blocks)
+        options = inductor_options(inner)
+        apply_compile(inner, blocks, **({"options": options} if options else {}))
 
     if cfg.dense == "fsdp":
         apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)

@@ -4,6 +4,7 @@ tiny model, the config errors, and a short mxfp8 training run against fp32 from 
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 import torch
@@ -343,3 +344,35 @@ def test_fp8_training_run_tracks_bf16_on_gpu():
     if not (torch.cuda.is_available() and prec.fp8_supported(torch.device("cuda"))):
         pytest.skip("needs a GPU with FP8 tensor cores")
     _assert_ne_tracks(_training_runs((("bf16", None), ("fp8", FP8Linear)), extra=["model.kernel=auto"]))
+
+
+def test_fp8_models_compile_without_mix_order_reduction(monkeypatch):
+    """Only gem's fp8 (dense layers or experts) turns Inductor's mix-order reduction off, and parallelize hands the
+    option to the compiled regions."""
+    monkeypatch.setattr(prec, "check_precision_device", lambda *a: None)
+    assert prec.inductor_options(GEMModel(tiny_cfg())) == {}
+    model = GEMModel(tiny_cfg())
+    apply_precision(model, "mxfp8", "cpu", DEFAULT_FILTER)
+    assert prec.inductor_options(model) == {}
+    for patterns in (DEFAULT_FILTER, ("blocks.*.ffn",)):
+        model = GEMModel(tiny_cfg())
+        apply_precision(model, "fp8", "cpu", patterns)
+        assert prec.inductor_options(model) == {"triton.mix_order_reduction": False}
+
+    from gem.parallel import api
+
+    seen = []
+    monkeypatch.setattr(api, "apply_compile", lambda inner, blocks, **kw: seen.append(kw))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    was_up = torch.distributed.is_initialized()
+    try:
+        api.parallelize(model, {"compile": True}, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.1},
+                        device=torch.device("cpu"))
+    finally:
+        if torch.distributed.is_initialized() and not was_up:
+            torch.distributed.destroy_process_group()
+    assert seen == [{"options": {"triton.mix_order_reduction": False}}]
