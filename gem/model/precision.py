@@ -4,17 +4,19 @@
 fnmatch `patterns` for a Linear of the same shape that shares their parameters (names `weight` / `bias`
 unchanged, so checkpoints and FSDP see the same model):
 
-- mxfp8 (emulated, any device): every GEMM operand is MX-quantized (gem.ops.mx, blocks of 32 along that GEMM's
-  reduction axis) and dequantized, then multiplied in the compute dtype. Forward: E4M3 input and weight. Backward:
-  the quantization passes straight through; the output gradient is quantized to E5M2 and the weight / input to
-  E4M3, each along the reduction axis of its backward GEMM, as MX hardware needs them. Layers whose in or out
+- mxfp8 (any device): every operand of the three GEMMs (forward, input gradient, weight gradient) is MX-quantized
+  to E4M3 (gem.ops.mx, blocks of 32 along that GEMM's reduction axis, as MX hardware needs them); the quantization
+  passes straight through in the backward. Gradients are E4M3 too: torch's MX GEMM takes E4M3 x E4M3 only, and
+  32-element scales leave E5M2's extra range unneeded. On sm_100+ the GEMMs run block-scaled on the tensor cores
+  (torch._scaled_mm with E8M0 scales, bf16 out); elsewhere the operands are dequantized and multiplied in the
+  compute dtype (emulation for numerics studies: the same values up to accumulation order). Layers whose in or out
   features are not multiples of 32 stay nn.Linear.
 - fp8 (CUDA sm_89+): torch._scaled_mm with row-wise scales (per token for activations and gradients, per output
   channel of the weight, amax / fp8 max in fp32), E4M3 throughout, for the forward GEMM and the input-gradient GEMM;
   the weight-gradient GEMM stays bf16 (its operands would need column-wise scales over the tokens: on the H200 that
   pass over both activations cost more than the faster GEMM saved). MoE layers matched by the filter (not by
-  default) run their experts with the same recipe through torch._scaled_grouped_mm. Layers whose dims are not multiples of 16 stay nn.Linear. The
-  quantization is plain torch ops inside the blocks' compiled regions, so Inductor fuses it into the kernels that
+  default) run their experts with the same recipe through torch._scaled_grouped_mm. Layers whose dims are not
+  multiples of 16 stay nn.Linear. The quantization is plain torch ops inside the blocks' compiled regions, so Inductor fuses it into the kernels that
   produce each GEMM input (norms, SwiGLU, their backwards): on the H200 that beat quantizing the gradients with
   gem.ops.fp8's one-pass kernel by 3.5% of the step.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
@@ -24,6 +26,7 @@ unchanged, so checkpoints and FSDP see the same model):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -106,9 +109,10 @@ class _LowPrecisionLinear(nn.Linear):
     align: int  # in and out features must be multiples of this
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.gemms.compute_dtype(_compute_dtype(x))
+        gemms = self.gemms.on(x.device)
+        dtype = gemms.compute_dtype(_compute_dtype(x))
         with torch.autocast(x.device.type, enabled=False):
-            y = _LowPrecisionLinearFn.apply(x, self.weight, self.bias, dtype, self.gemms)
+            y = _LowPrecisionLinearFn.apply(x, self.weight, self.bias, dtype, gemms)
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
 
 
@@ -125,28 +129,77 @@ def mx_fake_quant(t: torch.Tensor, elem: str, axis: int, dtype: torch.dtype) -> 
     return mx.dequantize(data, scale, block=MX_BLOCK, axis=axis, dtype=dtype, kernel=kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _mx_gemm_on(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+            and hasattr(torch, "float8_e8m0fnu"))
+
+
+def mx_gemm_supported(device: torch.device) -> bool:
+    """Block-scaled MX GEMMs in hardware: CUDA sm_100+ (torch._scaled_mm with E8M0 scales)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _mx_gemm_on(device)
+
+
+def _block_scaled_mm(qa, qb, sa, sb, dt):
+    """qa [M, K] @ qb [N, K]^T, E4M3 with E8M0 scales per 32 along K in the GEMM's tiled layout."""
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=dt)
+
+
 class _MXGemms:
-    """Emulated MX GEMMs: both operands quantized along the GEMM's reduction axis, multiplied in `dt`."""
+    """Emulated MX GEMMs. Each GEMM is a [M, K] @ b_t [N, K]^T with both operands MX-quantized (E4M3, blocks of 32
+    along K, its reduction axis) and dequantized, multiplied in `dt`."""
+
+    @staticmethod
+    def on(device: torch.device) -> type:
+        return _MXBlockScaledGemms if mx_gemm_supported(device) else _MXGemms
 
     @staticmethod
     def compute_dtype(dt: torch.dtype) -> torch.dtype:
         return dt
 
     @staticmethod
-    def forward(x, w, dt):  # x [M, K] @ W [N, K]^T: reduction over in_features
-        return mx_fake_quant(x, "e4m3", -1, dt) @ mx_fake_quant(w, "e4m3", 1, dt).t()
+    @torch.compiler.disable
+    def mm(a: torch.Tensor, b_t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return mx_fake_quant(a, "e4m3", -1, dt) @ mx_fake_quant(b_t, "e4m3", -1, dt).t()
+
+    @classmethod
+    def forward(cls, x, w, dt):  # x [M, K] @ W [N, K]^T: reduction over in_features
+        return cls.mm(x, w, dt)
+
+    @classmethod
+    def grad_input(cls, g, w, dt):  # g [M, N] @ W [N, K]: reduction over out_features
+        return cls.mm(g, w.t(), dt)
+
+    @classmethod
+    def grad_weight(cls, g, x, dt):  # g^T [N, M] @ x [M, K]: reduction over tokens
+        return cls.mm(g.t(), x.t(), dt)
+
+
+class _MXBlockScaledGemms(_MXGemms):
+    """The same GEMMs on MX tensor cores (sm_100+): E4M3 data and E8M0 scales straight into torch._scaled_mm, so
+    the result is the emulation's up to the GEMM's accumulation order. Writes bf16."""
 
     @staticmethod
-    def grad_input(g, w, dt):  # g [M, N] @ W [N, K]: reduction over out_features
-        return mx_fake_quant(g, "e5m2", -1, dt) @ mx_fake_quant(w, "e4m3", 0, dt)
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
 
     @staticmethod
-    def grad_weight(g, x, dt):  # g^T [N, M] @ x [M, K]: reduction over tokens
-        return mx_fake_quant(g, "e5m2", 0, dt).t() @ mx_fake_quant(x, "e4m3", 0, dt)
+    @torch.compiler.disable
+    def mm(a: torch.Tensor, b_t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        pad = -a.shape[1] % MX_BLOCK  # whole blocks along K (the tokens, for the weight gradient): zeros add nothing
+        if pad:
+            a, b_t = F.pad(a, (0, pad)), F.pad(b_t, (0, pad))
+        qa, sa = mx.quantize(a, block=MX_BLOCK, elem="e4m3", axis=-1)
+        qb, sb = mx.quantize(b_t, block=MX_BLOCK, elem="e4m3", axis=-1)
+        return _block_scaled_mm(qa, qb, mx.blocked_scales(sa), mx.blocked_scales(sb), dt)
 
 
 class MXFP8Linear(_LowPrecisionLinear):
-    """nn.Linear with emulated MXFP8 GEMMs (see the module docstring); same parameters, same state dict."""
+    """nn.Linear with MXFP8 GEMMs (see the module docstring): block-scaled on sm_100+, emulated elsewhere; same
+    parameters, same state dict."""
 
     gemms, align = _MXGemms, MX_BLOCK
 
@@ -173,6 +226,10 @@ _E4M3 = torch.float8_e4m3fn
 
 class _FP8Gemms:
     """Row-wise scaled torch._scaled_mm, E4M3: forward and input gradient in fp8, weight gradient in bf16."""
+
+    @staticmethod
+    def on(device: torch.device) -> type:
+        return _FP8Gemms
 
     @staticmethod
     def compute_dtype(dt: torch.dtype) -> torch.dtype:

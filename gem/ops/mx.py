@@ -207,6 +207,24 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: int = 32, axis: i
     return _from_rows(out, moved, axis)
 
 
+def blocked_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Scales [rows, cols] (E8M0, uint8 bits or float8_e8m0fnu) in the tiled layout of block-scaled GEMMs (cuBLAS's
+    block scaling factors layout, what torch._scaled_mm takes for MX operands on sm_100+), flat.
+
+    rows are padded to a multiple of 128 and cols to a multiple of 4 (bits 0, the smallest scale; the padded rows
+    and blocks hold no data); each 128 x 4 tile is stored as 32 x 16 with scale (r, c) at (r % 32, 4 * (r // 32)
+    + c), and the tiles follow each other row-major (tile (i, j) at (i * ceil(cols / 4) + j) * 512)."""
+    if scale.dim() != 2:
+        raise ValueError(f"gem.ops.mx.blocked_scales: scale must be 2-d [rows, blocks] (got {tuple(scale.shape)})")
+    bits = _scale_bits(scale, "gem.ops.mx.blocked_scales")
+    rows, cols = bits.shape
+    rt, ct = cdiv(rows, 128), cdiv(cols, 4)
+    padded = F.pad(bits, (0, ct * 4 - cols, 0, rt * 128 - rows))
+    # [rt, 4 (r // 32), 32 (r % 32), ct, 4 (c)] -> [rt, ct, r % 32, r // 32, c]
+    tiles = padded.reshape(rt, 4, 32, ct, 4).permute(0, 3, 2, 1, 4)
+    return scale_as_e8m0(tiles.reshape(-1))
+
+
 # ---------------------------------------------------------------------------------------------------- RMSNorm + MX
 
 

@@ -52,14 +52,82 @@ def test_mxfp8_linear_forward_backward_match_the_reference(shape, k, n, bias, se
     assert not torch.allclose(want, x2 @ w.t() + (lin.bias.detach() if bias else 0), rtol=0, atol=1e-6)
 
     # straight-through: the GEMMs of the exact gradient, each operand quantized along its reduction axis
-    dx = _fq(g2, "e5m2", -1) @ _fq(w, "e4m3", 0)
-    dw = _fq(g2, "e5m2", 0).t() @ _fq(x2, "e4m3", 0)
+    dx = _fq(g2, "e4m3", -1) @ _fq(w, "e4m3", 0)
+    dw = _fq(g2, "e4m3", 0).t() @ _fq(x2, "e4m3", 0)
     assert torch.equal(x.grad.reshape(-1, k), dx)
     assert torch.equal(lin.weight.grad, dw)
     if bias:
         assert torch.equal(lin.bias.grad, g2.sum(0))
     # ... and stays close to the exact gradient
     torch.testing.assert_close(x.grad.reshape(-1, k), g2 @ w, rtol=0.15, atol=2e-4)
+
+
+def _blocked_index(rows: int, blocks: int) -> torch.Tensor:
+    """Where scale (r, c) sits in the block-scaled GEMM layout (cuBLAS's formula, written out)."""
+    r, c = torch.arange(rows)[:, None], torch.arange(blocks)[None, :]
+    tiles_per_row = -(-blocks // 4)
+    return ((r // 128) * tiles_per_row + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+
+
+def _unblock(flat: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    return flat.view(torch.uint8)[_blocked_index(rows, blocks)]
+
+
+def _reference_block_scaled_mm(qa, qb, sa, sb, dt):
+    """What the MX tensor cores compute from the operands the block-scaled path hands torch._scaled_mm."""
+    assert qa.dtype == qb.dtype == torch.float8_e4m3fn and sa.dtype == sb.dtype == torch.float8_e8m0fnu
+    (m, k), n = qa.shape, qb.shape[0]
+    assert k % 32 == 0 and qb.shape[1] == k and qa.is_contiguous() and qb.is_contiguous()
+    assert sa.numel() == -(-m // 128) * 128 * -(-k // 128) * 4 and sb.numel() == -(-n // 128) * 128 * -(-k // 128) * 4
+    a = mx.dequantize(qa, _unblock(sa, m, k // 32), 32, -1, torch.float32, kernel="reference")
+    b = mx.dequantize(qb, _unblock(sb, n, k // 32), 32, -1, torch.float32, kernel="reference")
+    return (a @ b.t()).to(dt)
+
+
+@pytest.mark.parametrize("tokens", [64, 37])
+def test_mxfp8_block_scaled_path_feeds_the_gemm_what_the_emulation_multiplies(monkeypatch, tokens):
+    """On sm_100+ MXFP8Linear hands E4M3 data and tiled E8M0 scales to torch._scaled_mm. Here a reference GEMM reads
+    those operands back: forward, input and weight gradients equal the emulation's (rounded to the bf16 the GEMM
+    writes); 37 tokens pad the weight gradient's reduction to whole blocks."""
+    emulated = _mx_linear(64, 96, False, 5)
+    hardware = _mx_linear(64, 96, False, 5)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g) * 3
+    # bf16 values: the block-scaled path writes bf16, so its output gradient arrives in bf16
+    gy = (torch.randn(tokens, 96, generator=g) * 1e-3).to(torch.bfloat16).float()
+    xe, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye = emulated(xe)
+    ye.backward(gy)
+    calls = []
+    monkeypatch.setattr(prec, "mx_gemm_supported", lambda device: True)
+    monkeypatch.setattr(prec, "_block_scaled_mm", lambda *a: calls.append(a) or _reference_block_scaled_mm(*a))
+    yh = hardware(xh)
+    yh.backward(gy)
+    assert len(calls) == 3 and all(c[-1] == torch.bfloat16 for c in calls)
+    assert [c[0].shape[1] for c in calls] == [64, 96, -(-tokens // 32) * 32]  # K of forward, dgrad, wgrad
+
+    def bf16(t):
+        return t.to(torch.bfloat16).float()
+
+    exact = tokens % 32 == 0
+    for got, want in ((yh, ye), (xh.grad, xe.grad), (hardware.weight.grad, emulated.weight.grad)):
+        if exact or got is not hardware.weight.grad:
+            assert torch.equal(got.detach(), bf16(want.detach()))
+        else:  # zero padding of the reduction may change the fp32 summation order
+            torch.testing.assert_close(got, bf16(want), rtol=1e-2, atol=1e-7)
+
+
+def test_blocked_scales_follow_the_gemm_layout():
+    for rows, blocks in [(0, 4), (1, 1), (127, 3), (128, 4), (129, 5), (300, 9)]:
+        bits = torch.randint(0, 255, (rows, blocks), dtype=torch.uint8)
+        flat = mx.blocked_scales(bits)
+        assert flat.dtype == torch.float8_e8m0fnu and flat.numel() == -(-rows // 128) * 128 * -(-blocks // 4) * 4
+        assert torch.equal(_unblock(flat, rows, blocks), bits)
+        padding = torch.ones(flat.numel(), dtype=torch.bool)
+        padding[_blocked_index(rows, blocks).flatten()] = False
+        assert not flat.view(torch.uint8)[padding].any()  # padded rows / blocks hold the smallest scale
+    with pytest.raises(ValueError, match="blocked_scales: scale must be 2-d"):
+        mx.blocked_scales(torch.zeros(4, dtype=torch.uint8))
 
 
 def test_mxfp8_linear_under_autocast_multiplies_in_bf16():
@@ -376,3 +444,17 @@ def test_fp8_models_compile_without_mix_order_reduction(monkeypatch):
         if torch.distributed.is_initialized() and not was_up:
             torch.distributed.destroy_process_group()
     assert seen == [{"options": {"triton.mix_order_reduction": False}}]
+
+
+@pytest.mark.gpu
+def test_mxfp8_block_scaled_gemm_on_mx_tensor_cores():
+    """sm_100+ only: the block-scaled GEMM agrees with the emulation up to accumulation order and bf16 output."""
+    if not (torch.cuda.is_available() and prec.mx_gemm_supported(torch.device("cuda"))):
+        pytest.skip("needs MX tensor cores (sm_100+)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n in [(37, 64, 96), (1024, 1024, 3072), (4096, 4096, 1024)]:
+        a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        b_t = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        got = prec._MXBlockScaledGemms.mm(a, b_t, torch.bfloat16).float()
+        want = prec._MXGemms.mm(a.float(), b_t.float(), torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
