@@ -129,7 +129,7 @@ def mx_fake_quant(t: torch.Tensor, elem: str, axis: int, dtype: torch.dtype) -> 
     return mx.dequantize(data, scale, block=MX_BLOCK, axis=axis, dtype=dtype, kernel=kernel)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mx_gemm_on(device: torch.device) -> bool:
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
             and hasattr(torch, "float8_e8m0fnu"))
