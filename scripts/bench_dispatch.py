@@ -91,19 +91,24 @@ def _stats(xs: list[float]) -> str:
 
 
 def report(rows: list[dict], won: dict) -> None:
-    """The crossover table: per class each backend's fwd+bwd ms (min / median / max over processes) and the pick."""
+    """The crossover table: per class each backend's fwd+bwd ms (min / median / max over processes), the pick, and
+    Triton's ms in each process in order with its spread, (max - min) / median (the first process also compiles
+    and tunes)."""
     by: dict = {}
     for r in rows:
-        by.setdefault(r["class"], {}).setdefault(r["backend"], []).append(r.get("ms"))
+        by.setdefault(r["class"], {}).setdefault(r["backend"], []).append(r)
     print("\n| class (mask, length bucket, head dim, dtype) | " + " | ".join(f"{b} ms" for b in BACKENDS)
-          + " | auto runs |\n|---|" + "---|" * (len(BACKENDS) + 1))
+          + " | auto runs | triton ms by process (spread) |\n|---|" + "---|" * (len(BACKENDS) + 2))
     for cls, backends in by.items():
         cells = []
         for b in BACKENDS:
-            ms = [x for x in backends.get(b, []) if x is not None]
+            ms = [r["ms"] for r in backends.get(b, []) if "ms" in r]
             cells.append(_stats(ms) if ms else "skipped")
         pick = f"{won[cls][0]} ({won[cls][1]:.2f}x)" if cls in won else "triton"
-        print(f"| {cls} | " + " | ".join(cells) + f" | {pick} |")
+        tri = [r["ms"] for r in sorted(backends.get("triton", []), key=lambda r: r["process"]) if "ms" in r]
+        spread = (f"{', '.join(f'{x:.3f}' for x in tri)} ({(max(tri) - min(tri)) / sorted(tri)[len(tri) // 2]:.0%})"
+                  if tri else "n/a")
+        print(f"| {cls} | " + " | ".join(cells) + f" | {pick} | {spread} |")
 
 
 def main(argv: list[str] | None = None) -> None:

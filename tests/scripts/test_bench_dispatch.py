@@ -26,15 +26,16 @@ def test_classes_cover_the_issue_shapes():
 
 
 def test_report_marks_the_pick(capsys):
-    rows = [{"class": "window/32768/128/bfloat16", "backend": b, "process": p, "ms": ms}
-            for p in (1, 2, 3) for b, ms in (("triton", 10.0), ("varlen", 8.0))]
+    rows = [{"class": "window/32768/128/bfloat16", "backend": b, "process": p, "ms": ms + (p == 1) * (b == "triton")}
+            for p in (3, 1, 2) for b, ms in (("triton", 10.0), ("varlen", 8.0))]
     rows += [{"class": "window/32768/128/bfloat16", "backend": "sdpa", "process": p, "skipped": "too large"}
              for p in (1, 2, 3)]
     from gem.ops import dispatch
 
     bench_dispatch.report(rows, dispatch.winners([r for r in rows if "ms" in r]))
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| window"))
-    assert line == "| window/32768/128/bfloat16 | 10.000 / 10.000 / 10.000 | 8.000 / 8.000 / 8.000 | skipped | varlen (1.25x) |"
+    assert line == ("| window/32768/128/bfloat16 | 10.000 / 10.000 / 11.000 | 8.000 / 8.000 / 8.000 | skipped "
+                    "| varlen (1.25x) | 11.000, 10.000, 10.000 (10%) |")
 
 
 def test_child_times_every_backend_it_can_run(monkeypatch):
