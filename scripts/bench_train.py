@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help="with --profile-steps: comma list of op names (e.g. 'aten::copy_,aten::add_') whose time is "
                         "also split by the gem source lines that called them (records Python stacks)")
     p.add_argument("--profile-top", type=int, default=25,
-                   help="with --profile-steps: how many ops, kernels and call sites the tables list")
+                   help="with --profile-steps: how many ops and kernels the tables list (25)")
     p.add_argument("--profile-dir", default=None,
                    help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
     args, rest = p.parse_known_args(argv)
@@ -527,7 +527,7 @@ class StepProfiler:
             "buckets": {b: {"ms_per_step": us / 1e3 / n, "pct": pct(us)} for b, us in buckets.items()},
             "kernels": [{"name": name[:300], "calls_per_step": c / n, "ms_per_step": us / 1e3 / n, "pct": pct(us)}
                         for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
-            "sources": self._sources(events, top),
+            "sources": self._sources(events, 25),
         }
 
     def _sources(self, events, top: int) -> list[dict]:
