@@ -120,9 +120,14 @@ def test_malformed_tables_name_the_file_and_the_problem(body, problem):
 
 
 def test_the_shipped_table_parses():
-    if dispatch.SHIPPED.exists():
-        dispatch.parse(json.loads(dispatch.SHIPPED.read_text()), str(dispatch.SHIPPED))
-    assert isinstance(dispatch._shipped(), dict)
+    body = json.loads(dispatch.SHIPPED.read_text())
+    rules = dispatch.parse(body, str(dispatch.SHIPPED))
+    assert rules == dispatch._shipped()
+    for entry in body["entries"]:  # every listed class names a measured alternative and its speedup
+        key = (entry["env"]["device"], entry["env"]["torch"], entry["op"])
+        assert rules[key] == {cls: c["use"] for cls, c in entry["classes"].items()}
+        assert all(c["use"] in ("varlen", "sdpa") and c["speedup"] > 1 + dispatch.MARGIN and c["processes"] >= 3
+                   for c in entry["classes"].values())
 
 
 @pytest.fixture
