@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--profile-sources", default="",
                    help="with --profile-steps: comma list of op names (e.g. 'aten::copy_,aten::add_') whose time is "
                         "also split by the gem source lines that called them (records Python stacks)")
-    p.add_argument("--profile-top", type=int, default=25,
-                   help="with --profile-steps: how many ops and kernels the tables list (25)")
+    p.add_argument("--profile-top", type=int, default=TOP_ROWS,
+                   help=f"with --profile-steps: how many ops and kernels the tables list ({TOP_ROWS})")
     p.add_argument("--profile-dir", default=None,
                    help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
     args, rest = p.parse_known_args(argv)
@@ -413,6 +413,7 @@ def _bucket(kernel: str | None, op, memo: dict) -> str:
     return b or "elementwise/other"
 
 
+TOP_ROWS = 25  # rows of the profile tables (ops and kernels: --profile-top; call sites: always)
 _GEM_FRAME = re.compile(r"(?:^|/)(gem/[\w/]+\.py\(\d+\): \w+)")  # a profiler frame inside the gem package
 
 
@@ -472,7 +473,7 @@ class StepProfiler:
             tmp.unlink(missing_ok=True)
         return str(final)
 
-    def summary(self, rank: int, top: int = 25) -> dict:
+    def summary(self, rank: int, top: int = TOP_ROWS) -> dict:
         """Per step of the recorded steps: the top ops by self device time (self CPU time without CUDA), device time
         per bucket and, with CUDA, the top kernels. An op's self device time is the kernels it launched itself."""
         from torch.autograd import DeviceType
@@ -527,7 +528,7 @@ class StepProfiler:
             "buckets": {b: {"ms_per_step": us / 1e3 / n, "pct": pct(us)} for b, us in buckets.items()},
             "kernels": [{"name": name[:300], "calls_per_step": c / n, "ms_per_step": us / 1e3 / n, "pct": pct(us)}
                         for name, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
-            "sources": self._sources(events, 25),
+            "sources": self._sources(events, TOP_ROWS),
         }
 
     def _sources(self, events, top: int) -> list[dict]:

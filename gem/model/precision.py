@@ -16,9 +16,10 @@ unchanged, so checkpoints and FSDP see the same model):
   the weight-gradient GEMM stays bf16 (its operands would need column-wise scales over the tokens: on the H200 that
   pass over both activations cost more than the faster GEMM saved). MoE layers matched by the filter (not by
   default) run their experts with the same recipe through torch._scaled_grouped_mm. Layers whose dims are not
-  multiples of 16 stay nn.Linear. The quantization is plain torch ops inside the blocks' compiled regions, so Inductor fuses it into the kernels that
-  produce each GEMM input (norms, SwiGLU, their backwards): on the H200 that beat quantizing the gradients with
-  gem.ops.fp8's one-pass kernel by 3.5% of the step.
+  multiples of 16 stay nn.Linear. The quantization is plain torch ops inside the blocks' compiled regions, so
+  Inductor fuses it into the kernels that produce each GEMM input (norms, SwiGLU, their backwards): on the H200
+  that beat quantizing the gradients with gem.ops.fp8's one-pass kernel by 3.5% of the step. Those regions compile
+  without Inductor's mix-order reduction (inductor_options).
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
 - bf16: nothing changes (autocast decides the GEMM dtype as before).
 """
@@ -189,6 +190,8 @@ class _MXBlockScaledGemms(_MXGemms):
     @staticmethod
     @torch.compiler.disable
     def mm(a: torch.Tensor, b_t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        if 0 in (a.shape[0], a.shape[1], b_t.shape[0]):  # an empty batch: no GEMM to launch
+            return a.new_zeros((a.shape[0], b_t.shape[0]), dtype=dt)
         pad = -a.shape[1] % MX_BLOCK  # whole blocks along K (the tokens, for the weight gradient): zeros add nothing
         if pad:
             a, b_t = F.pad(a, (0, pad)), F.pad(b_t, (0, pad))

@@ -3,17 +3,18 @@ torch alternative is faster on the call's class.
 
 A class is (mask, length bucket, head-dim tile, dtype): mask "full", "causal" or "window" (a left bound, or a
 right bound past the diagonal); the length bucket is max_len_q rounded up to a power of two; the head-dim tile is
-the Triton kernel's width for that head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version), the classes where an alternative beat
-the Triton kernel on forward + backward in every one of >= 3 fresh benchmark processes, by more than MARGIN at the
-median (scripts/bench_dispatch.py measures and writes it). Every other class, GPU or torch runs Triton. The file is
-plain JSON, never unpickled; a malformed one is an error naming the file.
+the Triton kernel's width for that head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version),
+the classes where an alternative beat the Triton kernel on forward + backward in every one of >= 3 fresh
+benchmark processes, by more than MARGIN at the median (scripts/bench_dispatch.py measures and writes it). Every
+other class, GPU or torch runs Triton. The file is plain JSON, never unpickled; a malformed one is an error naming
+the file.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ def environment(device: torch.device) -> dict:
     return {"device": _device_name(device.type, device.index), "torch": torch.__version__.split("+")[0]}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device_name(kind: str, index: int | None) -> str:
     return torch.cuda.get_device_name(index) if kind == "cuda" else kind
 
@@ -68,7 +69,7 @@ def parse(body, source: str) -> dict:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _shipped() -> dict:
     return parse(json.loads(SHIPPED.read_text()), str(SHIPPED)) if SHIPPED.exists() else {}
 

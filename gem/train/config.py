@@ -62,7 +62,8 @@ class TrainConfig:
     aux_loss_weight: float = 1.0  # scales the model's aux (MoE load-balancing) loss
     sparse_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "rowwise_adagrad", "lr": 0.05})
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
-    # the tower GEMMs' format (gem/model/precision.py): bf16 (autocast decides) | fp8 (sm_89+) | mxfp8 (sm_100+ tensor cores, else emulated)
+    # the tower GEMMs' format (gem/model/precision.py): bf16 (autocast decides) | fp8 (sm_89+) |
+    # mxfp8 (MX tensor cores on sm_100+, else emulated)
     precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
     # fnmatch patterns over module names: the nn.Linear modules `precision` converts
     precision_filter: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER))

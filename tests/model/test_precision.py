@@ -84,11 +84,12 @@ def _reference_block_scaled_mm(qa, qb, sa, sb, dt):
     return (a @ b.t()).to(dt)
 
 
-@pytest.mark.parametrize("tokens", [64, 37])
+@pytest.mark.parametrize("tokens", [64, 37, 1, 0])
 def test_mxfp8_block_scaled_path_feeds_the_gemm_what_the_emulation_multiplies(monkeypatch, tokens):
     """On sm_100+ MXFP8Linear hands E4M3 data and tiled E8M0 scales to torch._scaled_mm. Here a reference GEMM reads
     those operands back: forward, input and weight gradients equal the emulation's (rounded to the bf16 the GEMM
-    writes); 37 tokens pad the weight gradient's reduction to whole blocks."""
+    writes); 37 or 1 tokens pad the weight gradient's reduction to whole blocks, 0 tokens give empty outputs
+    and a zero weight gradient."""
     emulated = _mx_linear(64, 96, False, 5)
     hardware = _mx_linear(64, 96, False, 5)
     g = torch.Generator().manual_seed(tokens)
@@ -103,6 +104,9 @@ def test_mxfp8_block_scaled_path_feeds_the_gemm_what_the_emulation_multiplies(mo
     monkeypatch.setattr(prec, "_block_scaled_mm", lambda *a: calls.append(a) or _reference_block_scaled_mm(*a))
     yh = hardware(xh)
     yh.backward(gy)
+    if tokens == 0:
+        assert not calls and yh.shape == (0, 96) and not hardware.weight.grad.any()
+        return
     assert len(calls) == 3 and all(c[-1] == torch.bfloat16 for c in calls)
     assert [c[0].shape[1] for c in calls] == [64, 96, -(-tokens // 32) * 32]  # K of forward, dgrad, wgrad
 

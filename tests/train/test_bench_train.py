@@ -13,8 +13,7 @@ def test_profile_steps_cpu(tmp_path):
     out, traces = tmp_path / "bench.json", tmp_path / "traces"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--warmup", "2", "--steps", "4",
            "--profile-steps", "2", "--profile-dir", str(traces), "--profile-sources", "aten::mm", "--profile-top", "7",
-           "--json", str(out),
-           "experiment=tiny_cpu"]
+           "--json", str(out), "experiment=tiny_cpu"]
     p = subprocess.run(cmd, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=240, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.splitlines()
