@@ -48,8 +48,10 @@ def _child(args, device: str = "cuda", timer=None) -> list[dict]:
 
     from gem.ops import dispatch
     from gem.ops.jfa import _norm_window, _unusable, jagged_attention
-    from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
+    from gem.ops.triton_jfa import _TUNER
+    from scripts.bench.common import bench_ms, device_ms, jagged_lengths, offsets_of
 
+    profiled = timer is None  # device time needs the GPU profiler
     timer = timer or bench_ms
     rows = []
     for c in classes(args.quick):
@@ -74,8 +76,13 @@ def _child(args, device: str = "cuda", timer=None) -> list[dict]:
                     torch.autograd.grad(out, (q, k, v), do)
 
                 try:
+                    before = dict(_TUNER.best)
                     step()  # tuning and compiling stay out of the timing
                     row["ms"] = timer(step, warmup=5, rep=30 if args.quick else 60)
+                    if backend == "triton":  # what differs between processes: the picks, or host vs device time
+                        row["configs"] = sorted(f"{k[0]}:{v}" for k, v in _TUNER.best.items() if before.get(k) != v)
+                        if profiled:
+                            row["device_ms"] = device_ms(step)
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "OOM"
                 if device == "cuda":
@@ -98,17 +105,28 @@ def report(rows: list[dict], won: dict) -> None:
     for r in rows:
         by.setdefault(r["class"], {}).setdefault(r["backend"], []).append(r)
     print("\n| class (mask, length bucket, head dim, dtype) | " + " | ".join(f"{b} ms" for b in BACKENDS)
-          + " | auto runs | triton ms by process (spread) |\n|---|" + "---|" * (len(BACKENDS) + 2))
+          + " | auto runs | triton ms by process (spread) | triton device ms by process (spread) |\n|---|"
+          + "---|" * (len(BACKENDS) + 3))
     for cls, backends in by.items():
         cells = []
         for b in BACKENDS:
             ms = [r["ms"] for r in backends.get(b, []) if "ms" in r]
             cells.append(_stats(ms) if ms else "skipped")
         pick = f"{won[cls][0]} ({won[cls][1]:.2f}x)" if cls in won else "triton"
-        tri = [r["ms"] for r in sorted(backends.get("triton", []), key=lambda r: r["process"]) if "ms" in r]
-        spread = (f"{', '.join(f'{x:.3f}' for x in tri)} ({(max(tri) - min(tri)) / sorted(tri)[len(tri) // 2]:.0%})"
-                  if tri else "n/a")
-        print(f"| {cls} | " + " | ".join(cells) + f" | {pick} | {spread} |")
+        ordered = [r for r in sorted(backends.get("triton", []), key=lambda r: r["process"]) if "ms" in r]
+        spread = _spread([r["ms"] for r in ordered])
+        dev = _spread([r["device_ms"] for r in ordered if "device_ms" in r])
+        print(f"| {cls} | " + " | ".join(cells) + f" | {pick} | {spread} | {dev} |")
+        picks = {tuple(r.get("configs", ())) for r in ordered}
+        if len(picks) > 1:
+            print(f"|   configs differ between processes: {' / '.join(' '.join(p) or '(cached)' for p in picks)} |")
+
+
+def _spread(xs: list[float]) -> str:
+    """Values in process order and (max - min) / median."""
+    if not xs:
+        return "n/a"
+    return f"{', '.join(f'{x:.3f}' for x in xs)} ({(max(xs) - min(xs)) / sorted(xs)[len(xs) // 2]:.0%})"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -429,6 +429,32 @@ def _gem_frames(e) -> str:
     return " < ".join([m.group(1) for m in map(_GEM_FRAME.search, frames) if m][:3])
 
 
+_PY_FRAME = re.compile(r"([\w.-]+/[\w/.-]+\.py\(\d+\): [\w<>]+)$")  # a python_function event: "path.py(line): fn"
+
+
+def _outer_frames(e, n: int = 2) -> str:
+    """The innermost n Python frames above an op outside gem (torch, torchrec, ...), as "pkg/file.py(line): fn",
+    for ops called from library code: which library and where."""
+    frames, q = [], e.cpu_parent
+    while q is not None and len(frames) < n:
+        m = _PY_FRAME.search(q.name)
+        if m:
+            path = m.group(1)
+            frames.append(path.split("site-packages/")[-1])
+        q = q.cpu_parent
+    return " < ".join(frames)
+
+
+def _inputs_of(e, n: int = 2) -> str:
+    """The first n tensor inputs' shapes and dtypes ("[65536, 1024] bf16, [65536, 1024] f32"), as the profiler
+    records them; "" when it recorded none."""
+    shapes = list(getattr(e, "input_shapes", None) or ())
+    dtypes = list(getattr(e, "input_dtypes", None) or ())
+    short = {"c10::BFloat16": "bf16", "float": "f32", "c10::Half": "f16", "long int": "i64", "int": "i32"}
+    out = [f"{list(sh)} {short.get(dt, dt)}" for sh, dt in zip(shapes, dtypes + [""] * len(shapes)) if sh][:n]
+    return ", ".join(out)
+
+
 class StepProfiler:
     """torch.profiler over the last `k` of `total` trainer steps, advanced by StepRecorder at each step's end.
 
@@ -443,7 +469,7 @@ class StepProfiler:
         self.activities = [a.name for a in acts]
         # schedule(n) is the action during trainer step n (start() takes one step first)
         self.prof = profile(activities=acts, schedule=schedule(wait=total - k, warmup=1, active=k, repeat=1),
-                            record_shapes=False, with_stack=bool(self.sources), profile_memory=False)
+                            record_shapes=bool(self.sources), with_stack=bool(self.sources), profile_memory=False)
         self.running = False
 
     def start(self) -> None:
@@ -561,14 +587,14 @@ class StepProfiler:
                 fwd = forward_site.get(getattr(node, "sequence_nr", -1))
                 site = f"backward of {fwd} ({grad_fn})" if fwd else f"backward ({grad_fn}, no gem frame)"
             else:
-                site = _gem_frames(e) or "(no gem frame: torch internals)"
+                site = _gem_frames(e) or f"(no gem frame) {_outer_frames(e) or 'torch internals'}"
             us = sum(k.duration for k in (getattr(e, "kernels", None) or ())) if self.cuda else e.self_cpu_time_total
-            acc = sites.setdefault((e.name, site), [0.0, 0])
+            acc = sites.setdefault((e.name, site, _inputs_of(e)), [0.0, 0])
             acc[0] += us
             acc[1] += 1
         rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
-        return [{"op": op, "site": site, "calls_per_step": c / self.k, "ms_per_step": us / 1e3 / self.k}
-                for (op, site), (us, c) in rows]
+        return [{"op": op, "site": site, "inputs": inputs, "calls_per_step": c / self.k, "ms_per_step": us / 1e3 / self.k}
+                for (op, site, inputs), (us, c) in rows]
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -679,10 +705,11 @@ def print_profile(profiles: list[dict], ranks: list[dict], warmup: int) -> None:
                 print(f"| {_cell(k['name'])} | {k['calls_per_step']:.4g} | {k['ms_per_step']:.3f} | "
                       f"{_f(k['pct'], '{:.1%}')} |")
         if p.get("sources"):
-            print(f"\n| op (rank {rk}) | called from (innermost gem frames) | calls/step | {unit} ms/step |\n"
-                  "|---|---|---|---|")
+            print(f"\n| op (rank {rk}) | called from (innermost gem frames) | inputs | calls/step | {unit} ms/step |\n"
+                  "|---|---|---|---|---|")
             for x in p["sources"]:
-                print(f"| {x['op']} | {_cell(x['site'], 160)} | {x['calls_per_step']:.4g} | {x['ms_per_step']:.3f} |")
+                print(f"| {x['op']} | {_cell(x['site'], 160)} | {x.get('inputs', '')} | {x['calls_per_step']:.4g} | "
+                      f"{x['ms_per_step']:.3f} |")
         wall = r["step_ms_profiled_mean"]
         if dev:  # kernel time against the step's GPU timeline: what is left is idle (or overlapped) time
             print(f"note: rank {rk}: kernels {p['ms_per_step']:.2f} ms/step = {p['ms_per_step'] / wall:.0%} of the "

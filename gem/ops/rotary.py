@@ -96,23 +96,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
            inverse: bool = False) -> torch.Tensor:
     """x [T, H, D] rotated by per-token angle rows cos/sin [T, rotary_dim // 2] (fp32), in fp32; returns x's dtype.
 
-    Plain differentiable torch ops without data-dependent control flow, so torch.compile traces it whole."""
+    Plain differentiable torch ops without data-dependent control flow, so torch.compile traces it whole. The pair
+    partner comes from a flip of a [2, half] (or [half, 2]) view, not from slices and a cat: the backward is then
+    pointwise too, and Inductor fuses it into whatever consumes the gradient (the q/k/v gradient concat)."""
     rd = 2 * cos.shape[-1]
-    c = cos[:, None, :]
-    s = -sin[:, None, :] if inverse else sin[:, None, :]
     xf = x.float()
-    rot, rest = xf[..., :rd], xf[..., rd:]
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    if interleaved:
-        y = torch.stack((y1, y2), dim=-1).flatten(-2)
-    else:
-        y = torch.cat((y1, y2), dim=-1)
-    return torch.cat((y, rest), dim=-1).to(x.dtype)
+    rot = xf if rd == x.shape[-1] else xf[..., :rd]
+    axis = -1 if interleaved else -2  # pairs (2i, 2i + 1) as [half, 2], else (i, i + half) as [2, half]
+    pairs = rot.unflatten(-1, (rd // 2, 2) if interleaved else (2, rd // 2))
+    c, s = cos[:, None, :].unsqueeze(axis), sin[:, None, :]
+    s = torch.stack((s, -s) if inverse else (-s, s), dim=axis)  # the partner's factor in each slot
+    y = (pairs * c + pairs.flip(axis) * s).flatten(-2)
+    if rd != x.shape[-1]:
+        y = torch.cat((y, xf[..., rd:]), dim=-1)
+    return y.to(x.dtype)
 
 
 def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config: RopeConfig, *,

@@ -797,11 +797,17 @@ class _JfaFn(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * (2 + len(ctx.rest))
 
 
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take token and head strides: only the head dim must be dense. A slice of a fused QKV projection
+    (v in [T, 3 * H * D]) then goes in as it is, with no copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
                         mask_inf=False, hstu=None):
     """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse. hstu:
     a gem.ops.hstu_mask.HstuMask (self attention, no window)."""
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
+    args = (_unit_last(q), _unit_last(k), _unit_last(v), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
             float(scale), int(left), int(right), bool(mask_inf))
     if hstu is not None:
         args += (hstu.num_targets, hstu.contextual_len, hstu.max_attn)

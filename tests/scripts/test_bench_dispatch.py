@@ -28,14 +28,28 @@ def test_classes_cover_the_issue_shapes():
 def test_report_marks_the_pick(capsys):
     rows = [{"class": "window/32768/128/bfloat16", "backend": b, "process": p, "ms": ms + (p == 1) * (b == "triton")}
             for p in (3, 1, 2) for b, ms in (("triton", 10.0), ("varlen", 8.0))]
+    for r in rows:
+        if r["backend"] == "triton":  # device time steady, picks the same: the spread is the host's
+            r.update(device_ms=9.0 + 0.09 * (r["process"] == 2), configs=["fwd:(64, 64, 4, 2)"])
     rows += [{"class": "window/32768/128/bfloat16", "backend": "sdpa", "process": p, "skipped": "too large"}
              for p in (1, 2, 3)]
     from gem.ops import dispatch
 
     bench_dispatch.report(rows, dispatch.winners([r for r in rows if "ms" in r]))
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| window"))
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("| window"))
     assert line == ("| window/32768/128/bfloat16 | 10.000 / 10.000 / 11.000 | 8.000 / 8.000 / 8.000 | skipped "
-                    "| varlen (1.25x) | 11.000, 10.000, 10.000 (10%) |")
+                    "| varlen (1.25x) | 11.000, 10.000, 10.000 (10%) | 9.000, 9.090, 9.000 (1%) |")
+    assert "configs differ" not in out
+
+
+def test_report_names_picks_that_differ_between_processes(capsys):
+    rows = [{"class": "causal/1024/128/bfloat16", "backend": "triton", "process": p, "ms": 1.0, "configs": c}
+            for p, c in ((1, ["fwd:(128, 64, 8, 3)"]), (2, ["fwd:(64, 64, 4, 2)"]), (3, ["fwd:(64, 64, 4, 2)"]))]
+    bench_dispatch.report(rows, {})
+    out = capsys.readouterr().out
+    assert "configs differ between processes" in out and "fwd:(128, 64, 8, 3)" in out, out
+    assert "| 1.000, 1.000, 1.000 (0%) | n/a |" in out  # no device time recorded: n/a, not a made-up spread
 
 
 def test_child_times_every_backend_it_can_run(monkeypatch):
@@ -59,3 +73,6 @@ def test_child_times_every_backend_it_can_run(monkeypatch):
     assert all(r["process"] == 2 for r in rows)
     assert [r.get("ms") for r in rows if r["backend"] != "varlen"] == [1.0] * 4 and len(calls) == 4
     assert all(r["skipped"] == "torch's varlen_attn needs CUDA tensors" for r in rows if r["backend"] == "varlen")
+    tri = [r for r in rows if r["backend"] == "triton"]
+    assert all(isinstance(r["configs"], list) and "device_ms" not in r for r in tri)  # the stand-in timer: no profile
+    assert tri[0]["configs"] and all(c.split(":")[0] in ("fwd", "bwd_dq", "bwd_dkdv") for c in tri[0]["configs"])
