@@ -13,7 +13,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
-from gem.ops.rotary import RopeConfig, rope_tables, rotate
+from gem.ops.rotary import RopeConfig, qkv_rope, rope_tables
 
 
 class RMSNorm(nn.RMSNorm):
@@ -97,12 +97,10 @@ class TransformerBlock(nn.Module):
     def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """norm + QKV projection; with `rope` = (positions, cos table, sin table) q and k rotated too."""
-        q, k, v = self.attn.project(self.attn_norm(x))
-        if rope is not None:
-            pos, cos, sin = rope
-            c, s, il = cos[pos], sin[pos], self.attn.rope.interleaved
-            q, k = rotate(q, c, s, il), rotate(k, c, s, il)
-        return q, k, v
+        if rope is None:
+            return self.attn.project(self.attn_norm(x))
+        a = self.attn
+        return qkv_rope(a.qkv(self.attn_norm(x)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn.out(o)

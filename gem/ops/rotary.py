@@ -96,20 +96,83 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
            inverse: bool = False) -> torch.Tensor:
     """x [T, H, D] rotated by per-token angle rows cos/sin [T, rotary_dim // 2] (fp32), in fp32; returns x's dtype.
 
-    Plain differentiable torch ops without data-dependent control flow, so torch.compile traces it whole. The pair
-    partner comes from a flip of a [2, half] (or [half, 2]) view, not from slices and a cat: the backward is then
-    pointwise too, and Inductor fuses it into whatever consumes the gradient (the q/k/v gradient concat)."""
+    Plain differentiable torch ops without data-dependent control flow, so torch.compile traces it whole."""
     rd = 2 * cos.shape[-1]
+    c = cos[:, None, :]
+    s = -sin[:, None, :] if inverse else sin[:, None, :]
     xf = x.float()
-    rot = xf if rd == x.shape[-1] else xf[..., :rd]
-    axis = -1 if interleaved else -2  # pairs (2i, 2i + 1) as [half, 2], else (i, i + half) as [2, half]
-    pairs = rot.unflatten(-1, (rd // 2, 2) if interleaved else (2, rd // 2))
-    c, s = cos[:, None, :].unsqueeze(axis), sin[:, None, :]
-    s = torch.stack((s, -s) if inverse else (-s, s), dim=axis)  # the partner's factor in each slot
-    y = (pairs * c + pairs.flip(axis) * s).flatten(-2)
-    if rd != x.shape[-1]:
-        y = torch.cat((y, xf[..., rd:]), dim=-1)
-    return y.to(x.dtype)
+    rot, rest = xf[..., :rd], xf[..., rd:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    if interleaved:
+        y = torch.stack((y1, y2), dim=-1).flatten(-2)
+    else:
+        y = torch.cat((y1, y2), dim=-1)
+    return torch.cat((y, rest), dim=-1).to(x.dtype)
+
+
+def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, pos: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's output qkv [T, (heads + 2 kv_heads) head_dim] -> q [T, heads, D] and k rotated by the
+    table rows cos[pos] / sin[pos] (rope_tables), v [T, kv_heads, D] (a view of qkv).
+
+    The forward is plain torch ops (torch.compile fuses the rotation into the split); the backward writes the
+    gradient of qkv in one buffer: dq and dk rotated back straight into their columns by the Triton kernel, dv
+    copied into its own. Autograd's version of that (slice gradients summed, then a concat) takes two passes that
+    run at a fraction of memory speed under torch.compile."""
+    return _QkvRope.apply(qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved)
+
+
+class _QkvRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved):
+        t = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        c, s = cos[pos], sin[pos]
+        ctx.save_for_backward(pos, cos, sin)
+        ctx.interleaved = interleaved
+        return (rotate(q.reshape(t, heads, head_dim), c, s, interleaved),
+                rotate(k.reshape(t, kv_heads, head_dim), c, s, interleaved), v.reshape(t, kv_heads, head_dim))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        pos, cos, sin = ctx.saved_tensors
+        return qkv_rope_grad(dq, dk, dv, pos, cos, sin, ctx.interleaved), None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("gem::qkv_rope_grad", mutates_args=())
+def qkv_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The gradient of qkv_rope's input, [T, (H + 2 H_kv) D], from the gradients of q, k (rotated back) and v."""
+    t, h, d = dq.shape
+    hk = dk.shape[1]
+    out = dq.new_empty((t, (h + 2 * hk) * d))
+    if t == 0:
+        return out
+    gq = out[:, : h * d].view(t, h, d)  # token stride (H + 2 H_kv) D: the kernels write the columns in place
+    gk = out[:, h * d: (h + hk) * d].view(t, hk, d)
+    out[:, (h + hk) * d:].view(t, hk, d).copy_(dv)
+    rd = 2 * cos.shape[-1]
+    if resolve_kernel("auto", dq) == "reference":
+        gq.copy_(rotate(dq, cos[pos], sin[pos], interleaved, inverse=True))
+        gk.copy_(rotate(dk, cos[pos], sin[pos], interleaved, inverse=True))
+        return out
+    for g, y in ((dq.contiguous(), gq), (dk.contiguous(), gk)):
+        def launch(cfg, g=g, y=y):  # writes y from g only: idempotent, as the tuner's timing needs
+            _rope_launch(cfg, g, y, pos, cos, sin, rd, interleaved, inverse=True)
+
+        key = (g.shape[1], d, rd, g.dtype, interleaved)  # the rope op's key: same kernels, same speed
+        launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, g.device))
+    return out
+
+
+@qkv_rope_grad.register_fake
+def _(dq, dk, dv, pos, cos, sin, interleaved):
+    return dq.new_empty((dq.shape[0], (dq.shape[1] + 2 * dk.shape[1]) * dq.shape[2]))
 
 
 def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config: RopeConfig, *,
@@ -190,11 +253,12 @@ def rope_store_halves(base_ptr, row_off, rows_ok, y1, y2, half, HALF_B: tl.const
 
 
 @triton.jit
-def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr, half, rd,
+def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr, half, rd, x_row, y_row,
                  BLOCK_T: tl.constexpr, HALF_B: tl.constexpr, PASS_B: tl.constexpr, HAS_PASS: tl.constexpr,
                  INTERLEAVED: tl.constexpr, SIGN: tl.constexpr, HEADS: tl.constexpr):
     """Layout "halves": BLOCK_T rows x HEADS heads (from head program_id(1) * HEADS); each head's two rotary halves
-    are loaded as [BLOCK_T, HALF_B] tiles, the pass-through channels as a third."""
+    are loaded as [BLOCK_T, HALF_B] tiles, the pass-through channels as a third. x_row / y_row: elements per token
+    row (H * D when contiguous; wider when y is a slice of a fused q/k/v gradient)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < T
     pos = tl.load(pos_ptr + rows, mask=ok, other=0)
@@ -212,19 +276,20 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D:
         c2 = i + half
     h0 = tl.program_id(1) * HEADS
     for hh in range(HEADS):
-        row_off = rows.to(tl.int64) * (H * D) + (h0 + hh) * D
-        x1 = tl.load(x_ptr + row_off[:, None] + c1[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + row_off[:, None] + c2[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        rope_store_halves(y_ptr, row_off, ok, x1 * c - x2 * s, x2 * c + x1 * s, half, HALF_B, INTERLEAVED)
+        x_off = rows.to(tl.int64) * x_row + (h0 + hh) * D
+        y_off = rows.to(tl.int64) * y_row + (h0 + hh) * D
+        x1 = tl.load(x_ptr + x_off[:, None] + c1[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_off[:, None] + c2[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        rope_store_halves(y_ptr, y_off, ok, x1 * c - x2 * s, x2 * c + x1 * s, half, HALF_B, INTERLEAVED)
         if HAS_PASS:
             j = tl.arange(0, PASS_B)
             m2 = ok[:, None] & (j < D - rd)[None, :]
-            p = row_off[:, None] + rd + j[None, :]
-            tl.store(y_ptr + p, tl.load(x_ptr + p, mask=m2), mask=m2)
+            tl.store(y_ptr + y_off[:, None] + rd + j[None, :],
+                     tl.load(x_ptr + x_off[:, None] + rd + j[None, :], mask=m2), mask=m2)
 
 
 @triton.jit
-def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr,
+def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexpr, D: tl.constexpr, x_row, y_row,
                       HALF: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr,
                       SIGN: tl.constexpr, HEADS: tl.constexpr):
     """Layout "full": each head's rows are one contiguous [BLOCK_T, D_B] load and store; the pairs are split in
@@ -250,9 +315,7 @@ def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexp
         s = tl.expand_dims(tl.load(sin_ptr + t, mask=ok[:, None], other=0.0) * SIGN, 1)
     h0 = tl.program_id(1) * HEADS
     for hh in range(HEADS):
-        off = rows.to(tl.int64) * (H * D) + (h0 + hh) * D
-        ptrs = off[:, None] + cols[None, :]
-        x = tl.load(x_ptr + ptrs, mask=m, other=0.0)
+        x = tl.load(x_ptr + (rows.to(tl.int64) * x_row + (h0 + hh) * D)[:, None] + cols[None, :], mask=m, other=0.0)
         xf = x.to(tl.float32)
         if INTERLEAVED:
             a, b = tl.split(tl.reshape(xf, (BLOCK_T, D_B // 2, 2)))
@@ -260,7 +323,8 @@ def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexp
         else:
             a, b = tl.split(tl.permute(tl.reshape(xf, (BLOCK_T, D_B // (2 * HALF), 2, HALF)), (0, 1, 3, 2)))
             y = tl.reshape(tl.permute(tl.join(a * c - b * s, b * c + a * s), (0, 1, 3, 2)), (BLOCK_T, D_B))
-        tl.store(y_ptr + ptrs, tl.where(rot, y.to(x.dtype), x), mask=m)
+        y_ptrs = (rows.to(tl.int64) * y_row + (h0 + hh) * D)[:, None] + cols[None, :]
+        tl.store(y_ptr + y_ptrs, tl.where(rot, y.to(x.dtype), x), mask=m)
 
 
 class RopeLaunch(NamedTuple):
@@ -310,7 +374,8 @@ _TUNER = ConfigTuner("gem.ops.rope")
 
 def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, rd: int, interleaved: bool, inverse: bool) -> None:
-    """Write y = rope(x) ([T, H, D], contiguous, T > 0) with launch config cfg; pos [T] int32, cos/sin tables."""
+    """Write y = rope(x) ([T, H, D] each, T > 0; heads adjacent and the head dim dense, any token stride) with launch
+    config cfg; pos [T] int32, cos/sin tables."""
     t, h, d = x.shape
     heads = {"loop": h, "grid": 1}[cfg.heads]
     grid = (cdiv(t, cfg.block_t), h // heads)
@@ -318,7 +383,7 @@ def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.T
     half = rd // 2
     if cfg.layout == "halves":
         _rope_kernel[grid](
-            x, y, pos, cos, sin, t, h, d, half, rd,
+            x, y, pos, cos, sin, t, h, d, half, rd, x.stride(0), y.stride(0),
             BLOCK_T=cfg.block_t, HALF_B=max(1, next_pow2(half)),
             PASS_B=max(1, next_pow2(max(d - rd, 1))), HAS_PASS=d > rd,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
@@ -327,7 +392,7 @@ def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.T
         if not full_layout_ok(rd, interleaved):
             raise ValueError(f"rope layout 'full' needs a power-of-two rotary_dim for NeoX halves, got {rd}")
         _rope_full_kernel[grid](
-            x, y, pos, cos, sin, t, h, d, HALF=half, D_B=next_pow2(d), BLOCK_T=cfg.block_t,
+            x, y, pos, cos, sin, t, h, d, x.stride(0), y.stride(0), HALF=half, D_B=next_pow2(d), BLOCK_T=cfg.block_t,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
         )
     else:

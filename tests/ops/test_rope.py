@@ -356,3 +356,74 @@ def test_tuner_prints_nothing_by_default(monkeypatch, capsys):
     _force(monkeypatch, *TUNE_CANDS)
     rope(torch.randn(20, 2, 32), _offsets([20]), 20, kernel="triton")
     assert capsys.readouterr().out == ""
+
+
+def _plain_qkv_rope(qkv, h, hk, d, pos, cos, sin, interleaved):
+    """What qkv_rope replaces: split, reshape, rotate with autograd's own backward."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
+    c, s = cos[pos], sin[pos]
+    return (rotary.rotate(q.reshape(t, h, d), c, s, interleaved), rotary.rotate(k.reshape(t, hk, d), c, s, interleaved),
+            v.reshape(t, hk, d))
+
+
+QKV_CASES = [  # lengths, heads, kv heads, head dim, config, dtype
+    ([17, 0, 1, 40], 4, 2, 32, RopeConfig(), torch.float32),
+    ([5, 9], 3, 3, 16, RopeConfig(rotary_dim=10, interleaved=True, base=500.0), torch.float32),
+    ([1], 2, 1, 32, RopeConfig(rotary_dim=16), torch.float32),
+    ([], 2, 1, 16, RopeConfig(), torch.float32),
+    ([33, 2, 7], 4, 1, 64, RopeConfig(), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+@pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: f"{c[0]}-h{c[1]}-{c[2]}-d{c[3]}-{c[5]}")
+def test_qkv_rope_matches_split_and_rotate(case, kernel, monkeypatch):
+    """The fused projection's split + RoPE, forward and backward, against the plain autograd form; the gradient
+    of the whole qkv comes back as one [T, (H + 2 H_kv) D] buffer with dv in its columns bit for bit."""
+    lengths, h, hk, d, cfg, dtype = case
+    if kernel == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(len(lengths) + d)
+    qkv = torch.randn(t, (h + 2 * hk) * d, generator=g).to(dtype).requires_grad_()
+    grads = [torch.randn(t, n, d, generator=g).to(dtype) for n in (h, hk, hk)]
+    pos, cos, sin = rotary.rope_tables(_offsets(lengths), t, max(lengths, default=1), cfg.resolve_dim(d), cfg.base)
+    got = rotary.qkv_rope(qkv, h, hk, d, pos, cos, sin, cfg.interleaved)
+    want = _plain_qkv_rope(qkv, h, hk, d, pos, cos, sin, cfg.interleaved)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and a.shape == b.shape
+        assert torch.equal(a, b)  # the same forward ops
+    assert got[2].data_ptr() == qkv.data_ptr() + (h + hk) * d * qkv.element_size() or t == 0  # v: a view, no copy
+    dgot, = torch.autograd.grad(got, qkv, grads)
+    dwant, = torch.autograd.grad(want, qkv, grads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(dgot.float(), dwant.float(), atol=tol, rtol=tol)
+    assert torch.equal(dgot[:, (h + hk) * d:], grads[2].reshape(t, hk * d))
+    if dtype == torch.float32:  # against the independent complex rotation too
+        dq = dgot[:, : h * d].reshape(t, h, d)
+        torch.testing.assert_close(dq.double(), _complex_rope(grads[0], lengths, cfg, inverse=True), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_qkv_rope_under_compile_and_opcheck():
+    """In a compiled region of changing token counts: the gradient op stays one opaque call, results as eager."""
+    torch._dynamo.reset()
+    h, hk, d, cfg = 2, 1, 32, RopeConfig()
+
+    @torch.compile(backend="aot_eager", fullgraph=True, dynamic=True)
+    def f(qkv, pos, cos, sin):
+        return rotary.qkv_rope(qkv, h, hk, d, pos, cos, sin)
+
+    for lengths in ([5, 0, 9], [3, 14, 1, 2]):
+        t = sum(lengths)
+        qkv = torch.randn(t, (h + 2 * hk) * d, requires_grad=True)
+        pos, cos, sin = rotary.rope_tables(_offsets(lengths), t, max(lengths), d, cfg.base)
+        grads = [torch.randn(t, n, d) for n in (h, hk, hk)]
+        dgot, = torch.autograd.grad(f(qkv, pos, cos, sin), qkv, grads)
+        dwant, = torch.autograd.grad(_plain_qkv_rope(qkv, h, hk, d, pos, cos, sin, False), qkv, grads)
+        torch.testing.assert_close(dgot, dwant, atol=1e-5, rtol=1e-5)
+    t = 9
+    pos, cos, sin = rotary.rope_tables(_offsets([4, 5]), t, 5, d, cfg.base)
+    torch.library.opcheck(rotary.qkv_rope_grad, (torch.randn(t, h, d), torch.randn(t, hk, d), torch.randn(t, hk, d),
+                                                 pos, cos, sin, False))
