@@ -6,8 +6,9 @@ kernel="auto" reads (gem/ops/dispatch.py).
 
 Each class (mask, length bucket, head dim, bf16) runs in every one of N fresh processes, one after another: the
 full call (jagged_attention(kernel=...), padding and dispatch included) forward + backward, first call (tuning,
-compiling) untimed, median of the timed repetitions. An alternative is listed for a class when it beat Triton in
-every process and by more than dispatch.MARGIN at the median; --write replaces this GPU and torch's entry.
+compiling) untimed: the median of the timed repetitions by CUDA events, and the kernels' time by the profiler. An
+alternative is listed for a class when its kernels beat Triton's in every process and by more than dispatch.MARGIN
+at the median (event time only where the profiler recorded nothing); --write replaces this GPU and torch's entry.
 Batches hold about 64K tokens (SWA: 48K), as the attention benchmark's.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -81,8 +83,8 @@ def _child(args, device: str = "cuda", timer=None) -> list[dict]:
                     row["ms"] = timer(step, warmup=5, rep=30 if args.quick else 60)
                     if backend == "triton":  # what differs between processes: the picks, or host vs device time
                         row["configs"] = sorted(f"{k[0]}:{v}" for k, v in _TUNER.best.items() if before.get(k) != v)
-                        if profiled:
-                            row["device_ms"] = device_ms(step)
+                    if profiled:
+                        row["device_ms"] = device_ms(step)
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "OOM"
                 if device == "cuda":
@@ -104,14 +106,15 @@ def report(rows: list[dict], won: dict) -> None:
     by: dict = {}
     for r in rows:
         by.setdefault(r["class"], {}).setdefault(r["backend"], []).append(r)
-    print("\n| class (mask, length bucket, head dim, dtype) | " + " | ".join(f"{b} ms" for b in BACKENDS)
+    print("\n| class (mask, length bucket, head dim, dtype) | " + " | ".join(f"{b} ms (kernels)" for b in BACKENDS)
           + " | auto runs | triton ms by process (spread) | triton device ms by process (spread) |\n|---|"
           + "---|" * (len(BACKENDS) + 3))
     for cls, backends in by.items():
         cells = []
         for b in BACKENDS:
             ms = [r["ms"] for r in backends.get(b, []) if "ms" in r]
-            cells.append(_stats(ms) if ms else "skipped")
+            dev = [r["device_ms"] for r in backends.get(b, []) if "device_ms" in r]
+            cells.append((_stats(ms) + (f" ({_stats(dev)})" if dev else "")) if ms else "skipped")
         pick = f"{won[cls][0]} ({won[cls][1]:.2f}x)" if cls in won else "triton"
         ordered = [r for r in sorted(backends.get("triton", []), key=lambda r: r["process"]) if "ms" in r]
         spread = _spread([r["ms"] for r in ordered])
@@ -163,9 +166,11 @@ def main(argv: list[str] | None = None) -> None:
             rows += json.loads(Path(out).read_text())
             print(f"process {i}/{args.processes}: done in {time.time() - t0:.0f} s", flush=True)
     timed = [r for r in rows if "ms" in r]
-    won = dispatch.winners(timed)
+    key = "device_ms" if all(r.get("device_ms", math.nan) > 0 for r in timed) else "ms"
+    won = dispatch.winners(timed, key=key)
     env = dispatch.environment(torch.device("cuda"))
-    print(f"# {env['device']}, torch {env['torch']}, {args.processes} processes")
+    print(f"# {env['device']}, torch {env['torch']}, {args.processes} processes; picks by "
+          f"{'kernel time' if key == 'device_ms' else 'event time (the profiler recorded no kernel time)'}")
     report(rows, won)
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -5,7 +5,10 @@ A class is (mask, length bucket, head-dim tile, dtype): mask "full", "causal" or
 right bound past the diagonal); the length bucket is max_len_q rounded up to a power of two; the head-dim tile is
 the Triton kernel's width for that head dim. gem/ops/tuned/dispatch.json holds, per (GPU name, torch version),
 the classes where an alternative beat the Triton kernel on forward + backward in every one of >= 3 fresh
-benchmark processes, by more than MARGIN at the median (scripts/bench_dispatch.py measures and writes it). Every
+benchmark processes, by more than MARGIN at the median, in kernel time (scripts/bench_dispatch.py measures and
+writes it). Kernel time, not the time of a lone call: in a training step the host runs ahead of the GPU, while a
+lone call with rows of <= 512 tokens is timed by its host work (Python, autograd, launches; ~0.65-1.4 ms per
+forward + backward on the H200 for Triton and varlen_attn alike), which varies from process to process. Every
 other class, GPU or torch runs Triton. The file is plain JSON, never unpickled; a malformed one is an error naming
 the file.
 """
@@ -87,13 +90,14 @@ def choose(op: str, device: torch.device, key: Callable[[], str], table: dict | 
     return classes.get(key(), "triton") if classes else "triton"
 
 
-def winners(results: list[dict], margin: float = MARGIN) -> dict:
-    """From timings [{"class": c, "backend": b, "process": p, "ms": fwd+bwd ms}, ...] (one per process, class and
+def winners(results: list[dict], margin: float = MARGIN, key: str = "ms") -> dict:
+    """From timings [{"class": c, "backend": b, "process": p, key: fwd+bwd ms}, ...] (one per process, class and
     backend): {class: (backend, median speedup, [speedup per process])} for the classes where one alternative
-    beat "triton" in every process and by more than `margin` at the median (the fastest such alternative)."""
+    beat "triton" in every process and by more than `margin` at the median (the fastest such alternative).
+    key: "ms" (CUDA-event time of the whole call) or "device_ms" (its kernels' time)."""
     by: dict = {}
     for r in results:
-        by.setdefault(r["class"], {}).setdefault(r["backend"], {})[r["process"]] = r["ms"]
+        by.setdefault(r["class"], {}).setdefault(r["backend"], {})[r["process"]] = r[key]
     out = {}
     for cls, backends in by.items():
         ours = backends.get("triton", {})

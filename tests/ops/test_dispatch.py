@@ -177,6 +177,19 @@ def test_winners_need_every_process_and_the_margin():
     assert got["full/256/64/bfloat16"][0] == "varlen"
 
 
+def test_winners_by_kernel_time_ignore_host_bound_event_times():
+    """A short-row class as measured on the H200: the lone call's event time is host work (varlen_attn ahead in
+    that race), while Triton's kernels are faster; picks by kernel time keep Triton."""
+    res = []
+    for p, (tri_ev, alt_ev) in enumerate([(1.25, 0.87), (1.38, 1.02), (1.27, 1.08)]):
+        res += [{"class": "causal/512/128/bfloat16", "backend": "triton", "process": p, "ms": tri_ev,
+                 "device_ms": 0.72},
+                {"class": "causal/512/128/bfloat16", "backend": "varlen", "process": p, "ms": alt_ev,
+                 "device_ms": 0.87}]
+    assert dispatch.winners(res)["causal/512/128/bfloat16"][0] == "varlen"
+    assert dispatch.winners(res, key="device_ms") == {}
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
