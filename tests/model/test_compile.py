@@ -71,7 +71,19 @@ def test_rope_runs_inside_the_compiled_region(monkeypatch, tower):
         return rope_op(*args, **kwargs)
 
     monkeypatch.setattr(ops, "rope", counted)
+    from gem.ops import rotary
+
+    launch, strided = rotary._rope_launch, []
+
+    def spy(cfg_, x, y, *args, **kwargs):  # a rope kernel writing into a wider buffer: the one-pass q/k/v gradient
+        strided.append(y.stride(0) != y.shape[1] * y.shape[2])
+        return launch(cfg_, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(rotary, "_rope_launch", spy)
     for i, lengths in enumerate([[5, 3], [11, 0, 2, 7]]):
         calls.clear()
+        strided.clear()
         _assert_match(eager, compiled, make_batch(cfg, lengths, seed=i))
         assert calls == ["eager"] * (2 * cfg.tower.num_blocks)  # q and k per block, none in the compiled model
+        # the compiled model's backward rotates dq and dk of each block straight into the q/k/v gradient
+        assert strided.count(True) == 2 * cfg.tower.num_blocks, strided
