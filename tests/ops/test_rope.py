@@ -427,3 +427,24 @@ def test_qkv_rope_under_compile_and_opcheck():
     pos, cos, sin = rotary.rope_tables(_offsets([4, 5]), t, 5, d, cfg.base)
     torch.library.opcheck(rotary.qkv_rope_grad, (torch.randn(t, h, d), torch.randn(t, hk, d), torch.randn(t, hk, d),
                                                  pos, cos, sin, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qkv_rope_matches_split_and_rotate(cfg, dtype):
+    """On the GPU: the tuned rope kernels writing into the wide q/k/v gradient, against autograd's own backward."""
+    lengths, h, hk, d = [4096, 1, 0, 1000, 333], 8, 2, 128
+    t = sum(lengths)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(t, (h + 2 * hk) * d, device="cuda", generator=g).to(dtype).requires_grad_()
+    grads = [torch.randn(t, n, d, device="cuda", generator=g).to(dtype) for n in (h, hk, hk)]
+    pos, cos, sin = rotary.rope_tables(_offsets(lengths).cuda(), t, 4096, cfg.resolve_dim(d), cfg.base)
+    got = rotary.qkv_rope(qkv, h, hk, d, pos, cos, sin, cfg.interleaved)
+    want = _plain_qkv_rope(qkv, h, hk, d, pos, cos, sin, cfg.interleaved)
+    dgot, = torch.autograd.grad(got, qkv, grads)
+    dwant, = torch.autograd.grad(want, qkv, grads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(dgot.float(), dwant.float(), atol=tol, rtol=tol)
+    assert torch.equal(dgot[:, (h + hk) * d:], grads[2].reshape(t, hk * d))
