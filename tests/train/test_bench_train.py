@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,9 @@ def test_profile_steps_cpu(tmp_path):
     assert all(x["op"] == "aten::mm" and x["calls_per_step"] > 0 for x in rank0["sources"]), rank0["sources"]
     assert any(site.startswith("gem/model/attention.py(") and "project" in site for site in sites), sites
     assert any(ln.startswith("| aten::mm | gem/model/attention.py(") for ln in lines), p.stdout
+    # each row carries its inputs' shapes and dtypes: a matmul's two 2-D operands
+    assert all(re.fullmatch(r"\[\d+, \d+\] \S+, \[\d+, \d+\] \S+", x["inputs"]) for x in rank0["sources"]), \
+        rank0["sources"]
     # the backward's matmuls sit at the forward site of the node they run for
     assert any(site.startswith("backward of gem/model/attention.py(") and site.endswith("(MmBackward0)")
                for site in sites), sites
