@@ -55,11 +55,6 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.sqrt(torch.stack([s.to(device) for s in squares]).sum())
 
 
-def _fused_ok(params: Iterable[torch.Tensor]) -> bool:
-    """AdamW's fused kernel: every parameter a plain CUDA tensor (foreach handles DTensors on several meshes)."""
-    return all(p.is_cuda and not isinstance(p, DTensor) for p in params)
-
-
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0 = no clipping); returns the norm before.
 
@@ -117,7 +112,7 @@ class TrainOptimizer:
         if named:
             # The fused CUDA kernel when every parameter is a plain CUDA tensor (one launch per few tensors); foreach
             # otherwise, which handles DTensors on several meshes (it groups by device and dtype only).
-            fused = _fused_ok(named.values())
+            fused = all(p.is_cuda and not isinstance(p, DTensor) for p in named.values())
             self._dense = KeyedOptimizerWrapper(
                 named,
                 lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -155,18 +150,8 @@ class TrainOptimizer:
 
     def step(self, closure=None) -> None:
         self._set_lr()
-        if self.grad_clip > 0 and self._adamw is not None and self._adamw.defaults.get("fused"):
-            # The fused kernel divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses):
-            # clipping costs no pass of its own over the gradients. The gradients themselves stay unclipped.
-            self.last_grad_norm = grad_norm(self.dense_params.values())
-            self._adamw.grad_scale = torch.clamp((self.last_grad_norm + 1e-6) / self.grad_clip, min=1.0)
-            try:
-                self.combined.step()
-            finally:
-                self._adamw.grad_scale = None
-        else:
-            self.last_grad_norm = clip_grad_norm_(self.dense_params.values(), self.grad_clip)
-            self.combined.step()
+        self.last_grad_norm = clip_grad_norm_(self.dense_params.values(), self.grad_clip)
+        self.combined.step()
         self.step_count += 1
         self._set_lr()
 

@@ -70,3 +70,31 @@ def test_profile_buckets_by_kernel_and_op_name():
     assert _bucket("_fwd_kernel", op("triton_fn", op("_JfaFn")), {}) == "attention"
     assert _bucket("ncclDevKernel_AllGather", op("aten::mul"), {}) == "nccl/comm"
     assert _bucket("elementwise_kernel", op("aten::copy_"), {}) == "elementwise/other"
+
+
+def test_call_sites_outside_gem_name_the_library_frames():
+    """An op with no gem frame above it is labelled by the innermost library frames (site-packages stripped), and
+    its inputs by shape and dtype; a stack with no Python frame at all says so."""
+    from types import SimpleNamespace as Ev
+
+    from scripts import bench_train as bt
+
+    def chain(*names):
+        parent = None
+        for name in reversed(names):  # outermost first in the list's tail
+            parent = Ev(name=name, cpu_parent=parent)
+        return parent
+
+    op = Ev(name="aten::copy_", cpu_parent=chain(
+        "<built-in method copy_ of Tensor object at 0x1>",
+        "/opt/venv/lib/python3.12/site-packages/torchrec/distributed/embedding.py(812): compute",
+        "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py(1775): _call_impl",
+        "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py(1786): _wrapped_call_impl"),
+        input_shapes=[[65536, 1024], [65536, 1024], []], input_dtypes=["c10::BFloat16", "float", "Scalar"])
+    assert bt._gem_frames(op) == ""
+    assert bt._outer_frames(op) == ("torchrec/distributed/embedding.py(812): compute < "
+                                    "torch/nn/modules/module.py(1775): _call_impl")
+    assert bt._inputs_of(op) == "[65536, 1024] bf16, [65536, 1024] f32"
+    bare = Ev(name="aten::add_", cpu_parent=chain("autograd::engine::evaluate_function: AddBackward0"),
+              input_shapes=[], input_dtypes=[])
+    assert bt._outer_frames(bare) == "" and bt._inputs_of(bare) == ""
