@@ -233,11 +233,13 @@ class MoE(nn.Module):
         pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)  # [n * k]: (token, slot) -> row
         spare = 0 if cap is None else 1
         if grouped_local:
-            buf = _ScatterRows.apply(x.to(torch.bfloat16), pos, k, rows + spare)
+            pad = _pad_rows(dest_starts, kept, offs, self.GROUP_ALIGN, rows + spare)
+            buf = _ScatterRows.apply(x.to(torch.bfloat16), pos, k, rows + spare, pad)
             w1, w3, w2 = self.local_expert_weights()
             out = _grouped_swiglu(buf[:rows], offs, kept > 0, w1, w3, w2, self.fp8_experts)
         else:
-            x_sorted = _ScatterRows.apply(x, pos, k, rows + spare)[:rows]
+            pad = None  # every row but the spare one holds an assignment
+            x_sorted = _ScatterRows.apply(x, pos, k, rows + spare, pad)[:rows]
             x_local, per_local, ctx = self.dispatcher.dispatch(x_sorted, kept)
             y_local = self.experts(x_local, per_local, self.dispatcher.host_sizes(ctx))
             out = self.dispatcher.combine(y_local, ctx)
@@ -246,7 +248,7 @@ class MoE(nn.Module):
         # Sum the k expert outputs per token in fp32 at least (bf16 expert outputs would round each partial sum).
         acc = torch.promote_types(out.dtype, torch.float32)
         g = gates.to(acc) if keep is None else torch.where(keep, gates.to(acc), 0.0)
-        y = _GatherRows.apply(out, pos, g)
+        y = _GatherRows.apply(out, pos, g, pad)
         return y.to(x.dtype), aux
 
 
@@ -265,6 +267,24 @@ def _padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torc
     return ends - padded, ends.to(torch.int32)
 
 
+def _pad_rows(starts: torch.Tensor, kept: torch.Tensor, ends: torch.Tensor, align: int, total: int) -> torch.Tensor:
+    """Indices (static count) that cover every row of a padded-group buffer of `total` rows that no assignment
+    occupies: each group's < `align` rows after its data, the rows past the last group and the last row. Some
+    point at occupied rows of the next group or repeat: zero them before the assignments are copied in."""
+    j = torch.arange(align, device=kept.device)
+    tail = ends[-1].to(kept.dtype) + torch.arange(kept.numel() * align, device=kept.device)
+    last = torch.full((1,), total - 1, dtype=kept.dtype, device=kept.device)
+    return torch.cat([((starts + kept)[:, None] + j).flatten(), tail, last]).clamp_(max=total - 1)
+
+
+def _rows_buffer(src: torch.Tensor, rows: int, pad: torch.Tensor | None) -> torch.Tensor:
+    """[rows, d] buffer for a row scatter: zero where `pad` points (all of it without `pad`); the scatter writes
+    the rest. Zeroing only the unoccupied rows saves a full pass over the buffer."""
+    if pad is None:
+        return src.new_zeros((rows, src.shape[-1]))
+    return src.new_empty((rows, src.shape[-1])).index_fill_(0, pad, 0)
+
+
 def _grouped_swiglu(buf, offs, used, w1, w3, w2, fp8=False):
     """SwiGLU experts on padded groups of `buf` (bf16) with torch._grouped_mm (row-wise fp8 GEMMs if `fp8`)."""
     # The weight gradient of a group with only padding rows came back non-zero on the H200 (torch 2.11):
@@ -280,15 +300,16 @@ def _grouped_swiglu(buf, offs, used, w1, w3, w2, fp8=False):
 
 
 class _ScatterRows(torch.autograd.Function):
-    """x [n, d] -> buffer [rows, d] whose row pos[t * k + j] holds x[t]; other rows are zero.
+    """x [n, d] -> buffer [rows, d] whose row pos[t * k + j] holds x[t]; other rows are zero (`pad`, when given,
+    covers every row pos does not; without it, pos covers every row but spare ones that are never read).
 
     pos must be unique except on spare rows (never read back with a non-zero gate)."""
 
     @staticmethod
-    def forward(ctx, x, pos, k, rows):
+    def forward(ctx, x, pos, k, rows, pad):
         ctx.save_for_backward(pos)
         ctx.k = k
-        buf = x.new_zeros((rows, x.shape[1]))
+        buf = _rows_buffer(x, rows, pad)
         for pj in pos.view(-1, k).unbind(1):
             buf.index_copy_(0, pj, x)
         return buf
@@ -300,24 +321,25 @@ class _ScatterRows(torch.autograd.Function):
         for pj in pos.view(-1, ctx.k).unbind(1):
             gj = g.index_select(0, pj)
             gx = gj if gx is None else gx + gj
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
-    """y[t] = sum_j gates[t, j] * out[pos[t * k + j]], accumulated in the gates' dtype."""
+    """y[t] = sum_j gates[t, j] * out[pos[t * k + j]], accumulated in the gates' dtype. The gradient of `out` is
+    zero on the rows pos does not name (`pad` as for _ScatterRows)."""
 
     @staticmethod
-    def forward(ctx, out, pos, gates):
+    def forward(ctx, out, pos, gates, pad):
         n, k = gates.shape
         rows = out[pos].view(n, k, out.shape[1])
-        ctx.save_for_backward(pos, gates, rows)
+        ctx.save_for_backward(pos, gates, rows, pad)
         ctx.rows = out.shape[0]
         return (rows.to(gates.dtype) * gates[..., None]).sum(1)
 
     @staticmethod
     def backward(ctx, gy):
-        pos, gates, rows = ctx.saved_tensors
+        pos, gates, rows, pad = ctx.saved_tensors
         g_rows = (gy[:, None, :] * gates[..., None]).to(rows.dtype).flatten(0, 1)
-        g_out = rows.new_zeros((ctx.rows, rows.shape[2])).index_copy_(0, pos, g_rows)
+        g_out = _rows_buffer(rows, ctx.rows, pad).index_copy_(0, pos, g_rows)
         g_gates = (gy[:, None, :] * rows.to(gy.dtype)).sum(-1)
-        return g_out, None, g_gates
+        return g_out, None, g_gates, None

@@ -97,6 +97,7 @@ class TrainOptimizer:
         total_steps: int = 1,
         min_lr_ratio: float = 0.0,
         grad_clip: float = 0.0,
+        fused: bool | None = None,
     ) -> None:
         named: dict[str, torch.nn.Parameter] = dict(
             dense_params.items() if isinstance(dense_params, Mapping) else dense_params
@@ -108,11 +109,14 @@ class TrainOptimizer:
         self.step_count = 0  # number of completed optimizer steps (drives the schedule)
         self.last_grad_norm: torch.Tensor | None = None
         self._adamw: torch.optim.AdamW | None = None
+        self._fused = False
         optimizers = []
         if named:
-            # The fused CUDA kernel when every parameter is a plain CUDA tensor (one launch per few tensors); foreach
+            # The fused kernel when every parameter is a plain CUDA tensor (one launch per few tensors); foreach
             # otherwise, which handles DTensors on several meshes (it groups by device and dtype only).
-            fused = all(p.is_cuda and not isinstance(p, DTensor) for p in named.values())
+            if fused is None:
+                fused = all(p.is_cuda and not isinstance(p, DTensor) for p in named.values())
+            self._fused = bool(fused)
             self._dense = KeyedOptimizerWrapper(
                 named,
                 lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -150,8 +154,20 @@ class TrainOptimizer:
 
     def step(self, closure=None) -> None:
         self._set_lr()
-        self.last_grad_norm = clip_grad_norm_(self.dense_params.values(), self.grad_clip)
-        self.combined.step()
+        if self._fused:
+            # The fused kernel divides each gradient by `grad_scale` as it reads it: clipping costs no pass of its
+            # own over the gradients (which stay unclipped in .grad).
+            total = grad_norm(self.dense_params.values())
+            if self.grad_clip > 0:
+                self._adamw.grad_scale = torch.clamp((total.float() + 1e-6) / self.grad_clip, min=1.0)
+            self.last_grad_norm = total
+        else:
+            self.last_grad_norm = clip_grad_norm_(self.dense_params.values(), self.grad_clip)
+        try:
+            self.combined.step()
+        finally:
+            if self._adamw is not None:
+                self._adamw.grad_scale = None
         self.step_count += 1
         self._set_lr()
 

@@ -232,6 +232,37 @@ def test_local_grouped_layout_matches_the_loop(monkeypatch, n, capacity_factor):
     torch.testing.assert_close(aux, aux_ref)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_local_grouped_layout_backward_with_poisoned_buffers(monkeypatch, capacity_factor):
+    """The grouped path's gradients equal the loop's when fresh buffers hold NaN (deterministic mode fills
+    uninitialised memory so): any buffer row left unzeroed would reach the weight gradients."""
+    torch.manual_seed(3)
+    m = MoE(16, 32, 5, 2, capacity_factor=capacity_factor)
+    with torch.no_grad():
+        for w in (m.w1, m.w3, m.w2):
+            w.copy_(w.to(torch.bfloat16).float())
+    x = torch.randn(37, 16).to(torch.bfloat16).float()
+    grads = []
+    for grouped in (False, True):
+        if grouped:
+            monkeypatch.setattr(MoE, "_use_grouped", lambda self, x: True)
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+        torch.use_deterministic_algorithms(True)
+        try:
+            y, _ = m(xi)
+            (y.float() * torch.linspace(-1, 1, 16)).sum().backward()
+        except RuntimeError as e:  # some CPU builds have no bf16 grouped GEMM kernel
+            pytest.skip(f"CPU torch._grouped_mm unavailable: {e}")
+        finally:
+            torch.use_deterministic_algorithms(False)
+        grads.append([xi.grad] + [w.grad.clone() for w in (m.w1, m.w3, m.w2)])
+    for ref, got in zip(*grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_row_scatter_and_gather_gradients(k):
     """The permutation autograd functions around the experts: gradcheck in fp64, spare rows included."""
@@ -241,11 +272,41 @@ def test_row_scatter_and_gather_gradients(k):
     n, d, rows = 7, 5, 7 * k + 4
     pos = torch.randperm(rows - 1)[: n * k]
     x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: _ScatterRows.apply(t, pos, k, rows), (x,))
-    buf = _ScatterRows.apply(x, pos, k, rows)
-    assert torch.equal(buf[pos].view(n, k, d), x.detach()[:, None].expand(n, k, d))
-    out = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
-    gates = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda o, g: _GatherRows.apply(o, pos, g), (out, gates))
-    ref = (out[pos].view(n, k, d) * gates[..., None]).sum(1)
-    torch.testing.assert_close(_GatherRows.apply(out, pos, gates), ref)
+    free = torch.ones(rows, dtype=torch.bool)
+    free[pos] = False
+    # pad: the free rows, repeated and mixed with occupied ones, as _pad_rows makes them
+    pad = torch.cat([free.nonzero().flatten(), pos[:3], free.nonzero().flatten()[:1]])
+    for p in (None, pad):
+        torch.autograd.gradcheck(lambda t: _ScatterRows.apply(t, pos, k, rows, p), (x,))
+        buf = _ScatterRows.apply(x, pos, k, rows, p)
+        assert torch.equal(buf[pos].view(n, k, d), x.detach()[:, None].expand(n, k, d))
+        assert not buf[free].any()
+        out = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
+        gates = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
+        torch.autograd.gradcheck(lambda o, g: _GatherRows.apply(o, pos, g, p), (out, gates))
+        ref = (out[pos].view(n, k, d) * gates[..., None]).sum(1)
+        torch.testing.assert_close(_GatherRows.apply(out, pos, gates, p), ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pad_rows_cover_every_free_row_of_the_padded_groups(seed):
+    """_pad_rows names every row of the padded-group buffer that no assignment occupies (empty experts, groups
+    that fill their alignment exactly, the tail and the spare row included); the buffers are then not zeroed whole."""
+    from gem.model.moe import MoE, _pad_rows, _padded_groups
+
+    g = torch.Generator().manual_seed(seed)
+    e, align = 6, MoE.GROUP_ALIGN
+    kept = torch.randint(0, 40, (e,), generator=g)
+    kept[seed % e] = 0
+    kept[(seed + 1) % e] = 2 * align
+    starts, ends = _padded_groups(kept, align)
+    for spare in (0, 1):
+        total = int(kept.sum()) + e * align + spare
+        pad = _pad_rows(starts, kept, ends, align, total)
+        free = torch.ones(total, dtype=torch.bool)
+        for s0, c in zip(starts.tolist(), kept.tolist()):
+            free[s0:s0 + c] = False
+        assert pad.numel() == e * align * 2 + 1 and int(pad.max()) < total
+        covered = torch.zeros(total, dtype=torch.bool)
+        covered[pad] = True
+        assert bool(covered[free].all())

@@ -32,13 +32,17 @@ def _model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("clip", [0.0, 0.05, 100.0])
-def test_train_optimizer_matches_torch_adamw(clip):
+def test_train_optimizer_matches_torch_adamw(clip, fused):
+    """Against torch's AdamW after torch's clip_grad_norm_; the fused kernel clips through its grad_scale."""
     ours, ref = _model(), _model()
     kw = {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.1}
     opt = TrainOptimizer(
-        list(ours.named_parameters()), None, warmup_steps=2, total_steps=6, min_lr_ratio=0.2, grad_clip=clip, **kw
+        list(ours.named_parameters()), None, warmup_steps=2, total_steps=6, min_lr_ratio=0.2, grad_clip=clip,
+        fused=fused, **kw
     )
+    assert opt._adamw.defaults["fused"] is (True if fused else None)
     ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
     sched = WarmupCosine(kw["lr"], 2, 6, 0.2)
     g = torch.Generator().manual_seed(1)
