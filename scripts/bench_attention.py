@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from gem.cli._children import stderr_tail, strip_options
 from scripts.bench.common import (
     aggregate_rows,
     dump_json,
@@ -86,22 +87,8 @@ PARENT_OPTIONS = ("--processes", "--json", "--plot")
 
 
 def child_argv(argv: list[str]) -> list[str]:
-    """argv without the parent's own options and their values (also as --opt=value or an abbreviation argparse
-    accepted: the parse already rejected ambiguous ones)."""
-    out, i = [], 0
-    while i < len(argv):
-        name = argv[i].split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in PARENT_OPTIONS):
-            i += 1 if "=" in argv[i] else 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
-def _tail(text: str, chars: int = 300) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return " / ".join(lines[-3:])[-chars:] or "no stderr"
+    """argv without the parent's own options and their values."""
+    return strip_options(argv, PARENT_OPTIONS)
 
 
 def _run_processes(args, argv: list[str]) -> None:
@@ -127,8 +114,8 @@ def _run_processes(args, argv: list[str]) -> None:
             else:
                 rc = proc.returncode
                 status = f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
-                record.append({"process": i, "status": status, "stderr_tail": _tail(proc.stderr), "rows": []})
-                print(f"process {i}/{n}: failed ({status}, {took:.0f} s): {_tail(proc.stderr)}")
+                record.append({"process": i, "status": status, "stderr_tail": stderr_tail(proc.stderr), "rows": []})
+                print(f"process {i}/{n}: failed ({status}, {took:.0f} s): {stderr_tail(proc.stderr)}")
             sys.stdout.flush()
     if not runs:
         sys.exit(f"bench_attention: error: all {n} processes failed")

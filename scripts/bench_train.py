@@ -22,6 +22,10 @@ the top ops by self device time (self CPU time without CUDA) and the device time
 communication / embedding / other. Those steps stay in the timing (the profiler slows them; the report compares
 them with the other timed steps). `--profile-dir DIR` also writes each rank's chrome trace there.
 `--profile-sources 'aten::copy_,...'` also splits those ops' time by the gem source lines that called them.
+
+`--processes N` runs all of that in N fresh single-rank processes, one after another, and prints min / median / max
+per figure; `--baseline CHECKOUT` alternates them with another gem checkout's bench_train (its own code) and prints
+the ratio of the two trees' median steps.
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help=f"with --profile-steps: how many ops and kernels the tables list ({TOP_ROWS})")
     p.add_argument("--profile-dir", default=None,
                    help="with --profile-steps: write each rank's chrome trace here (trace_rank{r}.json)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the benchmark in this many fresh single-rank processes, one after another, and print "
+                        "min / median / max over them")
+    p.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                   help="another gem checkout: its scripts/bench_train.py runs the same benchmark in as many fresh "
+                        "processes, alternating with this one's, and the summary compares the two")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if a.startswith("-")]
     if unknown:
@@ -109,6 +119,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error("--profile-top must be at least 1")
     if args.profile_sources and not args.profile_steps:
         p.error("--profile-sources needs --profile-steps K > 0")
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1, got {args.processes}")
+    if args.baseline is not None and not (Path(args.baseline) / "scripts" / "bench_train.py").is_file():
+        p.error(f"--baseline {args.baseline}: no scripts/bench_train.py there (give the root of a gem checkout)")
+    if (args.processes > 1 or args.baseline) and args.profile_dir:
+        p.error("--profile-dir with --processes/--baseline: each process would overwrite the traces; profile one")
     if args.single_gpu_tflops is not None and not args.single_gpu_tflops > 0:
         p.error(f"--single-gpu-tflops must be > 0, got {args.single_gpu_tflops}")
     for o in rest:
@@ -838,8 +854,108 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------ several processes
+
+_PARENT_OPTIONS = ("--processes", "--baseline", "--json")
+# per-process figures the summary gathers: (label, aggregate key, scale, format)
+_PROCESS_FIGURES = (("step ms mean", "step_ms", 1.0, "{:.1f}"), ("step ms median", "step_ms_median", 1.0, "{:.1f}"),
+                    ("TFLOP/s per GPU", "tflops_per_device", 1.0, "{:.1f}"), ("local MFU %", "mfu_local", 100.0,
+                                                                              "{:.1f}"),
+                    ("peak GiB", "peak_allocated_gib_max", 1.0, "{:.1f}"))
+
+
+def _triple(values: list[float], fmt: str) -> str:
+    if not values:
+        return "n/a"
+    return " / ".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+
+
+def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
+    """The benchmark in args.processes fresh single-rank processes, one after another, alternating with a baseline
+    checkout's benchmark when given; then min / median / max of each process's figures, per tree."""
+    import subprocess
+    import tempfile
+
+    from gem.cli._children import stderr_tail, strip_options
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise BenchError("--processes / --baseline start single-rank processes: run them without torchrun")
+    forwarded = strip_options(argv, _PARENT_OPTIONS)
+    trees = [("this", Path(__file__).resolve())]
+    if args.baseline:
+        trees.append(("baseline", (Path(args.baseline) / "scripts" / "bench_train.py").resolve()))
+    n = args.processes
+    print(f"# bench_train in {n} fresh process(es) per tree, one after another"
+          f"{', alternating with ' + str(trees[1][1].parents[1]) if args.baseline else ''}: "
+          f"{' '.join(forwarded) or '(defaults)'}", flush=True)
+    record, figures = [], {name: [] for name, _ in trees}
+    with tempfile.TemporaryDirectory(prefix="bench_train.") as tmp:
+        for i in range(1, n + 1):
+            for name, script in trees:
+                out = os.path.join(tmp, f"{name}{i}.json")
+                t0 = time.time()
+                # a checkout's script gets its checkout first on the path (`import gem` takes that tree's code);
+                # an installed gem-bench (gem/cli/_bench_train.py) runs the installed package
+                paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+                if script.parent.name == "scripts":
+                    paths.insert(0, str(script.parents[1]))
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+                proc = subprocess.run([sys.executable, str(script), *forwarded, "--json", out], check=False,
+                                      capture_output=True, text=True, env=env)
+                took = time.time() - t0
+                summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("bench_train summary:")]
+                if proc.returncode == 0 and os.path.exists(out):
+                    agg = json.loads(Path(out).read_text())["aggregate"]
+                    figures[name].append(agg)
+                    record.append({"process": i, "tree": name, "status": "ok", "aggregate": agg})
+                    print(f"process {i}/{n} ({name}, {took:.0f} s): {summary[-1] if summary else 'no summary'}",
+                          flush=True)
+                else:
+                    rc = proc.returncode
+                    status = f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
+                    record.append({"process": i, "tree": name, "status": status,
+                                   "stderr_tail": stderr_tail(proc.stderr)})
+                    print(f"process {i}/{n} ({name}): failed ({status}, {took:.0f} s): {stderr_tail(proc.stderr)}",
+                          flush=True)
+    summary = {}
+    print(f"\n| tree | processes ok | {' | '.join(f'{label}: min / median / max' for label, *_ in _PROCESS_FIGURES)} "
+          f"| spread of the mean step |")
+    print("|---|---|" + "---|" * len(_PROCESS_FIGURES) + "---|")
+    for name, _ in trees:
+        aggs = figures[name]
+        row = {}
+        for label, key, scale, fmt in _PROCESS_FIGURES:
+            row[key] = [a[key] * scale for a in aggs if isinstance(a.get(key), (int, float))]
+        steps = row["step_ms"]
+        spread = (max(steps) - min(steps)) / statistics.median(steps) if len(steps) > 1 else None
+        summary[name] = {"processes_ok": len(aggs), **row, "spread": spread}
+        cells = " | ".join(_triple(row[key], fmt) for _, key, _, fmt in _PROCESS_FIGURES)
+        print(f"| {name} | {len(aggs)} of {n} | {cells} | {_f(spread and 100 * spread, '{:.1f}%')} |")
+    line = [f"{name} {_triple(summary[name]['step_ms'], '{:.1f}')} ms" for name, _ in trees]
+    if args.baseline and summary["this"]["step_ms"] and summary["baseline"]["step_ms"]:
+        ratio = statistics.median(summary["baseline"]["step_ms"]) / statistics.median(summary["this"]["step_ms"])
+        summary["speedup_vs_baseline"] = ratio
+        line.append(f"this vs baseline {ratio:.3f}x (median of the process means)")
+    print("bench_train processes summary: " + " | ".join(line), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"processes": record, "summary": summary}, f, indent=1)
+        print(f"results written to {args.json}")
+    if not any(figures.values()) or any(not figures[name] for name, _ in trees):
+        print(f"bench_train: error: every process of {', '.join(k for k, v in figures.items() if not v)} failed",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    if args.processes > 1 or args.baseline:
+        try:
+            return run_processes(args, list(sys.argv[1:] if argv is None else argv))
+        except BenchError as e:
+            print(f"bench_train: error: {e}", file=sys.stderr, flush=True)
+            return 2
     if os.environ.get("GEM_DUMP_STACKS_AFTER"):  # a hung run shows where each rank waits before it is killed
         faulthandler.dump_traceback_later(float(os.environ["GEM_DUMP_STACKS_AFTER"]), exit=False)
     try:

@@ -277,13 +277,13 @@ def test_row_scatter_and_gather_gradients(k):
     # pad: the free rows, repeated and mixed with occupied ones, as _pad_rows makes them
     pad = torch.cat([free.nonzero().flatten(), pos[:3], free.nonzero().flatten()[:1]])
     for p in (None, pad):
-        torch.autograd.gradcheck(lambda t: _ScatterRows.apply(t, pos, k, rows, p), (x,))
+        torch.autograd.gradcheck(lambda t, p=p: _ScatterRows.apply(t, pos, k, rows, p), (x,))
         buf = _ScatterRows.apply(x, pos, k, rows, p)
         assert torch.equal(buf[pos].view(n, k, d), x.detach()[:, None].expand(n, k, d))
         assert not buf[free].any()
         out = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
         gates = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
-        torch.autograd.gradcheck(lambda o, g: _GatherRows.apply(o, pos, g, p), (out, gates))
+        torch.autograd.gradcheck(lambda o, g, p=p: _GatherRows.apply(o, pos, g, p), (out, gates))
         ref = (out[pos].view(n, k, d) * gates[..., None]).sum(1)
         torch.testing.assert_close(_GatherRows.apply(out, pos, gates, p), ref)
 

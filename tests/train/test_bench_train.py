@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.train._util import ROOT, env
 
 
@@ -98,3 +100,79 @@ def test_call_sites_outside_gem_name_the_library_frames():
     bare = Ev(name="aten::add_", cpu_parent=chain("autograd::engine::evaluate_function: AddBackward0"),
               input_shapes=[], input_dtypes=[])
     assert bt._outer_frames(bare) == "" and bt._inputs_of(bare) == ""
+
+
+_FAKE_BENCH = '''
+import json, sys
+import gem  # this checkout's own package: the parent puts the checkout first on PYTHONPATH
+args = sys.argv[1:]
+out = args[args.index("--json") + 1]
+step = {"fast": 50.0, "slow": 80.0}[gem.MARK]
+json.dump({"aggregate": {"step_ms": step, "step_ms_median": step - 1, "tflops_per_device": 1000 / step,
+                         "mfu_local": 0.5, "peak_allocated_gib_max": 3.0, "argv": args}}, open(out, "w"))
+print(f"bench_train summary: fake {gem.MARK} {step} ms/step")
+'''
+
+
+def _fake_checkout(root, mark, *, fail=False):
+    (root / "scripts").mkdir(parents=True)
+    (root / "gem").mkdir()
+    (root / "gem" / "__init__.py").write_text(f"MARK = {mark!r}\n")
+    (root / "scripts" / "bench_train.py").write_text("import sys; sys.exit(3)\n" if fail else _FAKE_BENCH)
+    return root
+
+
+def test_processes_alternate_with_a_baseline_and_summarise(tmp_path):
+    """--processes N --baseline DIR: N fresh processes of each tree, alternating, each importing its own checkout's
+    gem; the parent's options stay with the parent; min / median / max per tree and the speedup of the medians."""
+    from scripts.bench_train import main
+
+    this = _fake_checkout(tmp_path / "this", "fast")
+    base = _fake_checkout(tmp_path / "base", "slow")
+    out = tmp_path / "summary.json"
+    import scripts.bench_train as bt
+
+    real_file = bt.__file__
+    bt.__file__ = str(this / "scripts" / "bench_train.py")  # "this" tree: the fake checkout too
+    try:
+        code = main(["--processes", "3", "--baseline", str(base), "--json", str(out), "--warmup", "3",
+                     "experiment=tiny_cpu"])
+    finally:
+        bt.__file__ = real_file
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert [(r["process"], r["tree"]) for r in res["processes"]] == [
+        (i, t) for i in (1, 2, 3) for t in ("this", "baseline")]
+    for r in res["processes"]:
+        assert r["status"] == "ok" and r["aggregate"]["step_ms"] == (50.0 if r["tree"] == "this" else 80.0)
+        argv = r["aggregate"]["argv"]
+        assert argv[:3] == ["--warmup", "3", "experiment=tiny_cpu"] and argv[3] == "--json" and len(argv) == 5
+    s = res["summary"]
+    assert s["this"]["step_ms"] == [50.0] * 3 and s["baseline"]["step_ms"] == [80.0] * 3
+    assert s["this"]["mfu_local"] == [50.0] * 3 and s["this"]["spread"] == 0.0
+    assert s["speedup_vs_baseline"] == pytest.approx(80.0 / 50.0)
+
+
+def test_processes_fail_loudly_when_a_tree_never_runs(tmp_path, capsys):
+    from scripts import bench_train as bt
+
+    base = _fake_checkout(tmp_path / "base", "slow", fail=True)
+    this = _fake_checkout(tmp_path / "this", "fast")
+    real_file = bt.__file__
+    bt.__file__ = str(this / "scripts" / "bench_train.py")
+    try:
+        code = bt.main(["--baseline", str(base), "experiment=tiny_cpu"])
+    finally:
+        bt.__file__ = real_file
+    assert code == 2
+    err = capsys.readouterr()
+    assert "every process of baseline failed" in err.err and "(baseline): failed (exit status 3" in err.out
+
+
+def test_processes_bad_arguments_name_the_option(tmp_path):
+    for argv, msg in ((["--processes", "0"], "--processes must be >= 1"),
+                      (["--baseline", str(tmp_path)], "no scripts/bench_train.py there"),
+                      (["--processes", "2", "--profile-steps", "1", "--profile-dir", str(tmp_path)], "--profile-dir")):
+        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), *argv, "experiment=tiny_cpu"],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert p.returncode == 2 and msg in p.stderr, (argv, p.stderr[-500:])
