@@ -155,8 +155,8 @@ class TrainOptimizer:
     def step(self, closure=None) -> None:
         self._set_lr()
         if self._fused:
-            # The fused kernel divides each gradient by `grad_scale` as it reads it: clipping costs no pass of its
-            # own over the gradients (which stay unclipped in .grad).
+            # The fused kernel divides each gradient by `grad_scale` inside its own pass (and stores the clipped
+            # gradient back, as the foreach path leaves it): no separate read-scale-write pass over the gradients.
             total = grad_norm(self.dense_params.values())
             if self.grad_clip > 0:
                 self._adamw.grad_scale = torch.clamp((total.float() + 1e-6) / self.grad_clip, min=1.0)

@@ -232,8 +232,9 @@ def test_local_grouped_layout_matches_the_loop(monkeypatch, n, capacity_factor):
     torch.testing.assert_close(aux, aux_ref)
 
 
+@pytest.mark.parametrize("n", [0, 1, 37])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_local_grouped_layout_backward_with_poisoned_buffers(monkeypatch, capacity_factor):
+def test_local_grouped_layout_backward_with_poisoned_buffers(monkeypatch, capacity_factor, n):
     """The grouped path's gradients equal the loop's when fresh buffers hold NaN (deterministic mode fills
     uninitialised memory so): any buffer row left unzeroed would reach the weight gradients."""
     torch.manual_seed(3)
@@ -241,7 +242,7 @@ def test_local_grouped_layout_backward_with_poisoned_buffers(monkeypatch, capaci
     with torch.no_grad():
         for w in (m.w1, m.w3, m.w2):
             w.copy_(w.to(torch.bfloat16).float())
-    x = torch.randn(37, 16).to(torch.bfloat16).float()
+    x = torch.randn(n, 16).to(torch.bfloat16).float()
     grads = []
     for grouped in (False, True):
         if grouped:

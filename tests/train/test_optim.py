@@ -56,6 +56,8 @@ def test_train_optimizer_matches_torch_adamw(clip, fused):
         assert opt.lr == pytest.approx(sched(step))
         opt.step()
         ref_opt.step()
+        for p, q in zip(ours.parameters(), ref.parameters()):  # .grad ends clipped on both paths, as torch's
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
         opt.zero_grad()
         ref_opt.zero_grad()
         assert float(opt.last_grad_norm) == pytest.approx(float(norm_ref), rel=1e-5)
