@@ -100,7 +100,9 @@ class TargetInteraction(nn.Module):
         b, n, d = tokens.shape
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(self.q_norm(tokens.reshape(b * n, d))).reshape(b * n, h, dh)
-        k, v = self.kv_proj(seq).reshape(seq.shape[0], 2, hk, dh).unbind(1)
+        # k and v contiguous (one fused copy here): as strided views of the projection, GDPA made them contiguous
+        # in its forward and backward and autograd re-laid their gradients, six copies in all.
+        k, v = (t.contiguous() for t in self.kv_proj(seq).reshape(seq.shape[0], 2, hk, dh).unbind(1))
         return q, k, v
 
     def _finish(self, tokens: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

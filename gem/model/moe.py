@@ -119,22 +119,28 @@ class MoE(nn.Module):
     # -- routing ---------------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (gates [N, k] (fp32 at least) renormalised, expert ids [N, k] int64, aux loss scalar fp32)."""
+        gates, idx, probs = self._gates(x)
+        counts = _counts_sorted(torch.sort(idx.flatten()).values, self.num_experts)
+        return gates, idx, self._aux_loss(probs, counts)
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (gates [N, k] renormalised, expert ids [N, k], router probabilities [N, E])."""
         # Route in fp32 (fp64 stays fp64), also under autocast: bf16 logits flip near-tied top-k choices.
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dt), self.router.weight.to(dt))
         probs = torch.softmax(logits, dim=-1)
         gates, idx = torch.topk(probs, self.top_k, dim=-1)
-        gates = gates / gates.sum(dim=-1, keepdim=True)
-        n = x.shape[0]
+        return gates / gates.sum(dim=-1, keepdim=True), idx, probs
+
+    def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Load-balancing loss from the router probabilities and the assignments per expert (counts [E], taken
+        from the sorted assignments: a scatter-add of N·k ones into E bins serialises on atomics)."""
+        n = probs.shape[0]
         if n == 0 or self.aux_loss_coef == 0:
-            aux = probs.sum() * 0.0  # keeps the router in the graph
-        else:
-            flat = idx.flatten()
-            counts = probs.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
-            frac = counts / (n * self.top_k)
-            aux = self.aux_loss_coef * self.num_experts * (frac * probs.mean(dim=0)).sum()
-        return gates, idx, aux
+            return probs.sum() * 0.0  # keeps the router in the graph
+        frac = counts.to(probs.dtype) / (n * self.top_k)
+        return self.aux_loss_coef * self.num_experts * (frac * probs.mean(dim=0)).sum()
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -208,11 +214,12 @@ class MoE(nn.Module):
         no atomics, no host sync, and static shapes on the local grouped-GEMM path (torch.compile keeps them).
         """
         n, k, e = x.shape[0], self.top_k, self.num_experts
-        gates, idx, aux = self.route(x)
+        gates, idx, probs = self._gates(x)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # earlier tokens first within an expert (capacity keeps them)
         expert_sorted = flat[order]
         counts = _counts_sorted(expert_sorted, e)
+        aux = self._aux_loss(probs, counts)
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(flat.numel(), device=x.device) - starts[expert_sorted]
         cap = self.capacity(n)

@@ -118,7 +118,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, pos: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's output qkv [T, (heads + 2 kv_heads) head_dim] -> q [T, heads, D] and k rotated by the
-    table rows cos[pos] / sin[pos] (rope_tables), v [T, kv_heads, D] (a view of qkv).
+    table rows cos[pos] / sin[pos] (rope_tables), v [T, kv_heads, D] (contiguous: its gradient then arrives in
+    v's own layout, where a strided view of qkv made autograd copy it once more, and qkv is freed after the forward).
 
     The forward is plain torch ops (torch.compile fuses the rotation into the split); the backward writes the
     gradient of qkv in one buffer: dq and dk rotated back straight into their columns by the Triton kernel, dv
@@ -136,7 +137,8 @@ class _QkvRope(torch.autograd.Function):
         ctx.save_for_backward(pos, cos, sin)
         ctx.interleaved = interleaved
         return (rotate(q.reshape(t, heads, head_dim), c, s, interleaved),
-                rotate(k.reshape(t, kv_heads, head_dim), c, s, interleaved), v.reshape(t, kv_heads, head_dim))
+                rotate(k.reshape(t, kv_heads, head_dim), c, s, interleaved),
+                v.reshape(t, kv_heads, head_dim).contiguous())
 
     @staticmethod
     def backward(ctx, dq, dk, dv):

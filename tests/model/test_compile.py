@@ -87,3 +87,28 @@ def test_rope_runs_inside_the_compiled_region(monkeypatch, tower):
         assert calls == ["eager"] * (2 * cfg.tower.num_blocks)  # q and k per block, none in the compiled model
         # the compiled model's backward rotates dq and dk of each block straight into the q/k/v gradient
         assert strided.count(True) == 2 * cfg.tower.num_blocks, strided
+
+
+def test_backward_makes_no_copies_of_attention_operands():
+    """q/k/v of the tower and k/v of the interaction leave their compiled regions contiguous, so neither the
+    attention ops nor autograd copy them or their gradients: outside the compiled forward regions (where Inductor
+    fuses the copies into the kernels that produce q/k/v), the only [T, H, D] copy left is dv's into the q/k/v
+    gradient (one per block)."""
+    cfg, _, compiled = _pair("aot_eager", kernel="triton", num_blocks=2, moe_every=0)
+    batch = make_batch(cfg, [7, 5, 12], seed=1)
+    t = int(batch.seq_offsets[-1])
+    _loss_and_grads(compiled, batch)  # compile first
+    with torch.profiler.profile(record_shapes=True) as prof:
+        _loss_and_grads(compiled, batch)
+    copies = []
+    for e in prof.events():
+        shapes = e.input_shapes or []
+        if e.name == "aten::copy_" and shapes and len(shapes[0]) == 3 and shapes[0][0] == t:
+            chain, p = [], e.cpu_parent
+            while p is not None:
+                chain.append(p.name)
+                p = p.cpu_parent
+            if "CompiledFunction" not in chain:
+                copies.append(chain)
+    assert len(copies) == cfg.tower.num_blocks, copies
+    assert all("gem::qkv_rope_grad" in c for c in copies), copies

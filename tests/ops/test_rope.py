@@ -394,7 +394,7 @@ def test_qkv_rope_matches_split_and_rotate(case, kernel, monkeypatch):
     for a, b in zip(got, want):
         assert a.dtype == dtype and a.shape == b.shape
         assert torch.equal(a, b)  # the same forward ops
-    assert got[2].data_ptr() == qkv.data_ptr() + (h + hk) * d * qkv.element_size() or t == 0  # v: a view, no copy
+    assert got[2].is_contiguous()  # v's gradient then arrives in v's own layout (no re-layout copy by autograd)
     dgot, = torch.autograd.grad(got, qkv, grads)
     dwant, = torch.autograd.grad(want, qkv, grads)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
