@@ -97,8 +97,8 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
     if blocks is not None:
         apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
-        options = inductor_options(inner)
-        apply_compile(inner, blocks, **({"options": options} if options else {}))
+        options = inductor_options(inner) if cfg.compile_backend == "inductor" else None
+        apply_compile(inner, blocks, backend=cfg.compile_backend, **({"options": options} if options else {}))
 
     if cfg.dense == "fsdp":
         apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)

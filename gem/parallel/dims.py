@@ -49,6 +49,8 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     ac_every: int = 1  # selective: checkpoint every n-th block
     compile: bool | Literal["auto"] = "auto"  # torch.compile the dense parts of each block (auto: on CUDA)
+    # inductor (fused kernels); aot_eager / eager trace the same graphs without code generation (debugging, CPU tests)
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     timeout_s: float = 600.0  # seconds before a collective that hangs fails (a rank stuck or gone)
 
     def __post_init__(self) -> None:  # checked here: the process group is created before the layout is validated
@@ -114,6 +116,7 @@ def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
     _choice("activation_checkpoint", c.activation_checkpoint, ("none", "full", "selective"))
     if not (isinstance(c.compile, bool) or c.compile == "auto"):
         raise ParallelConfigError("parallel.compile", "expected auto, true or false", c.compile)
+    _choice("compile_backend", c.compile_backend, ("inductor", "aot_eager", "eager"))
     _check_sharding_types(c.sharding_types)
     c.dp_shard, c.emb_shard_group = dp_shard, g
     return c

@@ -33,6 +33,7 @@ def _v(world: int, **kw) -> ParallelConfig:
     (4, dict(activation_checkpoint="some"),
      "parallel.activation_checkpoint: must be none, full or selective (got some)"),
     (4, dict(compile="yes"), "parallel.compile: expected true or false or auto (got yes)"),
+    (4, dict(compile_backend="tvm"), "parallel.compile_backend: must be inductor, aot_eager or eager (got tvm)"),
     (4, dict(timeout_s=0), "parallel.timeout_s: must be a number of seconds > 0 (got 0.0)"),
     (4, dict(timeout_s="10m"), "parallel.timeout_s: expected a number (got 10m)"),
     (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: must be table_wise,"),

@@ -58,8 +58,10 @@ ROW_WISE_BAG = {"cand_item": ["row_wise"], "item": ["row_wise"], "action": ["col
                  id="hsdp_2x1_selective_ac"),
     pytest.param(2, {"dense": "fsdp", "ep": 2, "activation_checkpoint": "full", "reshard_after_forward": False},
                  id="fsdp_ep2_full_ac"),
-    # the blocks' compiled regions (the CUDA default) over FSDP2 and expert-sharded DTensor weights
-    pytest.param(2, {"dense": "fsdp", "ep": 2, "compile": True}, id="fsdp_ep2_compiled"),
+    # the blocks' compiled regions (the CUDA default) traced over FSDP2 and expert-sharded DTensor weights; aot_eager:
+    # Inductor's CPU code generation for two ranks on two cores took a minute, its numerics are tests/model's
+    pytest.param(2, {"dense": "fsdp", "ep": 2, "compile": True, "compile_backend": "aot_eager"},
+                 id="fsdp_ep2_compiled"),
 ])
 def test_parity_with_one_rank(tmp_path, ref_adagrad, nproc, parallel):
     got = _train(tmp_path, nproc, parallel, "rowwise_adagrad")
