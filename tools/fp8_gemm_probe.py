@@ -4,6 +4,10 @@ rowwise_with_gw_hp); then the MoE experts' grouped GEMMs (bf16 torch._grouped_mm
 the raw forward of torch._scaled_grouped_mm against torch._grouped_mm). Writes $OUT/fp8probe.json (or ./).
 
     T=65536 python tools/fp8_gemm_probe.py
+    SECTIONS=raw T=65536 python tools/fp8_gemm_probe.py   # only the GEMMs alone, bf16 against row-wise fp8
+
+Sections (SECTIONS, comma list): linear, grouped, raw (the dense GEMMs alone: operands quantized beforehand, so
+the figure is the GEMM's own speed-up, the most fp8 can buy at these shapes).
 """
 
 import json
@@ -106,12 +110,39 @@ def grouped_case(k, n):
         traceback.print_exc()
 
 
+def raw_dense_case(k, n):
+    """Forward x·Wᵀ and input gradient dy·W at one layer's shape: bf16 torch.mm against torch._scaled_mm with
+    row-wise scales (per token, per output or input channel), E4M3 operands laid out as _scaled_mm wants them."""
+    x = torch.randn(T, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    f8 = torch.float8_e4m3fn
+    x8, dy8 = x.to(f8), dy.to(f8)
+    w8_fwd = w.to(f8).t()  # [k, n], column-major: W as stored
+    w8_bwd = w.t().contiguous().to(f8).t()  # [n, k], column-major: Wᵀ stored
+    ones = lambda r: torch.ones(r, 1, device="cuda")
+    bench(f"raw mm bf16 fwd T{T} {k}->{n}", lambda: torch.mm(x, w.t()), 2 * T * k * n)
+    bench(f"raw _scaled_mm fp8 fwd T{T} {k}->{n}",
+          lambda: torch._scaled_mm(x8, w8_fwd, ones(T), torch.ones(1, n, device="cuda"), out_dtype=torch.bfloat16, use_fast_accum=True),
+          2 * T * k * n)
+    bench(f"raw mm bf16 dgrad T{T} {k}->{n}", lambda: torch.mm(dy, w), 2 * T * k * n)
+    bench(f"raw _scaled_mm fp8 dgrad T{T} {k}->{n}",
+          lambda: torch._scaled_mm(dy8, w8_bwd, ones(T), torch.ones(1, k, device="cuda"), out_dtype=torch.bfloat16, use_fast_accum=True),
+          2 * T * k * n)
+
+
 def main():
-    for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]:
-        for kind in ("bf16", "gem", "torchao", "torchao_gwhp"):
-            linear_case(kind, k, n)
-    for k, n in [(1024, 2048), (2048, 1024)]:
-        grouped_case(k, n)
+    sections = set(os.environ.get("SECTIONS", "linear,grouped,raw").split(","))
+    if "raw" in sections:
+        for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]:
+            raw_dense_case(k, n)
+    if "linear" in sections:
+        for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]:
+            for kind in ("bf16", "gem", "torchao", "torchao_gwhp"):
+                linear_case(kind, k, n)
+    if "grouped" in sections:
+        for k, n in [(1024, 2048), (2048, 1024)]:
+            grouped_case(k, n)
     with open(os.path.join(os.environ.get("OUT", "."), "fp8probe.json"), "w") as f:
         json.dump(res, f, indent=1)
 
