@@ -447,7 +447,7 @@ def test_fp8_models_compile_without_mix_order_reduction(monkeypatch):
     finally:
         if torch.distributed.is_initialized() and not was_up:
             torch.distributed.destroy_process_group()
-    assert seen == [{"options": {"triton.mix_order_reduction": False}}]
+    assert seen == [{"backend": "inductor", "options": {"triton.mix_order_reduction": False}}]
 
 
 @pytest.mark.gpu
