@@ -1,11 +1,12 @@
 """gem's jagged attention against torch's varlen_attn (FlashAttention varlen), forward and backward kernel time.
 
-    python tools/jfa_vs_varlen.py [--cases full/1024,causal/8192,gpu_base/1024] [--iters 20]
+    python tools/jfa_vs_varlen.py [--cases full/1024,causal/8192,gpu_base/1024] [--iters 20] [--bwd-form v2|base]
 
 Each case: lengths ~U[1, N] (gpu_base: ~U[0, 1024] with 8 heads, one gpu_base attention layer), ~64K tokens, H 4,
 D 128, bf16. Times are torch.profiler device time per call (the kernels only, no host gaps), after a first call
 that tunes gem's configs; the forward TFLOP/s counts real tokens only (4·H·D·ΣL², halved when causal). Run it in
-several fresh processes to see the spread. Needs CUDA and a torch with torch.nn.attention.varlen.
+several fresh processes to see the spread. --bwd-form pins the backward form for every case (by default it
+follows gem.ops.triton_jfa._bwd_form). Needs CUDA and a torch with torch.nn.attention.varlen.
 """
 
 from __future__ import annotations
@@ -55,9 +56,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=CASES, help="comma list of full/N, causal/N, gpu_base/N")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--bwd-form", choices=("v2", "base"), help="pin the backward form (default: the dispatch's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("jfa_vs_varlen: needs a CUDA GPU")
+    if args.bwd_form is not None:
+        from gem.ops import triton_jfa
+
+        triton_jfa._BWD_BASE_MIN_LEN = 0 if args.bwd_form == "base" else 1 << 30
     for case in args.cases.split(","):
         name, n = case.split("/")
         if name not in ("full", "causal", "gpu_base"):
