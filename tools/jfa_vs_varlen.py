@@ -58,17 +58,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bwd-form", choices=("v2", "base"), help="pin the backward form (default: the dispatch's)")
     args = ap.parse_args()
+    cases = []
+    for case in args.cases.split(","):
+        name, _, n = case.partition("/")
+        if name not in ("full", "causal", "gpu_base") or not n.isdigit() or int(n) < 1:
+            sys.exit(f"jfa_vs_varlen: bad case {case!r} (full/N, causal/N or gpu_base/N with N >= 1)")
+        cases.append((name, int(n)))
     if not torch.cuda.is_available():
         sys.exit("jfa_vs_varlen: needs a CUDA GPU")
     if args.bwd_form is not None:
         from gem.ops import triton_jfa
 
         triton_jfa._BWD_BASE_MIN_LEN = 0 if args.bwd_form == "base" else 1 << 30
-    for case in args.cases.split(","):
-        name, n = case.split("/")
-        if name not in ("full", "causal", "gpu_base"):
-            sys.exit(f"jfa_vs_varlen: unknown case {case!r} (full/N, causal/N, gpu_base/N)")
-        print(_case(name, int(n), args.iters), flush=True)
+    for name, n in cases:
+        print(_case(name, n, args.iters), flush=True)
 
 
 if __name__ == "__main__":
