@@ -62,8 +62,11 @@ class ConfigTuner:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device):
-        """The config to launch; `cands` (or a function making them, called only when the key is new) in order."""
+    def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device,
+             outputs: tuple[torch.Tensor, ...] = ()):
+        """The config to launch; `cands` (or a function making them, called only when the key is new) in order.
+        `outputs`: tensors every launch writes whole and none reads. While timing, each candidate's are first filled with NaN,
+        then compared with the other candidates' (agreeing_configs): a config whose result disagrees is not picked."""
         full_key = (kind,) + key
         best = self.best.get(full_key)
         if best is not None:
@@ -88,16 +91,28 @@ class ConfigTuner:
             if cfg is not None:
                 self.best[full_key] = cfg
                 return cfg
-        times = []
+        times, prints = [], []
         for cfg in cands:
+            for t in outputs:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))  # a config that skips a store then shows, instead of the last one's values
             try:
                 times.append((self.bench(lambda cfg=cfg: launch(cfg)), cfg))
             except Exception as e:  # e.g. out of shared memory or registers for this tile shape
                 if not _config_error(e):
                     raise
                 print(f"{self.name}: config {cfg} for {kind} unusable: {type(e).__name__}")
+                continue
+            prints.append(fingerprint(outputs))
         if not times:
             raise RuntimeError(f"{self.name}: no {kind} config in {cands} launches for {key}")
+        if outputs:
+            ok = agreeing_configs(prints)
+            for (_, cfg), good in zip(times, ok):
+                if not good:
+                    warnings.warn(f"{self.name}: config {cfg} for {kind} {key} gives another result than the other "
+                                  "candidates (a miscompile or a kernel bug on this device); not picked", stacklevel=3)
+            times = [x for x, good in zip(times, ok) if good]
         best = choose(times)
         self.best[full_key] = best
         if skey is not None:
@@ -173,6 +188,40 @@ class ConfigTuner:
                 raise
         except OSError as e:
             _warn(path, f"not written ({e.strerror or e})")
+
+
+def fingerprint(tensors: tuple[torch.Tensor, ...]) -> tuple[int, float]:
+    """(count of non-finite values, sum of |finite values| in float64) over a launch's outputs: equal between
+    correct configs up to summation order, far apart when one is wrong."""
+    bad, mag = 0, 0.0
+    for t in tensors:
+        x = t.detach()
+        if x.dim() == 0 or x.numel() == 0:
+            x = x.reshape(-1)
+        # in slices of about 16M values along dim 0: the temporaries stay small beside a large output
+        for part in x.split(max(1, (1 << 24) // max(1, x[0].numel())) if x.numel() else 1):
+            part = part if part.is_floating_point() else part.double()
+            finite = torch.isfinite(part)
+            bad += int(finite.numel() - finite.sum())
+            mag += float(torch.where(finite, part, 0).abs().sum(dtype=torch.float64))
+    return bad, mag
+
+
+AGREE_RTOL = 1e-3  # two fingerprints' magnitudes agree within this fraction (bf16 reordering moves them ~1e-5)
+
+
+def agreeing_configs(prints: list[tuple[int, float]]) -> list[bool]:
+    """Which candidates' fingerprints agree with the reference: the one most others agree with (the earliest on
+    ties, i.e. the shipped default when all disagree). Agreeing: the same non-finite count and magnitudes within
+    AGREE_RTOL."""
+    def agree(a, b):
+        return a[0] == b[0] and abs(a[1] - b[1]) <= AGREE_RTOL * max(abs(a[1]), abs(b[1]))
+
+    if not prints:
+        return []
+    support = [sum(agree(p, q) for q in prints) for p in prints]
+    ref = prints[support.index(max(support))]
+    return [agree(p, ref) for p in prints]
 
 
 def choose(times: list[tuple[float, object]]):

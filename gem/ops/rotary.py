@@ -168,7 +168,7 @@ def qkv_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: tor
             _rope_launch(cfg, g, y, pos, cos, sin, rd, interleaved, inverse=True)
 
         key = (g.shape[1], d, rd, g.dtype, interleaved)  # the rope op's key: same kernels, same speed
-        launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, g.device))
+        launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, g.device, outputs=(y,)))
     return out
 
 
@@ -418,7 +418,7 @@ def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: flo
 
     # Not T (a new batch size must not re-tune), nor the direction (the sign is a constant: same speed).
     key = (h, d, rd, x.dtype, interleaved)
-    launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, x.device))
+    launch(_TUNER.pick("rope", key, lambda: rope_configs(rd, interleaved), launch, x.device, outputs=(y,)))
     return y
 
 

@@ -555,7 +555,7 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
-    launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device))
+    launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device, outputs=(o, lse)))
     return o, lse, (k_s if k_s is not k else None)
 
 
@@ -598,7 +598,8 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     q_s = _rotated(q, *rot)
     for kind, fn in (("dq", dq_pass), ("dkdv", dkdv)):  # dQ first: it writes delta
         run = functools.partial(fn, q_s=q_s, k_s=k_s)
-        run(_TUNER.pick(kind, key, lambda kind=kind: configs(kind, block_size), run, q.device))
+        run(_TUNER.pick(kind, key, lambda kind=kind: configs(kind, block_size), run, q.device,
+                        outputs=(dq, delta) if kind == "dq" else (dk, dv)))
     return dq, dk, dv
 
 

@@ -695,9 +695,9 @@ _KINDS = {"fwd_short": (_fwd_kernel, ("SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M")
 _TUNER = ConfigTuner("gem.ops.gdpa")
 
 
-def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict, outputs: tuple) -> None:
     """kernel[grid](*args, **kwargs) on the config the tuner picked for this key (every kernel only stores, so a
-    timed config leaves nothing another one reads)."""
+    timed config leaves nothing another one reads); outputs: the tensors it writes whole, checked while tuning."""
     kernel, names = _KINDS[kind]
     key = tuple(kwargs[n] for n in _KEY + names) + (args[-2],) + tuple(
         a.dtype for a in args if isinstance(a, torch.Tensor))
@@ -707,7 +707,7 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict) -> None:
     def launch(cfg):
         kernel[grid](*args, **kwargs, **cfg)
 
-    launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device))
+    launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device, outputs=outputs))
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -824,10 +824,10 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
-        _launch("fwd_short", grid, args, dict(BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, **common))
+        _launch("fwd_short", grid, args, dict(BLOCK_N=kv_tile, SHORT_KV=True, FLAT=False, **common), (out,))
     else:
         _launch("fwd_long_small" if block_m <= 64 else "fwd_long", grid, args,
-                dict(SHORT_KV=False, FLAT=flat, **common))
+                dict(SHORT_KV=False, FLAT=flat, **common), (out,))
     return out
 
 
@@ -868,13 +868,13 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         args = _launch_args(
             (q, k, v, do, dk, dv), offsets_q, offsets_k, ktab, scale, out_scale, left, right, max_len_q, k.shape[1]
         )
-        _launch("bwd_dkdv", (ktab.shape[0] * k.shape[1],), args, dict(BLOCK_N=block_n, **common))
+        _launch("bwd_dkdv", (ktab.shape[0] * k.shape[1],), args, dict(BLOCK_N=block_n, **common), (dk, dv))
     if t and max_len_q > 0:
         block_m = _dq_block_m(d)  # one q tile per program: a fused loop lost here on 64-row tiles
         qtab = _table(offsets_q, offsets_k, max_len_q, block_m, left, right, ordered, False, t)
         args = _launch_args((q, k, v, do, dq), offsets_q, offsets_k, qtab, scale, out_scale, left, right, max_len_k, h)
         _launch("bwd_dq_small" if block_m <= 64 else "bwd_dq", (qtab.shape[0] * h,), args,
-                dict(BLOCK_M=block_m, **common))
+                dict(BLOCK_M=block_m, **common), (dq,))
     return dq, dk, dv
 
 
@@ -894,7 +894,8 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     common = {**_common(q, k, left, right, activation, approx, hstu["HSTU"]), **hstu}
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])
-    _launch("bwd_short", (nb * k.shape[1],), args, dict(BLOCK_N=tu.len_bucket(max_len_k), **common))
+    _launch("bwd_short", (nb * k.shape[1],), args, dict(BLOCK_N=tu.len_bucket(max_len_k), **common),
+            (dq, dk, dv))
     return dq, dk, dv
 
 

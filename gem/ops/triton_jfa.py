@@ -669,7 +669,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     key = (tma, d, q.dtype, tu.len_bucket(max_len_q), tu.len_bucket(max_len_k), left, right, mask_inf)
     if num_targets is not None:  # keys without the HSTU mask stay as they were
         key += ("hstu",)
-    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device))
+    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse)))
     return out, lse
 
 
@@ -734,7 +734,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         if kind == "bwd_dkdv" and not tk:
             continue
         run = functools.partial(launch, kind)
-        run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device))
+        written = (dk, dv) if kind == "bwd_dkdv" else (dq, delta) if v2 else (dq,)  # base: delta is an input
+        run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device,
+                        outputs=written))
     return dq, dk, dv
 
 

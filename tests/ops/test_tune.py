@@ -3,6 +3,7 @@ launch."""
 
 import json
 import random
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -349,3 +350,100 @@ def test_ship_tuned_folds_a_cache_into_the_defaults_a_fresh_process_then_uses(mo
     fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with shipped defaults"))
     assert fresh.pick("fwd", (7,), ["a", "b"], _ident, CPU) == "b"
     assert ship_tuned.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2
+
+
+# ---------------------------------------------------------------------------------- outputs checked while tuning
+
+
+def _writer(out, results, cost, timed):
+    """A launch writing results[cfg] into out (None: writes nothing), and a bench timing it at cost[cfg]."""
+    def launch(cfg):
+        if results[cfg] is not None:
+            out.copy_(results[cfg])
+
+    def bench(fn):
+        before = len(timed)
+        fn()
+        return cost[timed[before]] if len(timed) > before else 0.0
+
+    def tracked(cfg):
+        timed.append(cfg)
+        launch(cfg)
+
+    return tracked, bench
+
+
+@pytest.mark.parametrize("broken", ["nan", "skips its store", "wrong values"])
+def test_a_config_whose_result_disagrees_is_not_picked(monkeypatch, broken):
+    """The fastest candidate gives another result than the others (as a miscompile would): it is passed over with
+    one warning and the fastest agreeing one is picked; outputs are NaN-filled before each candidate, so one that
+    stores nothing cannot pass off the previous candidate's values as its own."""
+    good = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    bad = {"nan": good.clone().index_fill_(0, torch.tensor([3]), float("nan")), "skips its store": None,
+           "wrong values": good * 1.5}[broken]
+    results = {"a": good, "b": good + 1e-7 * torch.randn(64, 8), "c": bad}
+    cost = {"a": 3.0, "b": 2.0, "c": 1.0}
+    out, timed = torch.empty(64, 8), []
+    launch, bench = _writer(out, results, cost, timed)
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", bench)
+    with pytest.warns(UserWarning, match=r"config c for fwd .* another result"):
+        assert t.pick("fwd", (1,), ["a", "b", "c"], launch, CPU, outputs=(out,)) == "b"
+    assert timed == ["a", "b", "c"]
+
+
+def test_agreeing_configs_keep_the_fastest_and_without_outputs_nothing_is_checked(monkeypatch):
+    good = torch.randn(32)
+    results = {"a": good, "b": None}  # b stores nothing: only an outputs check can see it
+    out, timed = torch.empty(32), []
+    launch, bench = _writer(out, results, {"a": 2.0, "b": 1.0}, timed)
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", bench)
+    assert t.pick("fwd", (1,), ["a", "b"], launch, CPU) == "b"  # unchecked: the fastest
+    results["b"] = good * (1 + 1e-6)  # summation-order noise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert t.pick("fwd", (2,), ["a", "b"], launch, CPU, outputs=(out,)) == "b"
+
+
+def test_when_all_disagree_the_first_candidate_is_the_reference():
+    assert _tune.agreeing_configs([(0, 1.0), (0, 2.0), (1, 1.0)]) == [True, False, False]
+    assert _tune.agreeing_configs([(0, 1.0), (0, 2.0), (0, 2.0 + 1e-9)]) == [False, True, True]
+    assert _tune.agreeing_configs([]) == []
+    x = torch.tensor([1.0, -2.0, float("inf"), float("nan")])
+    assert _tune.fingerprint((x, torch.tensor([3], dtype=torch.int32))) == (2, 6.0)
+
+
+def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
+    """gem.ops.jfa hands the tuner its outputs: a forward and a dQ config that write NaN (standing in for a
+    miscompile on some device) are timed fastest and still not picked, and the op's result is right."""
+    from gem.ops import triton_jfa
+    from tests.ops.test_jfa import _check, _inputs, _run
+
+    monkeypatch.setenv("GEM_TUNE_CACHE", "0")
+    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_TUNER", ConfigTuner("gem.ops.jfa"))
+    good, bad = (16, 16, 4, 1), (16, 32, 4, 1)
+    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [good, bad])
+    monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (16, 16, 16, 32, 4, 1)])
+
+    def corrupting(kernel, out_arg):
+        class Wrapped:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    kernel[grid](*args, **kwargs)
+                    if kwargs["BLOCK_N"] == 32:
+                        args[out_arg].fill_(float("nan"))
+                return run
+        return Wrapped()
+
+    monkeypatch.setattr(triton_jfa, "_jfa_fwd_kernel", corrupting(triton_jfa._jfa_fwd_kernel, 3))
+    monkeypatch.setattr(triton_jfa, "_jfa_bwd_dq_kernel", corrupting(triton_jfa._jfa_bwd_dq_kernel, 6))
+    cost = iter([2.0, 1.0] * 4)
+    monkeypatch.setattr(triton_jfa._TUNER, "bench", lambda fn: (fn(), next(cost))[1])
+    lens = [5, 0, 33, 1]
+    q, k, v = _inputs(lens, h=2, h_kv=1, d=16, dtype=torch.float32, device="cpu")
+    with pytest.warns(UserWarning, match="another result"):
+        got, want = _run(q, k, v, lens, causal=True)
+    _check(got, want, torch.float32)
+    assert {k[0]: v for k, v in triton_jfa._TUNER.best.items()} == {"fwd": good, "bwd_dq": good, "bwd_dkdv": good}
