@@ -447,3 +447,47 @@ def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
         got, want = _run(q, k, v, lens, causal=True)
     _check(got, want, torch.float32)
     assert {k[0]: v for k, v in triton_jfa._TUNER.best.items()} == {"fwd": good, "bwd_dq": good, "bwd_dkdv": good}
+
+
+def test_correct_tiles_of_every_op_agree(monkeypatch):
+    """The check never rejects a right answer: each op tuned between two different (correct) tiles on jagged rows
+    under the interpreter fingerprints every candidate and warns about none."""
+    from gem.ops import rotary, triton_block, triton_gdpa, triton_jfa
+
+    monkeypatch.setenv("GEM_TUNE_CACHE", "0")
+    checked = []
+    real = _tune.fingerprint
+    monkeypatch.setattr(_tune, "fingerprint", lambda outputs: checked.append(1) or real(outputs))
+    for mod in (triton_jfa, triton_block, triton_gdpa, rotary):
+        monkeypatch.setattr(mod._TUNER, "best", {})
+        monkeypatch.setattr(mod._TUNER, "bench", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [(16, 16, 4, 1), (16, 32, 4, 1)])
+    monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
+    monkeypatch.setattr(triton_block, "configs", lambda kind, bs: [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)])
+    two = {"fwd_short": [(), (1, 1), (2, 1)], "fwd_long": [("BLOCK_N",), (16, 1, 1), (32, 1, 1)],
+           "bwd_dkdv": [("BLOCK_M",), (16, 1, 1), (32, 1, 1)], "bwd_dq_small": [("BLOCK_N",), (16, 1, 1), (32, 1, 1)],
+           "bwd_short": [("BLOCK_M", "KT"), (16, False, 1, 1), (32, True, 1, 1)]}
+    monkeypatch.setattr(triton_gdpa, "CONFIGS", {**triton_gdpa.CONFIGS, **{
+        k: triton_gdpa._configs(v[0], v[1:]) for k, v in two.items()}})
+    monkeypatch.setattr(rotary, "rope_configs", lambda rd, il: [
+        rotary.RopeLaunch("halves", 16, "loop", 4), rotary.RopeLaunch("halves", 32, "grid", 4)])
+
+    lens = [37, 1, 0, 20]
+    off = torch.nn.functional.pad(torch.tensor(lens).cumsum(0), (1, 0))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), 2, 16, generator=g) for _ in range(3))
+    do = torch.randn(q.shape, generator=g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = triton_jfa._fwd(q, k, v, off, off, 37, 37, 0.25, -1, 0, False)
+        triton_jfa._bwd(do, q, k, v, out, lse, off, off, 37, 37, 0.25, -1, 0, False)
+        out, lse = triton_block._fwd(q, k, v, off, 37, 16, True, 0.25, 10000.0, 16, False)
+        triton_block._bwd(do, q, k, v, out, lse, off, 37, 16, True, 0.25, 10000.0, 16, False)
+        for short in (1, 0):
+            args = (off, off, 37, 37, "silu", "", -1, -1, 0.25, 1.0, True, short)
+            triton_gdpa._gdpa_fwd(q, k, v, *args)
+            triton_gdpa._gdpa_bwd(do, q, k, v, *args)
+        rotary._rope_op(q, off, 37, 10000.0, 16, False, False)
+    assert not [w for w in caught if "another result" in str(w.message)]
+    assert len(checked) >= 2 * 9  # two candidates each: jfa 3 kernels, block 3, gdpa >= 2, rope 1
