@@ -65,8 +65,9 @@ class ConfigTuner:
     def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device,
              outputs: tuple[torch.Tensor, ...] = ()):
         """The config to launch; `cands` (or a function making them, called only when the key is new) in order.
-        `outputs`: tensors every launch writes whole and none reads. While timing, each candidate's are first filled with NaN,
-        then compared with the other candidates' (agreeing_configs): a config whose result disagrees is not picked."""
+        `outputs`: tensors every launch writes whole and none reads. While timing they are NaN-filled before each
+        candidate, then compared with the other candidates' (agreeing_configs): a config whose result disagrees is
+        not picked."""
         full_key = (kind,) + key
         best = self.best.get(full_key)
         if best is not None:
