@@ -4,7 +4,9 @@
 
 Each case: lengths ~U[1, N] (gpu_base: ~U[0, 1024] with 8 heads, one gpu_base attention layer), ~64K tokens, H 4,
 D 128, bf16. Times are torch.profiler device time per call (the kernels only, no host gaps), after a first call
-that tunes gem's configs; the forward TFLOP/s counts real tokens only (4·H·D·ΣL², halved when causal). Run it in
+that tunes gem's configs; the forward TFLOP/s counts real tokens only (4·H·D·ΣL², halved when causal). gem's output
+and gradients are checked against varlen_attn's first: a case that differs prints MISMATCH instead of times, and
+the tool exits 1. Run it in
 several fresh processes to see the spread. --bwd-form pins the backward form for every case (by default it
 follows gem.ops.triton_jfa._bwd_form). Needs CUDA and a torch with torch.nn.attention.varlen.
 """
@@ -23,6 +25,24 @@ from gem.ops.triton_jfa import jfa_triton
 from scripts.bench.common import attn_flops, device_ms, jagged_lengths, offsets_of
 
 CASES = ("full/1024,full/2048,full/4096,full/8192,causal/1024,causal/2048,causal/4096,causal/8192,gpu_base/1024")
+
+
+def disagreement(got, want, names=("out", "dq", "dk", "dv"), tol=(5e-2, 1e-1, 1e-1, 1e-1)) -> str:
+    """"" when gem's tensors match the reference's (finite, max error within tol x max(1, max |reference|)), else
+    what differs: a speed of a wrong result is not a speed. Looser than the kernel tests' bf16 tolerances against
+    fp64 (3e-2 to 6e-2), since both sides round: this catches NaN and broken tiles, the tests catch precision."""
+    bad = []
+    for name, a, b, t in zip(names, got, want, tol):
+        if not torch.isfinite(a).all():
+            bad.append(f"{name} non-finite")
+            continue
+        if a.numel() == 0:
+            continue
+        err = (a.double() - b.double()).abs().max().item()
+        scale = max(1.0, b.double().abs().max().item())
+        if err > t * scale:
+            bad.append(f"{name} max error {err:.3g} > {t * scale:.3g}")
+    return "; ".join(bad)
 
 
 def _case(name: str, n: int, iters: int) -> str:
@@ -46,6 +66,13 @@ def _case(name: str, n: int, iters: int) -> str:
             ms[impl, "fwd"] = device_ms(fwd, iters)
         out = fwd()
         ms[impl, "bwd"] = device_ms(lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), iters)
+    results = {}
+    for impl, fwd in impls.items():
+        out = fwd()
+        results[impl] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+    wrong = disagreement(results["gem"], results["varlen"])
+    if wrong:
+        return f"{name}/{n}: MISMATCH against varlen_attn ({wrong}); no timing reported"
     tflops = attn_flops(lens, h, d, causal=causal) / ms["gem", "fwd"] / 1e9
     return (f"{name}/{n}: gem fwd {ms['gem', 'fwd']:.3f} ms ({tflops:.0f} TFLOP/s) bwd {ms['gem', 'bwd']:.3f} ms | "
             f"varlen_attn fwd {ms['varlen', 'fwd']:.3f} bwd {ms['varlen', 'bwd']:.3f} ms | "
@@ -70,8 +97,13 @@ def main() -> None:
         from gem.ops import triton_jfa
 
         triton_jfa._BWD_BASE_MIN_LEN = 0 if args.bwd_form == "base" else 1 << 30
+    failed = False
     for name, n in cases:
-        print(_case(name, n, args.iters), flush=True)
+        line = _case(name, n, args.iters)
+        failed |= "MISMATCH" in line
+        print(line, flush=True)
+    if failed:
+        sys.exit("jfa_vs_varlen: gem's result differs from varlen_attn's on some case (above)")
 
 
 if __name__ == "__main__":

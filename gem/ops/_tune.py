@@ -208,7 +208,7 @@ def fingerprint(tensors: tuple[torch.Tensor, ...]) -> tuple[int, float]:
     return bad, mag
 
 
-AGREE_RTOL = 1e-3  # two fingerprints' magnitudes agree within this fraction (bf16 reordering moves them ~1e-5)
+AGREE_RTOL = 1e-3  # magnitudes agree within this fraction: summation order moves a sum of many values far less
 
 
 def agreeing_configs(prints: list[tuple[int, float]]) -> list[bool]:

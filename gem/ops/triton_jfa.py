@@ -718,12 +718,12 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 
     def launch(kind, cfg):
         kernel, off_a, off_b, max_len_a, tile_of, heads, (out1, out2), extra = passes[kind]
-        bm, bn, warps, stages = cfg[:4]
+        bm, bn, warps, stages = cfg
         work, nt = _cached_table(off_a, off_b, max_len_a, cfg[tile_of], left, right)
         kernel[(work.numel() * heads,) if v2 else (work.numel(), heads)](
             q, k, v, do, lse, delta, out1, out2, offsets_q, offsets_k, work, *in_strides, out1.stride(0),
             out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **common, **extra)
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
     key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, tu.len_bucket(max_len_q),
            tu.len_bucket(max_len_k), left, right, group)

@@ -412,6 +412,10 @@ def test_when_all_disagree_the_first_candidate_is_the_reference():
     assert _tune.agreeing_configs([]) == []
     x = torch.tensor([1.0, -2.0, float("inf"), float("nan")])
     assert _tune.fingerprint((x, torch.tensor([3], dtype=torch.int32))) == (2, 6.0)
+    assert _tune.fingerprint((torch.empty(0, 4), torch.tensor(-2.5))) == (0, 2.5)
+    big = torch.ones(3000, 7000)  # more than one slice of 2^24 values
+    big[2999, 6999] = float("nan")
+    assert _tune.fingerprint((big[:, 1:],)) == (1, 3000 * 6999 - 1.0)
 
 
 def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
