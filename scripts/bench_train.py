@@ -4,7 +4,7 @@
     python scripts/bench_train.py --warmup 10 --steps 20 --profile-steps 5 [--profile-dir traces/] experiment=gpu_base
     torchrun --nproc_per_node=2 scripts/bench_train.py --single-gpu-json one_gpu.json experiment=gpu_base ...
 
-The config is composed as `python -m gem.train` composes it (gem/configs/, same overrides). The trainer runs
+The config is composed as `python -m gem.train` composes it (configs/, same overrides). The trainer runs
 `warmup + steps` steps (a `train.steps=N` override sets that total instead); evaluation and checkpoints are
 switched off. Each step's end is marked with a CUDA event on the compute stream (no host sync), so the timed
 steps' time is the GPU timeline between the last warmup step and the last step, idle gaps included. Model FLOPs

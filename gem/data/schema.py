@@ -1,6 +1,6 @@
 """Feature schema and data config, built from the `data:` config group (plain dict or OmegaConf DictConfig).
 
-Layout of the `data:` group (gem/configs/data/*.yaml)::
+Layout of the `data:` group (configs/data/*.yaml)::
 
     source: synthetic | parquet
     seed: int                 # synthetic: the hidden world and the sample streams derive from it

@@ -104,8 +104,13 @@ def help_text(config_dir: str | os.PathLike) -> str:
 
 
 def default_config_dir() -> str:
-    """The Hydra config tree: the package's own (gem/configs), or GEM_CONFIG_DIR."""
-    return os.environ.get("GEM_CONFIG_DIR") or str(Path(__file__).resolve().parents[1] / "configs")
+    """The Hydra config tree: GEM_CONFIG_DIR, else the installed package's gem/configs (the wheel maps the
+    checkout's top-level configs/ there), else the checkout's configs/."""
+    if os.environ.get("GEM_CONFIG_DIR"):
+        return os.environ["GEM_CONFIG_DIR"]
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "configs"
+    return str(installed if (installed / "config.yaml").is_file() else package.parent / "configs")
 
 
 if __name__ == "__main__":

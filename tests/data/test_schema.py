@@ -8,7 +8,7 @@ from tests.data._util import schema_dict
 
 
 def test_default_config_parses_and_builds():
-    cfg = OmegaConf.load("gem/configs/data/synthetic.yaml")
+    cfg = OmegaConf.load("configs/data/synthetic.yaml")
     dc = DataConfig.from_dict(cfg)
     s = dc.schema
     assert s.num_items == 10000 and s.tasks == ("click", "conversion") and s.num_dense == 8
@@ -21,7 +21,7 @@ def test_default_config_parses_and_builds():
 
 
 def test_parquet_config_parses():
-    cfg = OmegaConf.load("gem/configs/data/parquet.yaml")
+    cfg = OmegaConf.load("configs/data/parquet.yaml")
     dc = DataConfig.from_dict(cfg)
     assert dc.source == "parquet" and dc.paths and dc.schema.num_items == 10000
 

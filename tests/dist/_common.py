@@ -32,7 +32,7 @@ def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks
 
     from gem.model import ModelConfig
 
-    c = OmegaConf.to_container(OmegaConf.load(ROOT / "gem/configs/model/gem_tiny.yaml"))
+    c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/model/gem_tiny.yaml"))
     c["kernel"] = "reference"  # the dist tests check the parallel layer, not the kernels
     c["tower"]["num_blocks"] = blocks
     c["tower"]["moe_every"] = moe_every
@@ -48,7 +48,7 @@ def dataset(batch_size: int, seed: int = 0):
 
     from gem.data import DataConfig, SyntheticDataset
 
-    c = OmegaConf.to_container(OmegaConf.load(ROOT / "gem/configs/data/synthetic.yaml"))
+    c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
     c["schema"]["num_items"] = 500
     c["schema"]["history"]["max_len"] = 12
     c["batch_size"] = batch_size

@@ -72,7 +72,7 @@ def test_omegaconf_and_presets_load():
 
     expect = {"single": (1, 4, 1, 4), "ddp": (1, 4, 1, 4), "default": (1, 4, 1, 4), "hsdp": (2, 2, 1, 4),
               "hsdp_ep": (2, 2, 2, 4), "full_5d": (2, 2, 2, 2)}
-    with initialize_config_dir(config_dir=str(ROOT / "gem/configs/parallel"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "configs/parallel"), version_base="1.3"):
         for name, (rep, shard, ep, g) in expect.items():
             c = validate(ParallelConfig.from_any(compose(config_name=name)), 4)
             assert (c.dp_replicate, c.dp_shard, c.ep, c.emb_shard_group) == (rep, shard, ep, g), name

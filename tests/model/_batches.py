@@ -12,7 +12,7 @@ from torchrec import KeyedJaggedTensor
 from gem.data import Batch
 from gem.model import ModelConfig
 
-TINY_YAML = Path(__file__).resolve().parents[2] / "gem" / "configs" / "model" / "gem_tiny.yaml"
+TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "model" / "gem_tiny.yaml"
 
 
 def tiny_dict(**tower) -> dict:

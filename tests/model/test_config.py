@@ -17,13 +17,13 @@ def _cfg(mutate):
 
 
 def test_shipped_configs_build_and_match_the_synthetic_schema():
-    schema = OmegaConf.load(ROOT / "gem/configs/data/synthetic.yaml").schema
+    schema = OmegaConf.load(ROOT / "configs/data/synthetic.yaml").schema
     for name in ("gem_tiny", "gem_base"):
-        cfg = ModelConfig.from_dict(OmegaConf.load(ROOT / f"gem/configs/model/{name}.yaml"))
+        cfg = ModelConfig.from_dict(OmegaConf.load(ROOT / f"configs/model/{name}.yaml"))
         validate_against_schema(cfg, schema)
         assert cfg.sequence_features == ["hist_item", "hist_action"]
         assert "cand_item" in cfg.sparse_features
-    tiny = ModelConfig.from_dict(OmegaConf.load(ROOT / "gem/configs/model/gem_tiny.yaml"))
+    tiny = ModelConfig.from_dict(OmegaConf.load(ROOT / "configs/model/gem_tiny.yaml"))
     assert tiny.is_moe_block(1) and not tiny.is_moe_block(0)
     assert tiny.num_query_tokens == len(tiny.sparse_features) + 2
 
@@ -75,7 +75,7 @@ def test_dictconfig_and_dict_give_the_same_config():
     (lambda s: s.update(num_items=20000), "model.tables[0].num_embeddings"),
 ])
 def test_schema_mismatch_names_the_key(mutate, key):
-    schema = OmegaConf.to_container(OmegaConf.load(ROOT / "gem/configs/data/synthetic.yaml").schema)
+    schema = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml").schema)
     mutate(schema)
     cfg = ModelConfig.from_dict(tiny_dict())
     with pytest.raises(ConfigError) as e:
@@ -86,7 +86,7 @@ def test_schema_mismatch_names_the_key(mutate, key):
 def test_schema_object_from_the_data_layer_is_accepted():
     from gem.data import DataConfig
 
-    data = DataConfig.from_dict(OmegaConf.load(ROOT / "gem/configs/data/synthetic.yaml"))
+    data = DataConfig.from_dict(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
     validate_against_schema(ModelConfig.from_dict(tiny_dict()), data.schema)
 
 

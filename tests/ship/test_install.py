@@ -20,9 +20,9 @@ def installed(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("wheel")
     src = base / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("gem", "requirements"):
+    for name in ("gem", "configs", "requirements"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     build = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"), str(src)],

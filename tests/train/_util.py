@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(ROOT / "gem" / "configs")
+CONFIG_DIR = os.environ.get("GEM_CONFIG_DIR") or str(ROOT / "configs")
 
 # Small and fast on CPU. kernel=reference explicitly: tests run with TRITON_INTERPRET=1, under which `auto`
 # would pick the (slow) interpreted Triton kernels.

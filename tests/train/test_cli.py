@@ -189,12 +189,12 @@ def test_help_teaches_and_starts_nothing(tmp_path, capsys, monkeypatch):
     for part in ("scripts/train.sh", "scripts/test.sh", "--check", "--nproc", "torchrun", "launch_multinode.sh",
                  "gem-train: error:"):
         assert part in text, part
-    first = (ROOT / "gem/configs/model/gem_tiny.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+    first = (ROOT / "configs/model/gem_tiny.yaml").read_text().splitlines()[0].lstrip("# ").strip()
     line = next(ln for ln in text.splitlines() if "model=gem_tiny" in ln)
     assert "(default)" in line and first in line, line
     for group in ("data", "experiment", "model", "parallel", "train"):
         assert f"  {group}:" in text, group
-    monkeypatch.setitem(os.environ, "GEM_CONFIG_DIR", str(ROOT / "gem" / "configs"))
+    monkeypatch.setitem(os.environ, "GEM_CONFIG_DIR", str(ROOT / "configs"))
     assert main(["--help"]) == 0
     assert capsys.readouterr().out == text
 

@@ -277,5 +277,5 @@ def _schema_yaml(name: str, schema: dict) -> str:
     from omegaconf import OmegaConf
 
     head = (f"# The data.schema of these files (python -m gem.data.datasets {name}); the preset\n"
-            f"# gem/configs/experiment/ for this dataset holds the full dataset's sizes.\n")
+            f"# configs/experiment/ for this dataset holds the full dataset's sizes.\n")
     return head + OmegaConf.to_yaml(OmegaConf.create({"schema": schema}))

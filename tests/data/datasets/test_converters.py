@@ -206,7 +206,7 @@ def test_converted_files_fit_the_preset(tmp_path, name, preset, make):
     data = ParquetDataset(written, str(tmp_path / "out" / "train" / "*.parquet"), batch_size=2)
     batch = data.batch(0)
     validate_batch(batch, written)
-    preset = OmegaConf.load(ROOT / "gem" / "configs" / "experiment" / f"{preset}.yaml").data.schema
+    preset = OmegaConf.load(ROOT / "configs" / "experiment" / f"{preset}.yaml").data.schema
     validate_batch(batch, DataSchema.from_dict(preset))
     assert done.schema["tasks"] == list(preset.tasks)
 
