@@ -136,3 +136,73 @@ def test_metrics_are_global_across_ranks():
     for rank in (0, 1):
         for k, v in expected.items():
             assert out[rank][k] == pytest.approx(v, rel=1e-12), (rank, k)
+
+
+def brute_gauc(p: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> tuple[float, int]:
+    """Impression-weighted mean of each two-class group's pairwise AUC."""
+    num = den = 0.0
+    counted = 0
+    for gid in torch.unique(g).tolist():
+        m = g == gid
+        if 0 < y[m].sum() < m.sum():
+            num += pairwise_auc(p[m], y[m]) * float(m.sum())
+            den += float(m.sum())
+            counted += 1
+    return (num / den, counted) if counted else (0.5, 0)
+
+
+@pytest.mark.parametrize("n,n_groups,levels,seed", [(0, 1, 0, 0), (1, 1, 0, 1), (5, 1, 0, 2), (40, 7, 3, 3),
+                                                     (300, 25, 0, 4), (513, 100, 4, 5)])
+def test_gauc_matches_brute_force(n, n_groups, levels, seed):
+    from gem.train.metrics import gauc_with_ties
+
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(n, generator=gen)
+    if levels:
+        p = torch.floor(p * levels) / levels
+    y = (torch.rand(n, generator=gen) < 0.4).double()
+    g = torch.randint(0, n_groups, (n,), generator=gen) * 1000 - 7  # ids need not be small or positive
+    got, counted = gauc_with_ties(p, y, g)
+    want, want_counted = brute_gauc(p, y, g)
+    assert counted == want_counted
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_gauc_differs_from_pooled_auc():
+    from gem.train.metrics import gauc_with_ties
+
+    # Each group ranks perfectly, but group 1's scores all sit below group 0's negatives: pooled AUC < 1.
+    p = torch.tensor([0.9, 0.8, 0.2, 0.1])
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    g = torch.tensor([0, 0, 1, 1])
+    assert gauc_with_ties(p, y, g) == (pytest.approx(1.0), 2)
+    assert auc_with_ties(p, y) < 1.0
+    # One-class groups are left out, and the weights are impression counts.
+    p2 = torch.tensor([0.9, 0.1, 0.5, 0.6, 0.4, 0.3, 0.7])
+    y2 = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    g2 = torch.tensor([0, 0, 1, 1, 1, 1, 2])
+    want = (1.0 * 2 + pairwise_auc(p2[2:6], y2[2:6]) * 4) / 6
+    assert gauc_with_ties(p2, y2, g2) == (pytest.approx(want), 2)
+
+
+def test_task_metrics_gauc_with_groups_and_large_ids():
+    from gem.train.metrics import gauc_with_ties
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 2, generator=gen)
+    labels = (torch.rand(64, 2, generator=gen) < 0.5).double()
+    base = 2**62  # raw 64-bit request ids: neighbours must stay apart
+    groups = base + torch.randint(0, 6, (64,), generator=gen)
+    m = TaskMetrics(["click", "buy"])
+    m.update(logits[:40], labels[:40], groups[:40])
+    m.update(logits[40:], labels[40:], groups[40:])
+    out = m.compute()
+    for i, task in enumerate(["click", "buy"]):
+        want, _ = brute_gauc(torch.sigmoid(logits[:, i].double()), labels[:, i], groups)
+        assert out[f"{task}/gauc"] == pytest.approx(want, abs=1e-12)
+        assert gauc_with_ties(torch.sigmoid(logits[:, i].double()), labels[:, i], groups)[1] >= 1
+    plain = TaskMetrics(["click", "buy"])
+    plain.update(logits, labels)
+    assert "click/gauc" not in plain.compute()
+    with pytest.raises(ValueError, match="groups of shape"):
+        plain.update(logits, labels, groups[:3])
