@@ -12,7 +12,8 @@ for cross attention (the last query sees every key, as FlashAttention does), and
 i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a negative or None side is unbounded. Invisible scores
 contribute nothing (they are dropped, not set to 0 before the activation).
 num_targets / contextual_len / max_attn_len replace causal / window with generative-recommenders' HSTU mask
-(gem/ops/hstu_mask.py), for self attention.
+(gem/ops/hstu_mask.py): self attention, or its cached form when queries are the last Lq < Lk tokens of their key
+sequences (bottom-right aligned).
 
 approx="poly6" swaps gelu / gelu_tanh / silu for relu(x) - p(min(|x|, c)), p a degree-6 polynomial with
 p(0) = 0 and p'(0) = 1/2 (so act(0) = 0 and the derivative is continuous at 0), fitted minimax to
@@ -168,22 +169,15 @@ def gdpa_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activ
                    max_attn_len=None):
     """Padded fp32 PyTorch with an explicit visibility mask (masked scores are dropped after the activation)."""
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
-    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
+    hstu = _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts, hstu=hstu)
 
 
-def _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len) -> HstuMask | None:
-    """The checked HSTU arguments (gem.ops.hstu_mask), or None; key offsets are compared only when some are given
-    and they are not the query offsets' tensor."""
-    wanted = num_targets is not None or bool(contextual_len) or max_attn_len is not None
-    cross = wanted and offsets_k is not offsets_q and offsets_k.shape != offsets_q.shape
-    if wanted and not cross and offsets_k is not offsets_q:
-        if offsets_q.device.type == "cpu" and not torch.compiler.is_compiling():
-            cross = not torch.equal(offsets_k, offsets_q)
-        else:  # no host sync: an asynchronous device assert
-            torch._assert_async((offsets_k == offsets_q).all(), "the HSTU mask needs offsets_k equal to offsets_q")
-    return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
-                     cross=cross, device=q.device)
+def _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len) -> HstuMask | None:
+    """The checked HSTU arguments (gem.ops.hstu_mask), or None. Self attention and the cached form (queries the
+    last tokens of their key sequences) are one mask, aligned per sequence on the device: nothing to decide here."""
+    return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_k, causal=causal, window=window,
+                     device=q.device)
 
 
 def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, float, float]:
@@ -213,8 +207,7 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
     diag = i + (lk - lq)[:, None, None]  # bottom-right aligned diagonal
     vis = mq[:, :, None] & mk[:, None, :]
     if hstu is not None:
-        n = max(qp.shape[1], kp.shape[1])
-        vis = vis & hstu_visible_mask(lq, n, hstu)[:, : qp.shape[1], : kp.shape[1]]
+        vis = vis & hstu_visible_mask(lk, kp.shape[1], hstu, lq, qp.shape[1])
     else:
         if left >= 0:
             vis = vis & (j >= diag - left)
@@ -238,8 +231,10 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     sequence when that tile also holds fp32 dK/dV); None picks by max_len_k and D.
     num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
     first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
-    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
-    offsets_k equal to offsets_q). HSTU itself is activation="silu", normalize="max_len_k".
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal=True, no window; self attention, or the
+    cached form where each query sequence is the last Lq tokens of its key sequence (row i sees the full mask's row
+    Lk - Lq + i; num_targets counts the key sequence's targets). HSTU itself is activation="silu",
+    normalize="max_len_k".
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
@@ -248,7 +243,7 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
         raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
     check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
     check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
-    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
+    hstu = _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
         return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts,

@@ -211,7 +211,7 @@ def _q_item(Q, X, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, 
     Xb = X + q_start * stride_xt + head * stride_xh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     return q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Xb, Kb, Vb, hstu
 
 
@@ -457,7 +457,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     n0 = tile * BLOCK_N
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -559,7 +559,7 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
@@ -820,7 +820,7 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles,
                   **_common(q, k, left, right, activation, approx, num_targets is not None),
-                  **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
+                  **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k)))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
@@ -849,7 +849,7 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
+    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))
     kv_tile = tu.len_bucket(max_len_k)
     fits = kv_tile <= 128 and kv_tile * tu.len_bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles

@@ -256,7 +256,7 @@ def _q_kv_item(K, V, OFF_Q, OFF_K, item, h, NT, stride_kt, stride_kh, stride_vt,
     key tiles."""
     m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
                                                                                   BLOCK_M, BLOCK_N, HEAD_D)
-    hstu = tu.hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, item // NT, Lq, Lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     desc_k, desc_v = k_base, v_base
     if TMA:
@@ -394,7 +394,7 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
     n0 = (item % NT) * BLOCK_N
     q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, Lq, Lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -655,7 +655,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
               "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
-              **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+              **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
@@ -700,8 +700,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         _jfa_bwd_pre_kernel[(cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
+    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
-              "ROWMAJOR": v2, "TMA": tma, **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+              "ROWMAJOR": v2, "TMA": tma, **hstu}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
@@ -809,7 +810,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
                         mask_inf=False, hstu=None):
     """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse. hstu:
-    a gem.ops.hstu_mask.HstuMask (self attention, no window)."""
+    a gem.ops.hstu_mask.HstuMask (self attention or its cached form, no window)."""
     args = (_unit_last(q), _unit_last(k), _unit_last(v), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
             float(scale), int(left), int(right), bool(mask_inf))
     if hstu is not None:
