@@ -48,6 +48,29 @@ def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
+def norm_window(causal: bool, window) -> tuple[int, int]:
+    """The window argument of jagged_attention and gdpa -> (left, right), -1 meaning unbounded; causal folds into
+    right <= 0. window: None (unbounded), an int w >= 0 (a causal left window: keys i - w .. i, right side 0) or a
+    (left, right) pair whose sides are ints >= 0, or None / -1 for unbounded (other negatives raise)."""
+    if window is None:
+        left, right = -1, -1
+    elif isinstance(window, bool):
+        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
+    elif isinstance(window, int):
+        if window < 0:
+            raise ValueError(f"window={window}: an int window must be >= 0")
+        left, right = window, 0
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        left, right = (-1 if w is None else w for w in window)
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in (left, right)):
+            raise ValueError(f"window={window!r}: sides must be ints >= 0, or None / -1 for unbounded")
+    else:
+        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
 def clamp_window(left: int, right: int, max_len_q: int, max_len_k: int) -> tuple[int, int]:
     """Window sides cut to the widest that can bind: key j is visible to query i when i + Lk - Lq - left <= j <=
     i + Lk - Lq + right, so left >= Lk - 1 or right >= Lq - 1 never masks anything. The kernels' int32 index

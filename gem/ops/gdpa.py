@@ -9,7 +9,8 @@ kernels take one head width for q, k and v: they run at max(D, Dv, 16) with the 
 
 Masking: key j is visible to query i iff (causal) j <= i + (Lk - Lq), i.e. causal is bottom-right aligned
 for cross attention (the last query sees every key, as FlashAttention does), and (window=(left, right))
-i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a negative or None side is unbounded. Invisible scores
+i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a None or -1 side is unbounded; window=w (an int) is the
+causal left window (left w, right 0), as in jagged_attention (gem.ops._common.norm_window). Invisible scores
 contribute nothing (they are dropped, not set to 0 before the activation).
 num_targets / contextual_len / max_attn_len replace causal / window with generative-recommenders' HSTU mask
 (gem/ops/hstu_mask.py): self attention, or its cached form when queries are the last Lq < Lk tokens of their key
@@ -33,6 +34,7 @@ from gem.ops._common import (
     check_offsets,
     clamp_window,
     jagged_to_padded,
+    norm_window,
     pad_head_dim,
     padded_to_jagged,
     resolve_kernel,
@@ -108,19 +110,6 @@ def activation_fn(x: torch.Tensor, activation: str, approx: str | None = None) -
     raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
 
 
-def _window(causal: bool, window) -> tuple[int, int]:
-    """(left, right) visible offsets around the aligned diagonal; -1 = unbounded."""
-    if window is None:
-        left, right = -1, -1
-    else:
-        if not (isinstance(window, (tuple, list)) and len(window) == 2):
-            raise ValueError(f"window={window!r}: expected (left, right) with ints >= 0 or None/-1 for unbounded")
-        left, right = (-1 if w is None or w < 0 else int(w) for w in window)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
-
-
 def _out_scale(normalize, max_len_k: int) -> float:
     if normalize is None:
         return 1.0
@@ -182,7 +171,7 @@ def _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_le
 
 def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, float, float]:
     """(left, right, scale, out_scale) from the public options; scale defaults to 1/sqrt(D)."""
-    left, right = _window(causal, window)
+    left, right = norm_window(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return left, right, scale, _out_scale(normalize, max_len_k)
 

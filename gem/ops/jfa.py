@@ -32,6 +32,7 @@ from gem.ops._common import (
     check_offsets,
     clamp_window,
     jagged_to_padded,
+    norm_window,
     pad_head_dim,
     padded_rows,
     resolve_kernel,
@@ -41,27 +42,6 @@ from gem.ops.dispatch import call_class, choose
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _norm_window(causal: bool, window) -> tuple[int, int]:
-    """-> (left, right) with -1 meaning unbounded; causal folds into right <= 0."""
-    if window is None:
-        left, right = -1, -1
-    elif isinstance(window, bool):
-        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
-    elif isinstance(window, int):
-        if window < 0:
-            raise ValueError(f"window={window}: an int window must be >= 0")
-        left, right = window, 0
-    elif isinstance(window, (tuple, list)) and len(window) == 2:
-        left, right = (-1 if w is None else w for w in window)
-        if not all(isinstance(w, int) and w >= -1 for w in (left, right)):
-            raise ValueError(f"window={window!r}: sides must be ints >= 0, or None / -1 for unbounded")
-    else:
-        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
 
 
 def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
@@ -146,7 +126,7 @@ def jagged_attention(
                      causal=causal, window=window, device=q.device)
     if mask_mode not in ("auto", "sub", "inf"):
         raise ValueError(f"mask_mode={mask_mode!r}: expected 'auto', 'sub' or 'inf'")
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     if mask_mode == "auto":
         mask_mode = "inf" if left >= 0 else "sub"
     if offsets_k is None:

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gem.ops._common import triton_interpreting
-from gem.ops.jfa import _norm_window, jagged_attention, jagged_attention_reference
+from gem.ops._common import norm_window, triton_interpreting
+from gem.ops.jfa import jagged_attention, jagged_attention_reference
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
@@ -41,7 +41,7 @@ def _run(q, k, v, lens_q, lens_k=None, *, max_q=None, max_k=None, causal=False, 
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), g))
 
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_q if off_k is None else off_k,
                                      max_q if off_k is None else max_k, left=left, right=right, scale=scale)
@@ -578,7 +578,7 @@ def _fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, **kw):
 
 
 def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False, window=None):
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     off_k, max_k = (off_q, max_q) if off_k is None else (off_k, max_k)
     ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_k, max_k, left=left, right=right)
