@@ -51,11 +51,11 @@ def _calls():
             for mask, kw in (("full", {}), ("causal", {"causal": True}), ("window", {"window": 7}),
                              ("window2", {"window": (5, 3)}), ("hstu", hstu)):
                 calls.append((f"jfa-{name}-{mask}-{dtype}",
-                              lambda kernel, a=args, kw=kw: jagged_attention(*a, kernel=kernel, **kw), a[:3]))
+                              lambda kernel, a=args, kw=kw: jagged_attention(*a, kernel=kernel, **kw), args[:3]))
                 gargs = args if len(args) == 7 else args + (args[3], args[4])
                 calls.append((f"gdpa-{name}-{mask}-{dtype}",
                               lambda kernel, a=gargs, kw=kw: gdpa(*a, activation="silu", normalize="max_len_k",
-                                                                   kernel=kernel, **kw), a[:3]))
+                                                                   kernel=kernel, **kw), args[:3]))
         calls.append((f"jfa-lse-{dtype}", lambda kernel, a=(q, k, v, off_k, mk): jagged_attention(
             *a, causal=True, kernel=kernel, return_lse=True)[0], (q, k, v)))
         calls.append((f"block-{dtype}", lambda kernel, a=(q, k, v, off_k, mk): block_attention(
