@@ -31,7 +31,7 @@ import triton.language as tl
 
 from gem.ops import triton_utils as tu
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
-from gem.ops._tune import ConfigTuner, reg_cap
+from gem.ops._tune import ConfigTuner, attention_smem, reg_cap
 
 LOG2E = 1.4426950408889634
 
@@ -625,6 +625,24 @@ def _pass_configs(d: int, form: str, which: str):
     return out
 
 
+# Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads): (BLOCK_M, BLOCK_N,
+# num_warps, num_stages), largest first.
+_FALLBACK = [(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _smem(pass_: str, d: int, elt: int):
+    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass: the forward holds its q
+    tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ holds q/dO (and O, for delta) and streams K/V."""
+    def estimate(cfg) -> int:
+        bm, bn, _, stages = cfg[:4]
+        if pass_ == "fwd":
+            return attention_smem(bm * d, 2 * bn * d, stages, elt, bm * bn)
+        if pass_ == "dkdv":
+            return attention_smem(2 * bn * d, 2 * bm * d, stages, elt, bm * bn)
+        return attention_smem(3 * bm * d, 2 * bn * d, stages, elt, bm * bn)
+    return estimate
+
+
 _TUNER = ConfigTuner("gem.ops.jfa")
 
 
@@ -669,7 +687,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     key = (tma, d, q.dtype, tu.len_bucket(max_len_q), tu.len_bucket(max_len_k), left, right, mask_inf)
     if num_targets is not None:  # keys without the HSTU mask stay as they were
         key += ("hstu",)
-    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse)))
+    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse),
+                       estimate=_smem("fwd", d, q.element_size()), fallback=_FALLBACK))
     return out, lse
 
 
@@ -737,7 +756,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         run = functools.partial(launch, kind)
         written = (dk, dv) if kind == "bwd_dkdv" else (dq, delta) if v2 else (dq,)  # base: delta is an input
         run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device,
-                        outputs=written))
+                        outputs=written, estimate=_smem(kind[4:], d, q.element_size()), fallback=_FALLBACK))
     return dq, dk, dv
 
 
