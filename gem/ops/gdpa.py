@@ -25,8 +25,6 @@ the polynomial itself (so gradients are exact for the function computed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gem.ops._common import (
@@ -40,44 +38,8 @@ from gem.ops._common import (
     resolve_kernel,
     tile_head_dim,
 )
+from gem.ops.gdpa_consts import ACTIVATIONS, APPROX, LEAKY_SLOPE, POLY6, Poly6
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
-
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
-LEAKY_SLOPE = 0.01
-
-
-@dataclass(frozen=True)
-class Poly6:
-    """relu(x) - p(min(|x|, clamp)), p(t) = sum_{k=1..6} coef[k-1] t^k."""
-
-    coef: tuple[float, float, float, float, float, float]
-    clamp: float
-    max_abs_err: float  # |approx(x) - act(x)| over all x
-    max_abs_grad_err: float  # |approx'(x) - act'(x)| over all x
-
-
-POLY6 = {
-    "gelu": Poly6(
-        (0.5, -0.4121347377, 0.02008931786, 0.07410799769, -0.02559526894, 0.002590125262),
-        3.5,
-        max_abs_err=2.0e-3,  # measured 1.73e-3
-        max_abs_grad_err=2.5e-2,  # measured 2.35e-2
-    ),
-    "gelu_tanh": Poly6(
-        (0.5, -0.4123756303, 0.02131887525, 0.0729591225, -0.02521933963, 0.00254931405),
-        3.5,
-        max_abs_err=2.0e-3,  # measured 1.52e-3
-        max_abs_grad_err=2.5e-2,  # measured 2.30e-2
-    ),
-    "silu": Poly6(
-        (0.5, -0.2981138086, 0.06659739995, -0.006434139081, 0.0002064444144, 2.161329522e-06),
-        8.75,
-        max_abs_err=1.0e-2,  # measured 8.69e-3
-        max_abs_grad_err=6.0e-2,  # measured 5.52e-2
-    ),
-}
-APPROX = {"poly6": tuple(POLY6)}
-
 
 def poly6(x: torch.Tensor, activation: str) -> torch.Tensor:
     """The FMA-only approximation in PyTorch (reference for the kernel)."""
@@ -250,4 +212,5 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     return out if width == dv else out[..., :dv]
 
 
-__all__ = ["ACTIVATIONS", "APPROX", "POLY6", "activation_fn", "gdpa", "gdpa_reference", "poly6"]
+__all__ = ["ACTIVATIONS", "APPROX", "LEAKY_SLOPE", "POLY6", "Poly6", "activation_fn", "gdpa", "gdpa_reference",
+           "poly6"]

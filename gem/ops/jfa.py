@@ -111,7 +111,8 @@ def jagged_attention(
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf; "auto" (the
     default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise, the faster of the two on the
     H200 for each. The Triton forward loads K/V through TMA descriptors where the tensors allow it; the backward
-    takes its "base" form for long rows (max_len_q >= 16384) without a left window, else the v2 one. The
+    computes delta in a preprocessing kernel for long rows (max_len_q >= 16384) without a left window, else fuses
+    it into its dQ pass (gem.ops.triton_jfa._bwd_form). The
     per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
     not modified in place, so pass the same offsets objects to every layer.
 

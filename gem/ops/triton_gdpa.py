@@ -29,7 +29,7 @@ import triton.language as tl
 from gem.ops import triton_utils as tu
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
 from gem.ops._tune import ConfigTuner, attention_smem, shared_memory_limit
-from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
+from gem.ops.gdpa_consts import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
 SHORT_KV_ELEMS = 128 * 128  # ... while BLOCK_N * D stays within this many elements, and the tiles fit (_fits)

@@ -222,13 +222,13 @@ def test_reference_op_matches_oracle(op, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("form", ["v2", "base"])
+@pytest.mark.parametrize("form", ["fused_delta", "delta_pre"])
 def test_jagged_attention_triton_matches_reference(case, form, monkeypatch):
     from gem.ops import triton_jfa
 
-    # "base": the long-row backward form (the dispatch takes it from _BWD_BASE_MIN_LEN rows)
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0 if form == "base" else 1 << 30)
-    _compare("jfa", case, mask_mode="sub" if form == "base" else "inf")
+    # "delta_pre": the long-row backward form (the dispatch takes it from _BWD_DELTA_PRE_MIN_LEN rows)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 0 if form == "delta_pre" else 1 << 30)
+    _compare("jfa", case, mask_mode="sub" if form == "delta_pre" else "inf")
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -356,7 +356,7 @@ def _from_full_rows(op, q, k, v, lq, lk, targets, c, m):
 CACHED = [(0, None), (3, 4), (1, 1), (2, None)]
 
 
-@pytest.mark.parametrize("op,form", [("jfa", "reference"), ("jfa", "v2"), ("jfa", "base"), ("gdpa", "reference"),
+@pytest.mark.parametrize("op,form", [("jfa", "reference"), ("jfa", "fused_delta"), ("jfa", "delta_pre"), ("gdpa", "reference"),
                                      ("gdpa", "tiled"), ("gdpa", "short")])
 @pytest.mark.parametrize("ci", range(len(CACHED)))
 def test_cached_form_matches_full_mask_last_rows(op, form, ci, monkeypatch):
@@ -371,8 +371,8 @@ def test_cached_form_matches_full_mask_last_rows(op, form, ci, monkeypatch):
     k, v = (torch.randn(sum(lk), 1, 16, generator=g).requires_grad_() for _ in range(2))
     kw = {}
     if op == "jfa" and form != "reference":
-        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0 if form == "base" else 1 << 30)
-        kw["mask_mode"] = "sub" if form == "base" else "inf"
+        monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 0 if form == "delta_pre" else 1 << 30)
+        kw["mask_mode"] = "sub" if form == "delta_pre" else "inf"
     if op == "gdpa" and form != "reference":
         kw["short_kv"] = form == "short"
     out = _cached_call(op, q, k, v, lq, lk, targets, c, m, "reference" if form == "reference" else "triton", **kw)
@@ -409,17 +409,17 @@ def _gpu_case(seed, c, m):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["jfa", "gdpa", "jfa-base"])
+@pytest.mark.parametrize("op", ["jfa", "gdpa", "jfa-delta-pre"])
 @pytest.mark.parametrize("c,m", [(0, None), (1, 64), (5, 200), (37, None)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_matches_reference(op, c, m, d, monkeypatch):
-    """jfa-base: JFA's long-row backward form (dispatched from _BWD_BASE_MIN_LEN rows)."""
+    """jfa-delta-pre: JFA's long-row backward form (dispatched from _BWD_DELTA_PRE_MIN_LEN rows)."""
     _need_gpu()
     from gem.ops import triton_jfa
 
     monkeypatch.setenv("GEM_AUTOTUNE", "0")
-    if op == "jfa-base":
-        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0)
+    if op == "jfa-delta-pre":
+        monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 0)
     lengths, targets, c, m = _gpu_case(d + c, c, m)
     q, k, v = (x.detach().cuda().requires_grad_() for x in _inputs(lengths, h=4, h_kv=2, d=d, dtype=torch.bfloat16))
     off = _offsets(lengths).cuda()
