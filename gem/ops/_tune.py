@@ -71,7 +71,8 @@ class ConfigTuner:
 
         `estimate(cfg)`: a config's shared memory in bytes (e.g. attention_smem); candidates over this device's
         limit are dropped before any launch, and where none is left, or none launches, the `fallback` configs
-        (smaller tiles, in order) are tried untimed: the first that launches is kept."""
+        (smaller tiles, in order) are tried untimed: the first that launches is kept. Both are read only for a new
+        key, so a caller passes a lambda rather than building an estimate on every call."""
         full_key = (kind,) + key
         best = self.best.get(full_key)
         if best is not None:

@@ -575,7 +575,7 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device, outputs=(o, lse),
-                       estimate=_smem("fwd", q.shape[2], q.element_size()), fallback=FALLBACK))
+                       estimate=lambda cfg: _smem("fwd", q.shape[2], q.element_size())(cfg), fallback=FALLBACK))
     return o, lse, (k_s if k_s is not k else None)
 
 
@@ -620,7 +620,8 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
         run = functools.partial(fn, q_s=q_s, k_s=k_s)
         run(_TUNER.pick(kind, key, lambda kind=kind: configs(kind, block_size), run, q.device,
                         outputs=(dq, delta) if kind == "dq" else (dk, dv),
-                        estimate=_smem(kind, q.shape[2], q.element_size()), fallback=FALLBACK))
+                        estimate=lambda cfg, kind=kind: _smem(kind, q.shape[2], q.element_size())(cfg),
+                        fallback=FALLBACK))
     return dq, dk, dv
 
 

@@ -745,7 +745,8 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict, outputs: tuple) -
         kernel[grid](*args, **kwargs, **cfg)
 
     launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device, outputs=outputs,
-                       estimate=_smem(kind, kwargs, args[0].element_size()), fallback=FALLBACK[kind]))
+                       estimate=lambda cfg: _smem(kind, kwargs, args[0].element_size())(cfg),
+                       fallback=FALLBACK[kind]))
 
 
 # ------------------------------------------------------------------------------------------------- host side

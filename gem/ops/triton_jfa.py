@@ -17,8 +17,7 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - The forward loads K/V tiles through per-sequence TMA descriptors where the tensors allow it (_tma_ok), else
   through pointers. The backward has two forms (_bwd_form): "delta_pre" for long rows with no left window (delta
   from a preprocessing kernel, dK/dV pass first, K/V loaded transposed) and "fused_delta" elsewhere (the forward's
-  loads, delta
-  fused into the dQ pass, which runs first, lean masks on edge tiles, TMA loads at D 128).
+  loads, delta fused into the dQ pass, which runs first, lean masks on edge tiles, TMA loads at D 128).
 """
 
 from __future__ import annotations
@@ -115,8 +114,8 @@ def _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N: tl.constexpr, H
 @triton.jit
 def _vis2(rows, cols, shift, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           RIGHT_CLOSED: tl.constexpr):
-    """_vis for the fused_delta form's kernels, without the checks they do not need: rows past Lq are never stored and rows do not
-    mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
+    """_vis for the fused_delta form's kernels, without the checks they do not need: rows past Lq are never stored
+    and rows do not mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
     m = cols[None, :] >= 0
     if not RIGHT_CLOSED:
         m = cols[None, :] < Lk
@@ -572,13 +571,12 @@ _TUNE_TAG = {"delta_pre": "base", "fused_delta": "v2"}
 
 def _bwd_form(max_len_q: int, left: int) -> str:
     """"delta_pre" or "fused_delta" (see the module doc): a left window bounds the rows each tile visits, where the
-    fused_delta backward's
-    lean edge masks and fused delta win."""
+    fused_delta backward's lean edge masks and fused delta win."""
     return "delta_pre" if max_len_q >= _BWD_DELTA_PRE_MIN_LEN and left < 0 else "fused_delta"
 
 
-# Head dims whose fused_delta backward takes TMA loads on the GPU (others take pointer loads). At D = 64 the TMA backward
-# faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; tools/jfa_fault_matrix.py).
+# Head dims whose fused_delta backward takes TMA loads on the GPU (others take pointer loads). At D = 64 the TMA
+# backward faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; tools/jfa_fault_matrix.py).
 # The interpreter still runs it.
 _TMA_BWD_HEAD_DIMS = (128,)
 
@@ -610,8 +608,8 @@ def _bwd_configs(d: int, form: str = "delta_pre"):
     if d <= 128:
         if form == "delta_pre":
             return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
-        # (32, 128, ...): the one 8-warp fused_delta dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
-        # ones spill). The 4-warp (32, 64, ...) tiles run two programs per SM, so one's K/V load and dK/dV store
+        # (32, 128, ...): the one 8-warp fused_delta dK/dV tile that ptxas fits in 255 registers without spilling (the
+        # 64-row ones spill). The 4-warp (32, 64, ...) tiles run two programs per SM, so one's K/V load and dK/dV store
         # overlap the other's loop; the 3-stage one is the tuner's usual dK/dV pick at D 128 on the H200. No 32-key
         # dQ tile: (64, 32, 4, 2) timed 7% faster on causal rows of <= 1024 tokens but returned non-finite dQ on
         # causal jagged rows on the H200 (the interpreter computes it right).
@@ -694,7 +692,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     if num_targets is not None:  # keys without the HSTU mask stay as they were
         key += ("hstu",)
     launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse),
-                       estimate=_smem("fwd", d, q.element_size()), fallback=_FALLBACK))
+                       estimate=lambda cfg: _smem("fwd", d, q.element_size())(cfg), fallback=_FALLBACK))
     return out, lse
 
 
@@ -762,7 +760,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         run = functools.partial(launch, kind)
         written = (dk, dv) if kind == "bwd_dkdv" else (dq, delta) if fused else (dq,)  # delta_pre: delta is an input
         run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device,
-                        outputs=written, estimate=_smem(kind[4:], d, q.element_size()), fallback=_FALLBACK))
+                        outputs=written, estimate=lambda cfg, p=kind[4:]: _smem(p, d, q.element_size())(cfg),
+                        fallback=_FALLBACK))
     return dq, dk, dv
 
 

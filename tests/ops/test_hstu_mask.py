@@ -356,7 +356,8 @@ def _from_full_rows(op, q, k, v, lq, lk, targets, c, m):
 CACHED = [(0, None), (3, 4), (1, 1), (2, None)]
 
 
-@pytest.mark.parametrize("op,form", [("jfa", "reference"), ("jfa", "fused_delta"), ("jfa", "delta_pre"), ("gdpa", "reference"),
+@pytest.mark.parametrize("op,form", [("jfa", "reference"), ("jfa", "fused_delta"), ("jfa", "delta_pre"),
+                                     ("gdpa", "reference"),
                                      ("gdpa", "tiled"), ("gdpa", "short")])
 @pytest.mark.parametrize("ci", range(len(CACHED)))
 def test_cached_form_matches_full_mask_last_rows(op, form, ci, monkeypatch):

@@ -75,8 +75,9 @@ SELF_CASES = [
 
 
 def _pin_form(form, monkeypatch):
-    """Pins what the dispatch picks per call: "delta_pre" the long-row backward (as for rows of _BWD_DELTA_PRE_MIN_LEN and
-    more), "rowmajor" the fused_delta backward with pointer loads (as for tensors TMA cannot take), "tma" the fused_delta backward with
+    """Pins what the dispatch picks per call: "delta_pre" the long-row backward (as for rows of
+    _BWD_DELTA_PRE_MIN_LEN and more), "rowmajor" the fused_delta backward with pointer loads (as for tensors TMA
+    cannot take), "tma" the fused_delta backward with
     TMA loads (the dispatch for shorter rows), "auto" nothing."""
     from gem.ops import triton_jfa
 

@@ -425,7 +425,7 @@ def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
     from tests.ops.test_jfa import _check, _inputs, _run
 
     monkeypatch.setenv("GEM_TUNE_CACHE", "0")
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
     monkeypatch.setattr(triton_jfa, "_TUNER", ConfigTuner("gem.ops.jfa"))
     good, bad = (16, 16, 4, 1), (16, 32, 4, 1)
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [good, bad])
@@ -465,7 +465,7 @@ def test_correct_tiles_of_every_op_agree(monkeypatch):
     for mod in (triton_jfa, triton_block, triton_gdpa, rotary):
         monkeypatch.setattr(mod._TUNER, "best", {})
         monkeypatch.setattr(mod._TUNER, "bench", lambda fn: (fn(), 1.0)[1])
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [(16, 16, 4, 1), (16, 32, 4, 1)])
     monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
     monkeypatch.setattr(triton_block, "configs", lambda kind, bs: [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)])
