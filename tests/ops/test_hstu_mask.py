@@ -353,6 +353,25 @@ def _from_full_rows(op, q, k, v, lq, lk, targets, c, m):
     return out_full.new_zeros((q.shape[0],) + out_full.shape[1:]).index_put((rows,), out_full[full])
 
 
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_equal_key_offsets_in_another_tensor_are_self_attention(op):
+    """Self attention whether offsets_k is offsets_q itself, an equal copy, or absent: the alignment is per sequence,
+    so nothing is compared on the host (no sync) or asserted on the device."""
+    lengths, targets, c, m = CASES[2]
+    q, k, v = _inputs(lengths)
+    off = _offsets(lengths)
+    hstu = {"causal": True, "num_targets": torch.tensor(targets), "contextual_len": c, "max_attn_len": m}
+    n = max(lengths)
+    for kernel in ("reference", "triton"):
+        if op == "jfa":
+            outs = [jagged_attention(q, k, v, off, n, o, n, kernel=kernel, **hstu) for o in (off, off.clone())]
+            outs.append(jagged_attention(q, k, v, off, n, kernel=kernel, **hstu))
+        else:
+            outs = [gdpa(q, k, v, off, n, o, n, activation="silu", kernel=kernel, **hstu) for o in (off, off.clone())]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+
+
 CACHED = [(0, None), (3, 4), (1, 1), (2, None)]
 
 
