@@ -362,11 +362,12 @@ def shared_memory_limit(device: torch.device) -> int:
 
 
 def attention_smem(stationary: int, streamed: int, stages: int, elt: int, scratch: int = 0) -> int:
-    """Shared-memory estimate (bytes) of a tiled attention program: `stationary` elements staged once for its dots
-    (the q tile of a forward, the K/V tile of a dK/dV pass), `streamed` elements loaded per loop step and buffered
-    `stages` deep (at least one buffer), `scratch` elements of the score tile converted to a dot operand; `elt`
-    bytes each. The operands' layouts as Triton stages them, not counting padding (a few percent)."""
-    return (stationary + streamed * max(int(stages), 1) + scratch) * elt
+    """Shared-memory estimate (bytes) of a tiled attention program, meant to stay below what Triton allocates, so a
+    config it drops cannot fit: `stationary` elements staged once for the dots (the q tile of a forward, the K/V
+    tile of a dK/dV pass), `streamed` elements loaded per loop step and buffered ahead `stages - 1` deep (at least
+    one buffer), and, for fp32 operands (`elt` 4: dots on CUDA cores, whose operands pass through shared memory),
+    `scratch` elements of the score tile as a dot operand; 16-bit dots take it from registers. `elt` bytes each."""
+    return (stationary + streamed * max(int(stages) - 1, 1) + (scratch if elt >= 4 else 0)) * elt
 
 
 def fitting(cands: list, fallback: list, estimate: Callable, limit: int) -> tuple[list, list]:

@@ -448,7 +448,7 @@ FALLBACK = [(32, 32, 4, 1), (16, 16, 4, 1)]
 
 def _smem(kind: str, d: int, elt: int):
     """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass, at the tile width of
-    head dim d: the forward holds q and streams K/V, dK/dV the reverse, dQ holds q, dO and O and streams K/V."""
+    head dim d: the forward holds q and streams K/V, dK/dV the reverse, dQ holds q and dO and streams K/V."""
     width = max(16, next_pow2(d))
 
     def estimate(cfg) -> int:
@@ -457,7 +457,7 @@ def _smem(kind: str, d: int, elt: int):
             return attention_smem(bm * width, 2 * bn * width, stages, elt, bm * bn)
         if kind == "dkdv":
             return attention_smem(2 * bn * width, 2 * bm * width, stages, elt, bm * bn)
-        return attention_smem(3 * bm * width, 2 * bn * width, stages, elt, bm * bn)
+        return attention_smem(2 * bm * width, 2 * bn * width, stages, elt, bm * bn)
     return estimate
 
 

@@ -636,14 +636,14 @@ _FALLBACK = [(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
 
 def _smem(pass_: str, d: int, elt: int):
     """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass: the forward holds its q
-    tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ holds q/dO (and O, for delta) and streams K/V."""
+    tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ holds q/dO and streams K/V."""
     def estimate(cfg) -> int:
         bm, bn, _, stages = cfg[:4]
         if pass_ == "fwd":
             return attention_smem(bm * d, 2 * bn * d, stages, elt, bm * bn)
         if pass_ == "dkdv":
             return attention_smem(2 * bn * d, 2 * bm * d, stages, elt, bm * bn)
-        return attention_smem(3 * bm * d, 2 * bn * d, stages, elt, bm * bn)
+        return attention_smem(2 * bm * d, 2 * bn * d, stages, elt, bm * bn)
     return estimate
 
 

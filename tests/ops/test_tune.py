@@ -580,3 +580,17 @@ def test_every_pass_of_every_op_has_a_config_within_the_limit(d, elt):
     for kind, kw in fixed.items():
         est = tg._smem(kind, {**kw, "BLOCK_D": d}, elt)
         assert min(map(est, tg.FALLBACK[kind])) <= limit, ("gdpa", kind)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_no_16_bit_jfa_candidate_is_dropped(d, monkeypatch):
+    """The estimate stays below what Triton allocates: every bf16 / fp16 tile JFA lists for the GPU (all of which
+    launch there) is kept, so 16-bit picks are the same as without it."""
+    from gem.ops import triton_jfa as tj
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's lists (nothing is launched)
+    limit = _tune.SMEM_LIMIT
+    assert all(tj._smem("fwd", d, 2)(c) <= limit for c in tj._fwd_configs(d))
+    for form in ("delta_pre", "fused_delta"):
+        for p in ("dkdv", "dq"):
+            assert all(tj._smem(p, d, 2)(c) <= limit for c in tj._pass_configs(d, form, p)), (form, p)
