@@ -25,9 +25,11 @@ negative position (Lq > Lk) see no key.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class HstuMask(NamedTuple):
@@ -69,17 +71,50 @@ def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tenso
         if num_targets.device != device:
             raise ValueError(f"num_targets is on {num_targets.device} but the values are on {device}")
         targets = num_targets.contiguous()
-        lengths = offsets[1:] - offsets[:-1]
-        if nb and targets.device.type == "cpu" and not torch.compiler.is_compiling():
-            bad = (targets < 0) | (targets > lengths)
-            if bool(bad.any()):
-                b = int(bad.nonzero()[0, 0])
-                raise ValueError(f"num_targets[{b}] must lie in [0, length {int(lengths[b])}] "
-                                 f"(got {int(targets[b])})")
-        elif nb:  # invalid data only: an asynchronous device assert (no host sync)
-            torch._assert_async(((targets >= 0) & (targets <= lengths)).all(),
-                                "num_targets must lie in [0, the key sequence's length]")
+        if nb and not _checked_before(num_targets, offsets):
+            _check_targets(targets, offsets)
+            _remember(num_targets, offsets)
     return HstuMask(targets, int(contextual_len), int(max_attn_len or 0))
+
+
+# num_targets tensors checked against an offsets tensor, at both versions: every layer of a model passes the same
+# pair, so the check (a few kernels and an assert on the GPU) runs once per batch
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _versions(num_targets: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int] | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return num_targets._version, offsets._version
+    except RuntimeError:  # inference tensors: no version, checked every call
+        return None
+
+
+def _checked_before(num_targets: torch.Tensor, offsets: torch.Tensor) -> bool:
+    versions = _versions(num_targets, offsets)
+    seen = _CHECKED.get(num_targets) if versions is not None else None
+    return seen is not None and seen[0]() is offsets and seen[1] == versions
+
+
+def _remember(num_targets: torch.Tensor, offsets: torch.Tensor) -> None:
+    versions = _versions(num_targets, offsets)
+    if versions is not None:
+        _CHECKED[num_targets] = (weakref.ref(offsets), versions)
+
+
+def _check_targets(targets: torch.Tensor, offsets: torch.Tensor) -> None:
+    """num_targets within [0, the key sequence's length]: a ValueError on the CPU, an asynchronous device assert
+    (invalid data only, no host sync) on the GPU."""
+    lengths = offsets[1:] - offsets[:-1]
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (targets < 0) | (targets > lengths)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"num_targets[{b}] must lie in [0, length {int(lengths[b])}] (got {int(targets[b])})")
+    else:
+        torch._assert_async(((targets >= 0) & (targets <= lengths)).all(),
+                            "num_targets must lie in [0, the key sequence's length]")
 
 
 def hstu_visible_mask(lengths: torch.Tensor, max_len: int, hstu: HstuMask, lengths_q: torch.Tensor | None = None,

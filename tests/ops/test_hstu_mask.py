@@ -484,3 +484,24 @@ def test_torch_compile_fullgraph_and_opcheck(op):
     else:
         fn, args = gdpa_fwd_op, (q, k, v, off, off, 13, 13, "silu", "", -1, 0, 0.25, 1.0, True, -1, nt, c, m)
     torch.library.opcheck(fn, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_num_targets_checked_once_per_batch_and_again_after_a_write():
+    """The targets check runs once per (num_targets, offsets) pair and version: a later call with the same tensors
+    skips it, an in-place write to either brings it back, and a failed check is never remembered."""
+    from gem.ops import hstu_mask
+
+    lengths = [3, 4]
+    q, k, v = _inputs(lengths)
+    off = _offsets(lengths)
+    nt = torch.tensor([1, 5])
+    for _ in range(2):  # a bad tensor fails every time
+        with pytest.raises(ValueError, match=r"num_targets\[1\]"):
+            jagged_attention(q, k, v, off, 4, causal=True, num_targets=nt, kernel="reference")
+    nt[1] = 2  # now valid: checked (the write moved its version) and remembered
+    jagged_attention(q, k, v, off, 4, causal=True, num_targets=nt, kernel="reference")
+    assert hstu_mask._checked_before(nt, off)
+    nt[1] = 9  # invalid again: the write makes the next call check
+    assert not hstu_mask._checked_before(nt, off)
+    with pytest.raises(ValueError, match=r"num_targets\[1\]"):
+        jagged_attention(q, k, v, off, 4, causal=True, num_targets=nt, kernel="reference")
