@@ -49,7 +49,8 @@ def _child(args, device: str = "cuda", timer=None) -> list[dict]:
     import torch
 
     from gem.ops import dispatch
-    from gem.ops.jfa import _norm_window, _unusable, jagged_attention
+    from gem.ops._common import norm_window
+    from gem.ops.jfa import _unusable, jagged_attention
     from gem.ops.triton_jfa import _TUNER
     from scripts.bench.common import bench_ms, device_ms, jagged_lengths, offsets_of
 
@@ -62,7 +63,7 @@ def _child(args, device: str = "cuda", timer=None) -> list[dict]:
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(int(off[-1]), c["heads"], c["dim"], device=device, dtype=torch.bfloat16,
                                generator=g).requires_grad_() for _ in range(3))
-        left, right = _norm_window(c["causal"], c["window"])
+        left, right = norm_window(c["causal"], c["window"])
         cls = dispatch.call_class(left, right, max_len, c["dim"], q.dtype)
         do = torch.randn_like(q)
         for backend in BACKENDS:

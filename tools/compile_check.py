@@ -105,7 +105,7 @@ def _cases():
     cases = []
     # JFA's backward forms: "auto" as dispatched for these short rows (v2), "base" as for rows of 8K and more, and
     # "pointer" with pointer loads (tensors TMA cannot take)
-    forms = {"auto": {}, "base": {"_BWD_BASE_MIN_LEN": 0}, "pointer": {"_tma_ok": lambda *t: False}}
+    forms = {"auto": {}, "base": {"_BWD_DELTA_PRE_MIN_LEN": 0}, "pointer": {"_tma_ok": lambda *t: False}}
     for form, patch in forms.items():
         # bf16 only: ptxas spent minutes on the fp32 (ieee-dot) forward here; the GPU tests cover fp32
         for d, dtype in ((128, torch.bfloat16), (64, torch.bfloat16)):

@@ -43,9 +43,9 @@ _FORCED = [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64
 CASES += [("tma", 64, 4, 2, _LONG, 2048, False, None, cfg) for cfg in _FORCED]
 
 
-_FORMS = {"tma": lambda d: {"_TMA_BWD_HEAD_DIMS": (d,), "_BWD_BASE_MIN_LEN": 2**31},
-          "rowmajor": lambda d: {"_tma_ok": lambda *t: False, "_BWD_BASE_MIN_LEN": 2**31},
-          "base": lambda d: {"_BWD_BASE_MIN_LEN": 0},
+_FORMS = {"tma": lambda d: {"_TMA_BWD_HEAD_DIMS": (d,), "_BWD_DELTA_PRE_MIN_LEN": 2**31},
+          "rowmajor": lambda d: {"_tma_ok": lambda *t: False, "_BWD_DELTA_PRE_MIN_LEN": 2**31},
+          "base": lambda d: {"_BWD_DELTA_PRE_MIN_LEN": 0},
           "auto": lambda d: {}}
 
 

@@ -96,7 +96,7 @@ def main() -> None:
     if args.bwd_form is not None:
         from gem.ops import triton_jfa
 
-        triton_jfa._BWD_BASE_MIN_LEN = 0 if args.bwd_form == "base" else 1 << 30
+        triton_jfa._BWD_DELTA_PRE_MIN_LEN = 0 if args.bwd_form == "base" else 1 << 30
     failed = False
     for name, n in cases:
         line = _case(name, n, args.iters)

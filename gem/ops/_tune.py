@@ -63,29 +63,30 @@ class ConfigTuner:
         return statistics.median(times)
 
     def pick(self, kind: str, key: tuple, cands: list | Callable[[], list], launch: Callable, device: torch.device,
-             outputs: tuple[torch.Tensor, ...] = ()):
+             outputs: tuple[torch.Tensor, ...] = (), *, estimate: Callable | None = None, fallback: list = ()):
         """The config to launch; `cands` (or a function making them, called only when the key is new) in order.
         `outputs`: tensors every launch writes whole and none reads. While timing they are NaN-filled before each
         candidate, then compared with the other candidates' (agreeing_configs): a config whose result disagrees is
-        not picked."""
+        not picked.
+
+        `estimate(cfg)`: a config's shared memory in bytes (e.g. attention_smem); candidates over this device's
+        limit are dropped before any launch, and where none is left, or none launches, the `fallback` configs
+        (smaller tiles, in order) are tried untimed: the first that launches is kept. Both are read only for a new
+        key, so a caller passes a lambda rather than building an estimate on every call."""
         full_key = (kind,) + key
         best = self.best.get(full_key)
         if best is not None:
             return best
         if callable(cands):
             cands = cands()
+        if estimate is not None:
+            cands, fallback = fitting(cands, fallback, estimate, shared_memory_limit(device))
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return cands[0]  # no timing (syncs) while tracing or capturing a graph; tune on a later eager call
+            return (list(cands) + list(fallback))[0]  # no timing (syncs) while tracing or capturing a graph
+        if not cands:  # none estimated to fit: the smaller tiles, untimed
+            return self._first_launching(full_key, list(fallback), launch)
         if len(cands) == 1 or os.environ.get(self.env, "1") == "0":
-            for i, cfg in enumerate(cands):
-                try:
-                    launch(cfg)
-                except Exception as e:
-                    if i == len(cands) - 1 or not _config_error(e):
-                        raise
-                    continue
-                self.best[full_key] = cfg
-                return cfg
+            return self._first_launching(full_key, list(cands) + list(fallback), launch)
         skey = _key_string(kind, key)
         if skey is not None:
             cfg = self._from_disk(skey, cands, device)
@@ -106,6 +107,8 @@ class ConfigTuner:
                 continue
             prints.append(fingerprint(outputs))
         if not times:
+            if fallback:  # nothing launched: smaller tiles, untimed
+                return self._first_launching(full_key, list(fallback), launch)
             raise RuntimeError(f"{self.name}: no {kind} config in {cands} launches for {key}")
         if outputs:
             ok = agreeing_configs(prints)
@@ -122,6 +125,19 @@ class ConfigTuner:
             ranked = ", ".join(f"{c} {t:.3f}" for t, c in sorted(times, key=lambda x: x[0])[:4])
             print(f"{self.name} tuned {kind} {key}: {best} of {ranked} ms", flush=True)
         return best
+
+    def _first_launching(self, full_key: tuple, cands: list, launch: Callable):
+        """The first of cands that compiles and launches (kept for the key); the last one's error if none does."""
+        for i, cfg in enumerate(cands):
+            try:
+                launch(cfg)
+            except Exception as e:
+                if i == len(cands) - 1 or not _config_error(e):
+                    raise
+                continue
+            self.best[full_key] = cfg
+            return cfg
+        raise RuntimeError(f"{self.name}: no config for {full_key}")
 
     # ------------------------------------------------------------------------------------------- the disk cache
     def _from_disk(self, skey: str, cands: list, device: torch.device):
@@ -327,6 +343,39 @@ def _config_error(e: Exception) -> bool:
     msg = str(e)
     # torch reports "CUDA error: ...", Triton's launcher "Triton Error [CUDA]: ..."
     return not any(m in msg for m in ("CUDA error", "[CUDA]", "illegal memory access", "launch failure"))
+
+
+# ------------------------------------------------------------------------------------------- resource estimates
+# A tile config that needs more shared memory than the device has fails at launch (OutOfResources) on every shape
+# of its key, e.g. fp32 tiles sized for bf16. The estimates below drop such candidates before any launch and pick
+# smaller fallback tiles where none is left; a launch that still fails moves to the next config (ConfigTuner.pick).
+
+SMEM_LIMIT = 227 * 1024  # bytes per program with opt-in on the H100 / H200; the interpreter's (no real limit)
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """The shared memory (bytes) one program may use on device; SMEM_LIMIT off the GPU."""
+    if device.type == "cuda" and not triton_interpreting():
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_LIMIT)
+    return SMEM_LIMIT
+
+
+def attention_smem(stationary: int, streamed: int, stages: int, elt: int, scratch: int = 0) -> int:
+    """Shared-memory estimate (bytes) of a tiled attention program, meant to stay below what Triton allocates, so a
+    config it drops cannot fit: `stationary` elements staged once for the dots (the q tile of a forward, the K/V
+    tile of a dK/dV pass), `streamed` elements loaded per loop step and buffered ahead `stages - 1` deep (at least
+    one buffer), and, for fp32 operands (`elt` 4: dots on CUDA cores, whose operands pass through shared memory),
+    `scratch` elements of the score tile as a dot operand; 16-bit dots take it from registers. `elt` bytes each."""
+    return (stationary + streamed * max(int(stages) - 1, 1) + (scratch if elt >= 4 else 0)) * elt
+
+
+def fitting(cands: list, fallback: list, estimate: Callable, limit: int) -> tuple[list, list]:
+    """(the candidates whose estimate fits `limit`, in order; the fallbacks that fit and are not among them, or the
+    last, smallest fallback alone when none fits: tried rather than nothing)."""
+    fit = [c for c in cands if estimate(c) <= limit]
+    rest = [c for c in fallback if estimate(c) <= limit and c not in fit]
+    return fit, rest or [c for c in list(fallback)[-1:] if c not in fit]
 
 
 def reg_cap(cfg: tuple) -> dict:

@@ -9,10 +9,12 @@ kernels take one head width for q, k and v: they run at max(D, Dv, 16) with the 
 
 Masking: key j is visible to query i iff (causal) j <= i + (Lk - Lq), i.e. causal is bottom-right aligned
 for cross attention (the last query sees every key, as FlashAttention does), and (window=(left, right))
-i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a negative or None side is unbounded. Invisible scores
+i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; a None or -1 side is unbounded; window=w (an int) is the
+causal left window (left w, right 0), as in jagged_attention (gem.ops._common.norm_window). Invisible scores
 contribute nothing (they are dropped, not set to 0 before the activation).
 num_targets / contextual_len / max_attn_len replace causal / window with generative-recommenders' HSTU mask
-(gem/ops/hstu_mask.py), for self attention.
+(gem/ops/hstu_mask.py): self attention, or its cached form when queries are the last Lq < Lk tokens of their key
+sequences (bottom-right aligned).
 
 approx="poly6" swaps gelu / gelu_tanh / silu for relu(x) - p(min(|x|, c)), p a degree-6 polynomial with
 p(0) = 0 and p'(0) = 1/2 (so act(0) = 0 and the derivative is continuous at 0), fitted minimax to
@@ -23,8 +25,6 @@ the polynomial itself (so gradients are exact for the function computed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gem.ops._common import (
@@ -32,49 +32,14 @@ from gem.ops._common import (
     check_offsets,
     clamp_window,
     jagged_to_padded,
+    norm_window,
     pad_head_dim,
     padded_to_jagged,
     resolve_kernel,
     tile_head_dim,
 )
+from gem.ops.gdpa_consts import ACTIVATIONS, APPROX, LEAKY_SLOPE, POLY6, Poly6
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
-
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity")
-LEAKY_SLOPE = 0.01
-
-
-@dataclass(frozen=True)
-class Poly6:
-    """relu(x) - p(min(|x|, clamp)), p(t) = sum_{k=1..6} coef[k-1] t^k."""
-
-    coef: tuple[float, float, float, float, float, float]
-    clamp: float
-    max_abs_err: float  # |approx(x) - act(x)| over all x
-    max_abs_grad_err: float  # |approx'(x) - act'(x)| over all x
-
-
-POLY6 = {
-    "gelu": Poly6(
-        (0.5, -0.4121347377, 0.02008931786, 0.07410799769, -0.02559526894, 0.002590125262),
-        3.5,
-        max_abs_err=2.0e-3,  # measured 1.73e-3
-        max_abs_grad_err=2.5e-2,  # measured 2.35e-2
-    ),
-    "gelu_tanh": Poly6(
-        (0.5, -0.4123756303, 0.02131887525, 0.0729591225, -0.02521933963, 0.00254931405),
-        3.5,
-        max_abs_err=2.0e-3,  # measured 1.52e-3
-        max_abs_grad_err=2.5e-2,  # measured 2.30e-2
-    ),
-    "silu": Poly6(
-        (0.5, -0.2981138086, 0.06659739995, -0.006434139081, 0.0002064444144, 2.161329522e-06),
-        8.75,
-        max_abs_err=1.0e-2,  # measured 8.69e-3
-        max_abs_grad_err=6.0e-2,  # measured 5.52e-2
-    ),
-}
-APPROX = {"poly6": tuple(POLY6)}
-
 
 def poly6(x: torch.Tensor, activation: str) -> torch.Tensor:
     """The FMA-only approximation in PyTorch (reference for the kernel)."""
@@ -105,19 +70,6 @@ def activation_fn(x: torch.Tensor, activation: str, approx: str | None = None) -
     if activation == "identity":
         return x
     raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
-
-
-def _window(causal: bool, window) -> tuple[int, int]:
-    """(left, right) visible offsets around the aligned diagonal; -1 = unbounded."""
-    if window is None:
-        left, right = -1, -1
-    else:
-        if not (isinstance(window, (tuple, list)) and len(window) == 2):
-            raise ValueError(f"window={window!r}: expected (left, right) with ints >= 0 or None/-1 for unbounded")
-        left, right = (-1 if w is None or w < 0 else int(w) for w in window)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
 
 
 def _out_scale(normalize, max_len_k: int) -> float:
@@ -168,27 +120,20 @@ def gdpa_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activ
                    max_attn_len=None):
     """Padded fp32 PyTorch with an explicit visibility mask (masked scores are dropped after the activation)."""
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
-    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
+    hstu = _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     return _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, approx, *consts, hstu=hstu)
 
 
-def _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len) -> HstuMask | None:
-    """The checked HSTU arguments (gem.ops.hstu_mask), or None; key offsets are compared only when some are given
-    and they are not the query offsets' tensor."""
-    wanted = num_targets is not None or bool(contextual_len) or max_attn_len is not None
-    cross = wanted and offsets_k is not offsets_q and offsets_k.shape != offsets_q.shape
-    if wanted and not cross and offsets_k is not offsets_q:
-        if offsets_q.device.type == "cpu" and not torch.compiler.is_compiling():
-            cross = not torch.equal(offsets_k, offsets_q)
-        else:  # no host sync: an asynchronous device assert
-            torch._assert_async((offsets_k == offsets_q).all(), "the HSTU mask needs offsets_k equal to offsets_q")
-    return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
-                     cross=cross, device=q.device)
+def _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len) -> HstuMask | None:
+    """The checked HSTU arguments (gem.ops.hstu_mask), or None. Self attention and the cached form (queries the
+    last tokens of their key sequences) are one mask, aligned per sequence on the device: nothing to decide here."""
+    return hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_k, causal=causal, window=window,
+                     device=q.device)
 
 
 def _resolve(q, max_len_k, causal, window, scale, normalize) -> tuple[int, int, float, float]:
     """(left, right, scale, out_scale) from the public options; scale defaults to 1/sqrt(D)."""
-    left, right = _window(causal, window)
+    left, right = norm_window(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return left, right, scale, _out_scale(normalize, max_len_k)
 
@@ -213,8 +158,7 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
     diag = i + (lk - lq)[:, None, None]  # bottom-right aligned diagonal
     vis = mq[:, :, None] & mk[:, None, :]
     if hstu is not None:
-        n = max(qp.shape[1], kp.shape[1])
-        vis = vis & hstu_visible_mask(lq, n, hstu)[:, : qp.shape[1], : kp.shape[1]]
+        vis = vis & hstu_visible_mask(lk, kp.shape[1], hstu, lq, qp.shape[1])
     else:
         if left >= 0:
             vis = vis & (j >= diag - left)
@@ -238,8 +182,10 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     sequence when that tile also holds fp32 dK/dV); None picks by max_len_k and D.
     num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
     first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
-    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
-    offsets_k equal to offsets_q). HSTU itself is activation="silu", normalize="max_len_k".
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal=True, no window; self attention, or the
+    cached form where each query sequence is the last Lq tokens of its key sequence (row i sees the full mask's row
+    Lk - Lq + i; num_targets counts the key sequence's targets). HSTU itself is activation="silu",
+    normalize="max_len_k".
     """
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
     consts = _resolve(q, max_len_k, causal, window, scale, normalize)
@@ -248,7 +194,7 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
         raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
     check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
     check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
-    hstu = _hstu(q, offsets_q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
+    hstu = _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
         return _reference(q, k, v, offsets_q, lengths[0], offsets_k, lengths[1], activation, approx, *consts,
@@ -266,4 +212,5 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     return out if width == dv else out[..., :dv]
 
 
-__all__ = ["ACTIVATIONS", "APPROX", "POLY6", "activation_fn", "gdpa", "gdpa_reference", "poly6"]
+__all__ = ["ACTIVATIONS", "APPROX", "LEAKY_SLOPE", "POLY6", "Poly6", "activation_fn", "gdpa", "gdpa_reference",
+           "poly6"]

@@ -15,13 +15,21 @@ so the c contextual tokens share id 0 and every target shares the first target's
 The mask is causal: a query sees earlier ids only (and itself). Targets see the history and themselves, not each
 other; a window counts from the first target's id; the contextual block acts as one position that later tokens see
 while it lies within m of them.
+
+Cached form (generative-recommenders' cached / "delta" HSTU attention): when the query sequence is shorter than its
+key sequence (Lq < Lk), query row i is the token at position i + Lk - Lq of the key sequence (bottom-right aligned,
+as FlashAttention aligns causal cross attention) and sees exactly that position's row of the full mask above, with
+n = Lk and num_targets counting the key sequence's last tokens. Self attention is the case Lq = Lk. Rows at a
+negative position (Lq > Lk) see no key.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class HstuMask(NamedTuple):
@@ -34,10 +42,11 @@ class HstuMask(NamedTuple):
 
 
 def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tensor, causal: bool, window,
-              cross: bool, device: torch.device) -> HstuMask | None:
-    """None when no HSTU argument is given, else the checked HstuMask. One clear error for combinations that do
-    not make sense: the HSTU mask is generative-recommenders' causal self-attention mask, so it needs causal=True,
-    no window (max_attn_len is its window) and no separate key sequences."""
+              device: torch.device) -> HstuMask | None:
+    """None when no HSTU argument is given, else the checked HstuMask. offsets: the key sequences' offsets (the
+    targets are their last tokens). One clear error for combinations that do not make sense: the HSTU mask is
+    generative-recommenders' causal mask, so it needs causal=True and no window (max_attn_len is its window).
+    Queries may be the last tokens of their key sequences (the cached form, module doc)."""
     if num_targets is None and not contextual_len and max_attn_len is None:
         return None
     if isinstance(contextual_len, bool) or not isinstance(contextual_len, int) or contextual_len < 0:
@@ -50,8 +59,6 @@ def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tenso
                          "(got causal=False)")
     if window is not None:
         raise ValueError(f"window does not combine with the HSTU mask: use max_attn_len (got window={window!r})")
-    if cross:
-        raise ValueError("the HSTU mask is for self attention: offsets_k must be offsets_q (got other key offsets)")
     nb = offsets.numel() - 1
     if num_targets is None:
         targets = torch.zeros(nb, dtype=torch.int32, device=device)
@@ -64,27 +71,65 @@ def hstu_args(num_targets, contextual_len, max_attn_len, *, offsets: torch.Tenso
         if num_targets.device != device:
             raise ValueError(f"num_targets is on {num_targets.device} but the values are on {device}")
         targets = num_targets.contiguous()
-        lengths = offsets[1:] - offsets[:-1]
-        if nb and targets.device.type == "cpu" and not torch.compiler.is_compiling():
-            bad = (targets < 0) | (targets > lengths)
-            if bool(bad.any()):
-                b = int(bad.nonzero()[0, 0])
-                raise ValueError(f"num_targets[{b}] must lie in [0, length {int(lengths[b])}] "
-                                 f"(got {int(targets[b])})")
-        elif nb:  # no host sync: an asynchronous device assert
-            torch._assert_async(((targets >= 0) & (targets <= lengths)).all(),
-                                "num_targets must lie in [0, the sequence's length]")
+        if nb and not _checked_before(num_targets, offsets):
+            _check_targets(targets, offsets)
+            _remember(num_targets, offsets)
     return HstuMask(targets, int(contextual_len), int(max_attn_len or 0))
 
 
-def hstu_visible_mask(lengths: torch.Tensor, max_len: int, hstu: HstuMask) -> torch.Tensor:
-    """[B, max_len, max_len] bool: key j visible to query i under the HSTU mask (in-sequence positions only)."""
+# num_targets tensors checked against an offsets tensor, at both versions: every layer of a model passes the same
+# pair, so the check (a few kernels and an assert on the GPU) runs once per batch
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _versions(num_targets: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int] | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return num_targets._version, offsets._version
+    except RuntimeError:  # inference tensors: no version, checked every call
+        return None
+
+
+def _checked_before(num_targets: torch.Tensor, offsets: torch.Tensor) -> bool:
+    versions = _versions(num_targets, offsets)
+    seen = _CHECKED.get(num_targets) if versions is not None else None
+    return seen is not None and seen[0]() is offsets and seen[1] == versions
+
+
+def _remember(num_targets: torch.Tensor, offsets: torch.Tensor) -> None:
+    versions = _versions(num_targets, offsets)
+    if versions is not None:
+        _CHECKED[num_targets] = (weakref.ref(offsets), versions)
+
+
+def _check_targets(targets: torch.Tensor, offsets: torch.Tensor) -> None:
+    """num_targets within [0, the key sequence's length]: a ValueError on the CPU, an asynchronous device assert
+    (invalid data only, no host sync) on the GPU."""
+    lengths = offsets[1:] - offsets[:-1]
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (targets < 0) | (targets > lengths)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"num_targets[{b}] must lie in [0, length {int(lengths[b])}] (got {int(targets[b])})")
+    else:
+        torch._assert_async(((targets >= 0) & (targets <= lengths)).all(),
+                            "num_targets must lie in [0, the key sequence's length]")
+
+
+def hstu_visible_mask(lengths: torch.Tensor, max_len: int, hstu: HstuMask, lengths_q: torch.Tensor | None = None,
+                      max_len_q: int | None = None) -> torch.Tensor:
+    """[B, max_len_q, max_len] bool: key j visible to query row i under the HSTU mask (in-sequence positions only).
+    lengths: the key sequences' lengths; lengths_q (default: lengths, self attention): the query sequences', whose
+    row i sits at position i + Lk - Lq (the cached form); max_len_q defaults to max_len."""
     dev = lengths.device
     n = lengths.long()[:, None, None]
+    nq = n if lengths_q is None else lengths_q.long().to(dev)[:, None, None]
     cs = max(hstu.contextual_len - 1, 0)
     last = n - hstu.num_targets.long().to(dev)[:, None, None] - cs
-    pos = torch.arange(max_len, device=dev)
-    i, j = pos[None, :, None], pos[None, None, :]
+    row = torch.arange(max_len if max_len_q is None else max_len_q, device=dev)[None, :, None]
+    i = row + (n - nq)  # the query row's position in its key sequence
+    j = torch.arange(max_len, device=dev)[None, None, :]
     id_i = torch.minimum((i - cs).clamp_min(0), last)
     id_j = torch.minimum((j - cs).clamp_min(0), last)
     dist = id_i - id_j
@@ -94,4 +139,4 @@ def hstu_visible_mask(lengths: torch.Tensor, max_len: int, hstu: HstuMask) -> to
     vis = (i == j) | near
     if hstu.contextual_len > 0:
         vis = vis | ((id_i == 0) & (id_j < last))
-    return vis & (i < n) & (j < n)
+    return vis & (row < nq) & (i >= 0) & (j < n)

@@ -8,8 +8,9 @@ Masks, with i the query position and j the key position inside one sequence, and
   causal:            j <= i + shift
   window=(left, r):  i + shift - left <= j <= i + shift + r   (None or -1 = unbounded on that side)
   window=w (int):    causal left window, same as causal=True, window=(w, 0)
-  HSTU (num_targets, contextual_len, max_attn_len): generative-recommenders' target-aware causal mask for self
-                     attention (gem/ops/hstu_mask.py)
+  HSTU (num_targets, contextual_len, max_attn_len): generative-recommenders' target-aware causal mask
+                     (gem/ops/hstu_mask.py); with Lq < Lk the queries are their key sequences' last tokens
+                     (the cached form: each sees its position's row of the full self-attention mask)
 Rows that see no key (empty window, Lk = 0) output 0 and get zero gradient.
 Any head dim 1..256 (the Triton path zero-pads heads to its next tile width: 16, 32, 64, 128 or 256).
 
@@ -31,6 +32,7 @@ from gem.ops._common import (
     check_offsets,
     clamp_window,
     jagged_to_padded,
+    norm_window,
     pad_head_dim,
     padded_rows,
     resolve_kernel,
@@ -40,27 +42,6 @@ from gem.ops.dispatch import call_class, choose
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _norm_window(causal: bool, window) -> tuple[int, int]:
-    """-> (left, right) with -1 meaning unbounded; causal folds into right <= 0."""
-    if window is None:
-        left, right = -1, -1
-    elif isinstance(window, bool):
-        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
-    elif isinstance(window, int):
-        if window < 0:
-            raise ValueError(f"window={window}: an int window must be >= 0")
-        left, right = window, 0
-    elif isinstance(window, (tuple, list)) and len(window) == 2:
-        left, right = (-1 if w is None else w for w in window)
-        if not all(isinstance(w, int) and w >= -1 for w in (left, right)):
-            raise ValueError(f"window={window!r}: sides must be ints >= 0, or None / -1 for unbounded")
-    else:
-        raise TypeError(f"window must be an int or a (left, right) pair, got {window!r}")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
 
 
 def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
@@ -130,21 +111,23 @@ def jagged_attention(
     denominator (falls back to "inf" per tile when that would cancel); "inf" masks them with -inf; "auto" (the
     default) takes "inf" for sliding windows (a left window bound) and "sub" otherwise, the faster of the two on the
     H200 for each. The Triton forward loads K/V through TMA descriptors where the tensors allow it; the backward
-    takes its "base" form for long rows (max_len_q >= 16384) without a left window, else the v2 one. The
+    computes delta in a preprocessing kernel for long rows (max_len_q >= 16384) without a left window, else fuses
+    it into its dQ pass (gem.ops.triton_jfa._bwd_form). The
     per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
     not modified in place, so pass the same offsets objects to every layer.
 
     num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
     first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
-    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal self attention only (causal=True, no window,
-    no offsets_k).
+    generative-recommenders' HSTU mask (gem/ops/hstu_mask.py): causal=True and no window. With offsets_k the
+    queries are the last Lq tokens of each key sequence (generative-recommenders' cached form: row i sees the full
+    self-attention mask's row Lk - Lq + i; num_targets counts the key sequence's targets).
     """
     _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
-    hstu = hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q, causal=causal, window=window,
-                     cross=offsets_k is not None and offsets_k is not offsets_q, device=q.device)
+    hstu = hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q if offsets_k is None else offsets_k,
+                     causal=causal, window=window, device=q.device)
     if mask_mode not in ("auto", "sub", "inf"):
         raise ValueError(f"mask_mode={mask_mode!r}: expected 'auto', 'sub' or 'inf'")
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     if mask_mode == "auto":
         mask_mode = "inf" if left >= 0 else "sub"
     if offsets_k is None:
@@ -281,8 +264,8 @@ def visible_mask(lq: torch.Tensor, lk: torch.Tensor, max_q: int, max_k: int, lef
 
 def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, left=-1, right=-1,
                                scale=None, hstu: HstuMask | None = None, return_lse=False):
-    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype. hstu (self
-    attention): the HSTU mask in place of left / right.
+    """Padded PyTorch attention in fp32 (fp64 if given fp64), differentiable; output in q's dtype. hstu: the HSTU
+    mask (self or cached form) in place of left / right.
 
     return_lse: also the rows' log-sum-exp, [H, Tq] in the compute dtype, -inf for rows that see no key."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
@@ -300,7 +283,7 @@ def jagged_attention_reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len
         vp = vp.repeat_interleave(h // h_kv, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
     if hstu is not None:
-        vis = hstu_visible_mask(lq, max(mq, mk), hstu)[:, None, :mq, :mk]
+        vis = hstu_visible_mask(lk, mk, hstu, lq, mq)[:, None]
     else:
         vis = visible_mask(lq, lk, mq, mk, left, right)[:, None]
     s = s.masked_fill(~vis, float("-inf"))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
-from gem.ops._tune import ConfigTuner, reg_cap
+from gem.ops._tune import ConfigTuner, attention_smem, reg_cap
 from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
@@ -442,6 +442,25 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
     return out
 
 
+# Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads), largest first.
+FALLBACK = [(32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _smem(kind: str, d: int, elt: int):
+    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass, at the tile width of
+    head dim d: the forward holds q and streams K/V, dK/dV the reverse, dQ holds q and dO and streams K/V."""
+    width = max(16, next_pow2(d))
+
+    def estimate(cfg) -> int:
+        bm, bn, _, stages = cfg[:4]
+        if kind == "fwd":
+            return attention_smem(bm * width, 2 * bn * width, stages, elt, bm * bn)
+        if kind == "dkdv":
+            return attention_smem(2 * bn * width, 2 * bm * width, stages, elt, bm * bn)
+        return attention_smem(2 * bm * width, 2 * bn * width, stages, elt, bm * bn)
+    return estimate
+
+
 _TUNER = ConfigTuner("gem.ops.block")
 
 
@@ -555,7 +574,8 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
-    launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device, outputs=(o, lse)))
+    launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device, outputs=(o, lse),
+                       estimate=lambda cfg: _smem("fwd", q.shape[2], q.element_size())(cfg), fallback=FALLBACK))
     return o, lse, (k_s if k_s is not k else None)
 
 
@@ -599,7 +619,9 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     for kind, fn in (("dq", dq_pass), ("dkdv", dkdv)):  # dQ first: it writes delta
         run = functools.partial(fn, q_s=q_s, k_s=k_s)
         run(_TUNER.pick(kind, key, lambda kind=kind: configs(kind, block_size), run, q.device,
-                        outputs=(dq, delta) if kind == "dq" else (dk, dv)))
+                        outputs=(dq, delta) if kind == "dq" else (dk, dv),
+                        estimate=lambda cfg, kind=kind: _smem(kind, q.shape[2], q.element_size())(cfg),
+                        fallback=FALLBACK))
     return dq, dk, dv
 
 

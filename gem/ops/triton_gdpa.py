@@ -28,11 +28,11 @@ import triton.language as tl
 
 from gem.ops import triton_utils as tu
 from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
-from gem.ops._tune import ConfigTuner
-from gem.ops.gdpa import ACTIVATIONS, LEAKY_SLOPE, POLY6
+from gem.ops._tune import ConfigTuner, attention_smem, shared_memory_limit
+from gem.ops.gdpa_consts import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
-SHORT_KV_ELEMS = 128 * 128  # ... and while BLOCK_N * D stays within this many elements
+SHORT_KV_ELEMS = 128 * 128  # ... while BLOCK_N * D stays within this many elements, and the tiles fit (_fits)
 # one-pass backward while a sequence's whole K/V fits one tile whose fp32 dK and dV stay in registers
 SHORT_BWD_ELEMS = 64 * 128
 # Tests set this to NaN: outputs start as NaN, so a row that no program writes fails the comparison.
@@ -211,7 +211,7 @@ def _q_item(Q, X, K, V, OFF_Q, OFF_K, b, head, stride_qt, stride_qh, stride_xt, 
     Xb = X + q_start * stride_xt + head * stride_xh
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     return q_start, lq, lk, doff, offs_d, d_ok, offs_n0, Qb, Xb, Kb, Vb, hstu
 
 
@@ -457,7 +457,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, OFF_Q, OFF_K, WORK, stride_qt, stride_
     n0 = tile * BLOCK_N
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -559,7 +559,7 @@ def _bwd_short_kernel(Q, K, V, DO, DQ, DK, DV, OFF_Q, OFF_K, ORDER, stride_qt, s
     kvh = tl.program_id(0) % NUM_KV_HEADS
     q_start, lq, k_start, lk = _seq_bounds(OFF_Q, OFF_K, b)
     doff = lk - lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, lq, lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     Kb = K + k_start * stride_kt + kvh * stride_kh
     Vb = V + k_start * stride_vt + kvh * stride_vh
     DKb = DK + k_start * stride_dkt + kvh * stride_dkh
@@ -685,6 +685,43 @@ else:
                                                   (16, False, 4, 2), (32, False, 8, 3), (64, False, 8, 2),
                                                   (32, False, 8, 2)]),
     }
+# Smaller tiles per kind for where no candidate fits the device's shared memory (fp32 at wide heads), largest
+# first; the short-K/V kinds cannot shrink their K/V tile, so their paths are taken only where they fit (_fits).
+FALLBACK = {
+    "fwd_short": _configs((), [(4, 1)]),
+    "fwd_long": _configs(("BLOCK_N",), [(32, 4, 1), (16, 4, 1)]),
+    "fwd_long_small": _configs(("BLOCK_N",), [(32, 4, 1), (16, 4, 1)]),
+    "bwd_dkdv": _configs(("BLOCK_M",), [(16, 4, 1)]),
+    "bwd_dq": _configs(("BLOCK_N",), [(32, 4, 1), (16, 4, 1)]),
+    "bwd_dq_small": _configs(("BLOCK_N",), [(32, 4, 1), (16, 4, 1)]),
+    "bwd_short": _configs(("BLOCK_M", "KT"), [(16, False, 4, 1)]),
+}
+
+
+def _smem(kind: str, kwargs: dict, elt: int):
+    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one kernel kind, its fixed tile
+    sizes taken from kwargs: the forward holds q and streams K/V (the short-K/V one the reverse), dK/dV and the
+    one-pass backward hold K/V and stream q/dO, dQ holds q/dO and streams K/V."""
+    def estimate(cfg: dict) -> int:
+        kw = {**kwargs, **cfg}
+        bm, bn, bd, stages = kw["BLOCK_M"], kw.get("BLOCK_N", 0), kw["BLOCK_D"], kw["num_stages"]
+        if kind == "fwd_short":
+            return attention_smem(2 * bn * bd, bm * bd, stages, elt, bm * bn)
+        if kind.startswith("fwd"):
+            return attention_smem(bm * bd, 2 * bn * bd, stages, elt, bm * bn)
+        if kind == "bwd_dkdv":
+            return attention_smem(2 * bn * bd, 2 * bm * bd, stages, elt, bm * bn)
+        if kind == "bwd_short":
+            return attention_smem(2 * bn * bd, 2 * bm * bd, stages, elt, 2 * bm * bn)
+        return attention_smem(2 * bm * bd, 2 * bn * bd, stages, elt, bm * bn)
+    return estimate
+
+
+def _fits(kind: str, kwargs: dict, elt: int, device) -> bool:
+    """Whether the smallest fallback of a short-K/V kind fits this device's shared memory."""
+    return _smem(kind, kwargs, elt)(FALLBACK[kind][-1]) <= shared_memory_limit(device)
+
+
 # each kernel kind: the kernel, and the constexprs its tuning key holds besides _KEY, max_len_bucket and dtypes
 _KEY = ("HEAD_DIM", "ACT", "POLY", "MASKED")
 _KINDS = {"fwd_short": (_fwd_kernel, ("SHORT_KV", "BLOCK_N", "TILES", "BLOCK_M")),
@@ -707,7 +744,9 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict, outputs: tuple) -
     def launch(cfg):
         kernel[grid](*args, **kwargs, **cfg)
 
-    launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device, outputs=outputs))
+    launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device, outputs=outputs,
+                       estimate=lambda cfg: _smem(kind, kwargs, args[0].element_size())(cfg),
+                       fallback=FALLBACK[kind]))
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -809,6 +848,10 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     kv_tile = tu.len_bucket(max_len_k)
     use_short = (kv_tile <= SHORT_KV_MAX and kv_tile * tu.len_bucket(d) <= SHORT_KV_ELEMS) if short_kv < 0 else bool(
         short_kv)
+    bd = tu.len_bucket(d)
+    if use_short and not _fits("fwd_short", {"BLOCK_M": _fwd_block_m(d, kv_tile), "BLOCK_N": kv_tile, "BLOCK_D": bd},
+                               q.element_size(), q.device):
+        use_short = False  # its K/V tile does not fit (fp32 at wide heads): the tiled path
     block_m = _fwd_block_m(d, kv_tile if use_short else 0)
     tiles = 1
     flat = False
@@ -820,7 +863,7 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
     table = _table(offsets_q, offsets_k, max_len_q, block_m * tiles, left, right, ordered, False, t)
     common = dict(BLOCK_M=block_m, TILES=tiles,
                   **_common(q, k, left, right, activation, approx, num_targets is not None),
-                  **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q))
+                  **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k)))
     args = _launch_args((q, k, v, out), offsets_q, offsets_k, table, scale, out_scale, left, right, max_len_k, h)
     grid = (table.shape[0] * h,)
     if use_short:
@@ -849,11 +892,13 @@ def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     t, h, d = q.shape
     if h == 0 or (max_len_q == 0 and max_len_k == 0):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)
+    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))
     kv_tile = tu.len_bucket(max_len_k)
     fits = kv_tile <= 128 and kv_tile * tu.len_bucket(d) <= SHORT_BWD_ELEMS
     # by default only with a wave of programs at least: one program walks a whole sequence's q tiles
     wide = (offsets_q.numel() - 1) * k.shape[1] >= tu.num_sms(q.device)
+    fits = fits and _fits("bwd_short", {"BLOCK_M": 16, "BLOCK_N": kv_tile, "BLOCK_D": tu.len_bucket(d)},
+                          q.element_size(), q.device)
     if (fits and wide if short_kv < 0 else bool(short_kv) and fits) and offsets_q.numel() > 1:
         return _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, approx, left, right,
                                scale, out_scale, ordered, hstu)

@@ -15,9 +15,9 @@ Scheme (see gem/ops/jfa.py for the mask semantics):
 - Backward is deterministic: dK/dV accumulate in registers over the q tiles and the q heads of the GQA group;
   dQ is a separate pass. No atomics.
 - The forward loads K/V tiles through per-sequence TMA descriptors where the tensors allow it (_tma_ok), else
-  through pointers. The backward has two forms (_bwd_form): "base" for long rows with no left window (delta from
-  a preprocessing kernel, dK/dV pass first, K/V loaded transposed) and "v2" elsewhere (the forward's loads, delta
-  fused into the dQ pass, which runs first, lean masks on edge tiles, TMA loads at D 128).
+  through pointers. The backward has two forms (_bwd_form): "delta_pre" for long rows with no left window (delta
+  from a preprocessing kernel, dK/dV pass first, K/V loaded transposed) and "fused_delta" elsewhere (the forward's
+  loads, delta fused into the dQ pass, which runs first, lean masks on edge tiles, TMA loads at D 128).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from gem.ops import triton_utils as tu
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
-from gem.ops._tune import ConfigTuner, reg_cap
+from gem.ops._tune import ConfigTuner, attention_smem, reg_cap
 
 LOG2E = 1.4426950408889634
 
@@ -114,8 +114,8 @@ def _kv_descs(k_base, v_base, Lk, stride_kt, stride_vt, BLOCK_N: tl.constexpr, H
 @triton.jit
 def _vis2(rows, cols, shift, Lk, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           RIGHT_CLOSED: tl.constexpr):
-    """_vis for the v2 kernels, without the checks they do not need: rows past Lq are never stored and rows do not
-    mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
+    """_vis for the fused_delta form's kernels, without the checks they do not need: rows past Lq are never stored
+    and rows do not mix, and a closed right edge (right = 0) keeps every in-sequence row's window inside [0, Lk)."""
     m = cols[None, :] >= 0
     if not RIGHT_CLOSED:
         m = cols[None, :] < Lk
@@ -256,7 +256,7 @@ def _q_kv_item(K, V, OFF_Q, OFF_K, item, h, NT, stride_kt, stride_kh, stride_vt,
     key tiles."""
     m0, q_start, Lq, k_start, Lk, shift, kvh, offs_m, offs_n, offs_d, in_q = _q_item(OFF_Q, OFF_K, item, h, NT, GROUP,
                                                                                   BLOCK_M, BLOCK_N, HEAD_D)
-    hstu = tu.hstu_seq(NUM_TARGETS, item // NT, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, item // NT, Lq, Lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
     k_base, v_base = _kv_bases(K, V, k_start, kvh, stride_kt, stride_kh, stride_vt, stride_vh)
     desc_k, desc_v = k_base, v_base
     if TMA:
@@ -387,14 +387,14 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN,
                          HSTU: tl.constexpr):
-    item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
+    item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # fused_delta: the flat grid
     if item < 0:
         return
     b = item // NT
     n0 = (item % NT) * BLOCK_N
     q_start, Lq, k_start, Lk = _seq_bounds(OFF_Q, OFF_K, b)
     shift = Lk - Lq
-    hstu = tu.hstu_seq(NUM_TARGETS, b, Lq, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
+    hstu = tu.hstu_seq(NUM_TARGETS, b, Lq, Lk, HSTU_CTX, HSTU_MAX_ATTN, HSTU)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -506,7 +506,7 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr,
                        FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                        NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
-    item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # v2: the flat grid
+    item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # fused_delta: the flat grid
     if item < 0:
         return
     (q_start, Lq, Lk, shift, offs_m, offs_n, offs_d, in_q, hstu, k_base, v_base, desc_k, desc_v, lo, n_t, k_lo, k_hi,
@@ -559,20 +559,24 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
     return tu.work_table("seq_span", offsets_a, offsets_b, max_len_a, block, left=left, right=right)
 
 
-# The backward form per call: "base" from this max_len_q up when there is no left window (full or causal rows). v2
-# was measured ahead through rows of 8192 at D 128 (2-3.5% at ~U[1, 8192]) and not timed above that, where "base"
-# stays. A module constant so tests can move it.
-_BWD_BASE_MIN_LEN = 16384
+# The backward form per call: "delta_pre" from this max_len_q up when there is no left window (full or causal rows).
+# fused_delta was measured ahead through rows of 8192 at D 128 (2-3.5% at ~U[1, 8192]) and not timed above that,
+# where "delta_pre" stays. A module constant so tests can move it.
+_BWD_DELTA_PRE_MIN_LEN = 16384
+
+
+# the forms' names in tuning keys, as the shipped picks (gem/ops/tuned/defaults.json) and users' caches hold them
+_TUNE_TAG = {"delta_pre": "base", "fused_delta": "v2"}
 
 
 def _bwd_form(max_len_q: int, left: int) -> str:
-    """"base" or "v2" (see the module doc): a left window bounds the rows each tile visits, where the v2 backward's
-    lean edge masks and fused delta win."""
-    return "base" if max_len_q >= _BWD_BASE_MIN_LEN and left < 0 else "v2"
+    """"delta_pre" or "fused_delta" (see the module doc): a left window bounds the rows each tile visits, where the
+    fused_delta backward's lean edge masks and fused delta win."""
+    return "delta_pre" if max_len_q >= _BWD_DELTA_PRE_MIN_LEN and left < 0 else "fused_delta"
 
 
-# Head dims whose v2 backward takes TMA loads on the GPU (others take pointer loads). At D = 64 the TMA backward
-# faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; tools/jfa_fault_matrix.py).
+# Head dims whose fused_delta backward takes TMA loads on the GPU (others take pointer loads). At D = 64 the TMA
+# backward faulted on the H200 (unspecified launch failure, non-causal, rows of 1000 and more; tools/jfa_fault_matrix.py).
 # The interpreter still runs it.
 _TMA_BWD_HEAD_DIMS = (128,)
 
@@ -596,16 +600,16 @@ def _fwd_configs(d: int):
     return [(64, 64, 4, 2), (128, 32, 8, 2)]
 
 
-def _bwd_configs(d: int, form: str = "base"):
+def _bwd_configs(d: int, form: str = "delta_pre"):
     """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages): each pass takes its half of
     every entry as a candidate (_pass_configs); the first entry is the default."""
     if triton_interpreting():
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
-        if form == "base":
+        if form == "delta_pre":
             return [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)]
-        # (32, 128, ...): the one 8-warp v2 dK/dV tile that ptxas fits in 255 registers without spilling (the 64-row
-        # ones spill). The 4-warp (32, 64, ...) tiles run two programs per SM, so one's K/V load and dK/dV store
+        # (32, 128, ...): the one 8-warp fused_delta dK/dV tile that ptxas fits in 255 registers without spilling (the
+        # 64-row ones spill). The 4-warp (32, 64, ...) tiles run two programs per SM, so one's K/V load and dK/dV store
         # overlap the other's loop; the 3-stage one is the tuner's usual dK/dV pick at D 128 on the H200. No 32-key
         # dQ tile: (64, 32, 4, 2) timed 7% faster on causal rows of <= 1024 tokens but returned non-finite dQ on
         # causal jagged rows on the H200 (the interpreter computes it right).
@@ -623,6 +627,24 @@ def _pass_configs(d: int, form: str, which: str):
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+# Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads): (BLOCK_M, BLOCK_N,
+# num_warps, num_stages), largest first.
+_FALLBACK = [(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _smem(pass_: str, d: int, elt: int):
+    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass: the forward holds its q
+    tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ holds q/dO and streams K/V."""
+    def estimate(cfg) -> int:
+        bm, bn, _, stages = cfg[:4]
+        if pass_ == "fwd":
+            return attention_smem(bm * d, 2 * bn * d, stages, elt, bm * bn)
+        if pass_ == "dkdv":
+            return attention_smem(2 * bn * d, 2 * bm * d, stages, elt, bm * bn)
+        return attention_smem(2 * bm * d, 2 * bn * d, stages, elt, bm * bn)
+    return estimate
 
 
 _TUNER = ConfigTuner("gem.ops.jfa")
@@ -655,7 +677,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
         triton.set_allocator(_scratch)  # a context variable: set it on this thread, right before launch
     common = {"GROUP": group, "SUB": not mask_inf, "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0,
               "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
-              **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+              **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))}
 
     def launch(cfg):
         bm, bn, warps, stages = cfg[:4]
@@ -669,7 +691,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
     key = (tma, d, q.dtype, tu.len_bucket(max_len_q), tu.len_bucket(max_len_k), left, right, mask_inf)
     if num_targets is not None:  # keys without the HSTU mask stay as they were
         key += ("hstu",)
-    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse)))
+    launch(_TUNER.pick("fwd", key, lambda: _fwd_configs(d), launch, q.device, outputs=(out, lse),
+                       estimate=lambda cfg: _smem("fwd", d, q.element_size())(cfg), fallback=_FALLBACK))
     return out, lse
 
 
@@ -690,18 +713,19 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     if tq == 0:  # keys without any query: zero gradient
         return dq, dk.zero_(), dv.zero_()
     form = _bwd_form(max_len_q, left)
-    v2 = form == "v2"
-    tma = v2 and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
+    fused = form == "fused_delta"
+    tma = fused and (not q.is_cuda or d in _TMA_BWD_HEAD_DIMS) and _tma_ok(q, k, v, do)
     if tma and q.is_cuda:
         triton.set_allocator(_scratch)  # the backward may run on another thread than the forward
     delta = torch.empty_like(lse)
-    if not v2:
+    if not fused:
         pre_block = 16 if triton_interpreting() else 128
         _jfa_bwd_pre_kernel[(cdiv(tq, pre_block), h)](
             out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
             BLOCK=pre_block, HEAD_D=d)
+    hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
-              "ROWMAJOR": v2, "TMA": tma, **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max_len_q)}
+              "ROWMAJOR": fused, "TMA": tma, **hstu}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
@@ -713,30 +737,31 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     passes = {
         "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, 1, h_kv, (dk, dv), {}),
         "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, 0, h, (dq, out),
-                   {"SUB": not mask_inf, "MASK_EDGE": mask_inf, "FUSE_DELTA": v2, "RIGHT_CLOSED": right == 0}),
+                   {"SUB": not mask_inf, "MASK_EDGE": mask_inf, "FUSE_DELTA": fused, "RIGHT_CLOSED": right == 0}),
     }
 
     def launch(kind, cfg):
         kernel, off_a, off_b, max_len_a, tile_of, heads, (out1, out2), extra = passes[kind]
         bm, bn, warps, stages = cfg
         work, nt = _cached_table(off_a, off_b, max_len_a, cfg[tile_of], left, right)
-        kernel[(work.numel() * heads,) if v2 else (work.numel(), heads)](
+        kernel[(work.numel() * heads,) if fused else (work.numel(), heads)](
             q, k, v, do, lse, delta, out1, out2, offsets_q, offsets_k, work, *in_strides, out1.stride(0),
             out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
 
-    key = ("base" if not v2 else "v2-tma" if tma else "v2", d, q.dtype, tu.len_bucket(max_len_q),
+    key = (_TUNE_TAG[form] + ("-tma" if tma else ""), d, q.dtype, tu.len_bucket(max_len_q),
            tu.len_bucket(max_len_k), left, right, group)
     if num_targets is not None:
         key += ("hstu",)
-    # v2: the dQ pass writes delta, which dK/dV reads; base: the pre kernel wrote it
-    for kind in ("bwd_dq", "bwd_dkdv") if v2 else ("bwd_dkdv", "bwd_dq"):
+    # fused_delta: the dQ pass writes delta, which dK/dV reads; delta_pre: the pre kernel wrote it
+    for kind in ("bwd_dq", "bwd_dkdv") if fused else ("bwd_dkdv", "bwd_dq"):
         if kind == "bwd_dkdv" and not tk:
             continue
         run = functools.partial(launch, kind)
-        written = (dk, dv) if kind == "bwd_dkdv" else (dq, delta) if v2 else (dq,)  # base: delta is an input
+        written = (dk, dv) if kind == "bwd_dkdv" else (dq, delta) if fused else (dq,)  # delta_pre: delta is an input
         run(_TUNER.pick(kind, key, lambda kind=kind: _pass_configs(d, form, kind[4:]), run, q.device,
-                        outputs=written))
+                        outputs=written, estimate=lambda cfg, p=kind[4:]: _smem(p, d, q.element_size())(cfg),
+                        fallback=_FALLBACK))
     return dq, dk, dv
 
 
@@ -809,7 +834,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
                         mask_inf=False, hstu=None):
     """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse. hstu:
-    a gem.ops.hstu_mask.HstuMask (self attention, no window)."""
+    a gem.ops.hstu_mask.HstuMask (self attention or its cached form, no window)."""
     args = (_unit_last(q), _unit_last(k), _unit_last(v), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
             float(scale), int(left), int(right), bool(mask_inf))
     if hstu is not None:

@@ -65,27 +65,30 @@ def edge_runs(p0, p_last, lo, n_t, off, below, above, HAS_BELOW, HAS_ABOVE, BLOC
 
 @triton.jit
 def hstu_visible(r, c, hstu):
-    """generative-recommenders' HSTU mask (gem/ops/hstu_mask.py) for query positions r and key positions c of one
-    sequence, broadcast against each other (r[:, None] and c[None, :], or transposed). hstu = (n, first target
-    position, contextual_len, max_attn_len with 0 unbounded); positions past n are invisible."""
-    n, ft, ctx, max_attn = hstu
+    """generative-recommenders' HSTU mask (gem/ops/hstu_mask.py) for query rows r and key positions c of one
+    sequence, broadcast against each other (r[:, None] and c[None, :], or transposed). hstu = (n keys, first target
+    position, contextual_len, max_attn_len with 0 unbounded, qoff): query row r sits at key position r + qoff
+    (Lk - Lq: 0 for self attention, the cached form's offset otherwise); positions outside [0, n) are invisible."""
+    n, ft, ctx, max_attn, qoff = hstu
+    p = r + qoff
     cs = tl.maximum(ctx - 1, 0)
     last = ft - cs
-    id_r = tl.minimum(tl.maximum(r - cs, 0), last)
+    id_r = tl.minimum(tl.maximum(p - cs, 0), last)
     id_c = tl.minimum(tl.maximum(c - cs, 0), last)
     dist = id_r - id_c
-    vis = (r == c) | ((dist > 0) & ((dist <= max_attn) | (max_attn <= 0)))
+    vis = (p == c) | ((dist > 0) & ((dist <= max_attn) | (max_attn <= 0)))
     vis = vis | ((ctx > 0) & (id_r == 0) & (id_c < last))
-    return vis & (r < n) & (c < n)
+    return vis & (p >= 0) & (p < n) & (c < n)
 
 
 @triton.jit
-def hstu_seq(NUM_TARGETS, b, n, ctx, max_attn, HSTU: tl.constexpr):
-    """The hstu tuple of sequence b (n tokens) for hstu_visible; a placeholder, never read, when not HSTU."""
-    ft = n
+def hstu_seq(NUM_TARGETS, b, lq, lk, ctx, max_attn, HSTU: tl.constexpr):
+    """The hstu tuple of sequence b (lq queries, the last of its lk keys) for hstu_visible; a placeholder, never
+    read, when not HSTU."""
+    ft = lk
     if HSTU:
-        ft = n - tl.load(NUM_TARGETS + b).to(tl.int32)
-    return n, ft, ctx, max_attn
+        ft = lk - tl.load(NUM_TARGETS + b).to(tl.int32)
+    return lk, ft, ctx, max_attn, lk - lq
 
 
 @triton.jit
@@ -94,40 +97,56 @@ def hstu_key_tiles(m0, hstu, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     runs (see hstu_tile_start). Rows see earlier ids and themselves; contextual rows every non-target key; a
     max_attn_len window counts from the row's id (the first target's for targets) and reaches back to 0 once it
     meets the contextual block. A tile of targets only sees the history before the first target and itself, so
-    the other targets' tiles between are skipped."""
-    n, ft, ctx, max_attn = hstu
-    hi = tl.minimum(m0 + BLOCK_M, n)
-    hi = tl.minimum(tl.where(m0 < ctx, tl.maximum(hi, ft), hi), n)
-    lo = tl.minimum(m0, ft) - max_attn
+    the other targets' tiles between are skipped. Rows at negative positions (the cached form's) see nothing."""
+    n, ft, ctx, max_attn, qoff = hstu
+    p_end = m0 + qoff + BLOCK_M  # positions [p0, p_end) of the rows
+    p0 = tl.maximum(m0 + qoff, 0)
+    hi = tl.minimum(p_end, n)
+    hi = tl.minimum(tl.where(p0 < ctx, tl.maximum(hi, ft), hi), n)
+    lo = tl.minimum(p0, ft) - max_attn
     lo = tl.where((max_attn > 0) & (lo >= ctx), lo, 0)
-    e1 = tl.where(m0 > ft, ft, hi)  # end of the history run
+    e1 = tl.where(p0 > ft, ft, hi)  # end of the history run
     b0 = lo // BLOCK_N
     b_end = tl.maximum(tl.cdiv(e1, BLOCK_N), b0)
-    c0 = tl.maximum(b_end, m0 // BLOCK_N)
-    n_c = tl.where(m0 > ft, tl.maximum(tl.cdiv(hi, BLOCK_N) - c0, 0), 0)
-    return 0, b0, b_end - b0, c0, n_c
+    c0 = tl.maximum(b_end, p0 // BLOCK_N)
+    n_c = tl.where(p0 > ft, tl.maximum(tl.cdiv(hi, BLOCK_N) - c0, 0), 0)
+    none = p_end <= 0
+    return 0, b0, tl.where(none, 0, b_end - b0), c0, tl.where(none, 0, n_c)
+
+
+@triton.jit
+def _row_tile(pos, qoff, lq, BLOCK: tl.constexpr, UP: tl.constexpr):
+    """The tile index (BLOCK rows, aligned at row 0) of the row at key position pos, clamped to rows [0, lq];
+    UP rounds up (an exclusive end)."""
+    r = tl.minimum(tl.maximum(pos - qoff, 0), lq)
+    if UP:
+        return tl.cdiv(r, BLOCK)
+    return r // BLOCK
 
 
 @triton.jit
 def hstu_query_tiles(n0, hstu, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The query tiles (BLOCK_M rows, aligned at 0) that may see key columns [n0, n0 + BLOCK_N) under hstu_visible,
-    as runs (see hstu_tile_start): contextual rows, rows from the key tile on up to the max_attn_len reach (its own
-    rows only for a tile of targets), the targets beyond that reach."""
-    n, ft, ctx, max_attn = hstu
+    """The query tiles (BLOCK_M rows, aligned at row 0) that may see key columns [n0, n0 + BLOCK_N) under
+    hstu_visible, as runs (see hstu_tile_start): contextual rows, rows from the key tile on up to the max_attn_len
+    reach (its own rows only for a tile of targets), the targets beyond that reach. The runs are found in key
+    positions, then mapped to the query rows (row = position - qoff) and made disjoint."""
+    n, ft, ctx, max_attn, qoff = hstu
+    lq = n - qoff
     cs = tl.maximum(ctx - 1, 0)
     n_last = tl.minimum(n0 + BLOCK_N, n) - 1
     a_end = tl.where((ctx > 0) & (n0 < ft), tl.minimum(tl.minimum(ctx, n0), n), 0)
-    n_a = tl.cdiv(a_end, BLOCK_M)
+    # from row 0: where queries outnumber keys (qoff < 0) its first tiles hold rows that see nothing
+    n_a = tl.where(a_end > 0, _row_tile(a_end, qoff, lq, BLOCK_M, True), 0)
     # targets see a non-target key j while the first target's id is within max_attn_len of j's
     j_hist = tl.minimum(n_last, ft - 1)
     t_see = (n0 < ft) & (ft - tl.maximum(j_hist, cs) <= max_attn)
     hi_b = tl.where(max_attn > 0, tl.minimum(tl.maximum(n_last, cs) + max_attn + 1, n), n)
     hi_b = tl.where(n0 >= ft, n_last + 1, hi_b)
     c_end = tl.where((max_attn > 0) & t_see, n, 0)
-    b0 = tl.maximum(n0 // BLOCK_M, n_a)
-    b_end = tl.maximum(tl.cdiv(hi_b, BLOCK_M), b0)
-    c0 = tl.maximum(b_end, ft // BLOCK_M)
-    n_c = tl.maximum(tl.cdiv(c_end, BLOCK_M) - c0, 0)
+    b0 = tl.maximum(_row_tile(n0, qoff, lq, BLOCK_M, False), n_a)
+    b_end = tl.maximum(_row_tile(hi_b, qoff, lq, BLOCK_M, True), b0)
+    c0 = tl.maximum(b_end, _row_tile(ft, qoff, lq, BLOCK_M, False))
+    n_c = tl.maximum(_row_tile(c_end, qoff, lq, BLOCK_M, True) - c0, 0)
     return n_a, b0, b_end - b0, c0, n_c
 
 
@@ -158,8 +177,8 @@ def dot_prec(dtype) -> str:
 
 def hstu_kw(offsets_q, num_targets, ctx: int, max_attn: int, max_len: int) -> dict:
     """The kernels' HSTU keyword arguments (hstu_seq); without num_targets the HSTU code is compiled out and the
-    pointer is a placeholder. ctx and max_attn are cut to what can bind in sequences of max_len, so the kernels'
-    int32 row arithmetic stays far from overflow."""
+    pointer is a placeholder. ctx and max_attn are cut to what can bind in key sequences of max_len, so the
+    kernels' int32 row arithmetic stays far from overflow."""
     if num_targets is None:
         return {"NUM_TARGETS": offsets_q, "HSTU_CTX": 0, "HSTU_MAX_ATTN": 0, "HSTU": False}
     return {"NUM_TARGETS": num_targets, "HSTU_CTX": min(ctx, max_len + 1), "HSTU_MAX_ATTN": min(max_attn, max_len),

@@ -363,7 +363,7 @@ def _bad(**kw):
         ({"q": torch.randn(3, 2, 32, dtype=torch.float64)}, "unsupported"),
         ({"oq": torch.tensor([0, 3.0])}, "offsets_q"),
         ({"ok": torch.tensor([0, 2, 4], dtype=torch.int32)}, "batch sizes"),
-        ({"window": 5}, "window=5"),
+        ({"window": -5}, "window=-5"),  # an int window is jagged_attention's causal left window (test_window.py)
         ({"normalize": "sum"}, "normalize='sum'"),
         ({"kernel": "cuda"}, "kernel='cuda'"),
     ],

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gem.ops._common import triton_interpreting
-from gem.ops.jfa import _norm_window, jagged_attention, jagged_attention_reference
+from gem.ops._common import norm_window, triton_interpreting
+from gem.ops.jfa import jagged_attention, jagged_attention_reference
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
@@ -41,7 +41,7 @@ def _run(q, k, v, lens_q, lens_k=None, *, max_q=None, max_k=None, causal=False, 
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), g))
 
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_q if off_k is None else off_k,
                                      max_q if off_k is None else max_k, left=left, right=right, scale=scale)
@@ -75,15 +75,16 @@ SELF_CASES = [
 
 
 def _pin_form(form, monkeypatch):
-    """Pins what the dispatch picks per call: "base" the long-row backward (as for rows of _BWD_BASE_MIN_LEN and
-    more), "rowmajor" the v2 backward with pointer loads (as for tensors TMA cannot take), "tma" the v2 backward with
+    """Pins what the dispatch picks per call: "delta_pre" the long-row backward (as for rows of
+    _BWD_DELTA_PRE_MIN_LEN and more), "rowmajor" the fused_delta backward with pointer loads (as for tensors TMA
+    cannot take), "tma" the fused_delta backward with
     TMA loads (the dispatch for shorter rows), "auto" nothing."""
     from gem.ops import triton_jfa
 
-    if form == "base":
-        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 0)
+    if form == "delta_pre":
+        monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 0)
     elif form in ("rowmajor", "tma"):
-        monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+        monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
         if form == "rowmajor":
             monkeypatch.setattr(triton_jfa, "_tma_ok", lambda *tensors: False)
 
@@ -159,7 +160,7 @@ def test_bfloat16(causal):
     window=st.one_of(st.none(), st.integers(0, 20), st.tuples(st.integers(0, 20), st.integers(0, 20))),
     seed=st.integers(0, 1000),
 )
-@pytest.mark.parametrize("form", ["base", "tma", "auto"])
+@pytest.mark.parametrize("form", ["delta_pre", "tma", "auto"])
 def test_hypothesis_shapes(form, lens, group, causal, window, seed, monkeypatch):
     _pin_form(form, monkeypatch)
     q, k, v = _inputs(lens, h=2, h_kv=2 // group, seed=seed)
@@ -184,7 +185,7 @@ def test_large_negative_scores(mask_mode, causal):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("form", ["base", "rowmajor", "tma"])
+@pytest.mark.parametrize("form", ["delta_pre", "rowmajor", "tma"])
 def test_bfloat16_large_scores_keep_their_precision(form, monkeypatch):
     """Scores near -300: scaling q (or k) by scale*log2(e) in bf16 before the dot rounds it, an error proportional
     to |score| (several % of the output here, as on the H200); the kernels scale the fp32 scores instead."""
@@ -326,7 +327,7 @@ FORM_CASES = [
 
 
 # every case on every form but auto (the default elsewhere in this file)
-_FORM_PARAMS = [(v, c) for v in ("base", "rowmajor", "tma") for c in FORM_CASES]
+_FORM_PARAMS = [(v, c) for v in ("delta_pre", "rowmajor", "tma") for c in FORM_CASES]
 
 
 @pytest.mark.parametrize("form,case", _FORM_PARAMS,
@@ -357,7 +358,7 @@ def test_tma_needs_adjacent_heads_and_falls_back(monkeypatch):
     _check(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("form", ["base", "rowmajor", "tma"])
+@pytest.mark.parametrize("form", ["delta_pre", "rowmajor", "tma"])
 def test_fused_qkv_slices_go_in_uncopied(form, monkeypatch):
     """q, k, v as column slices of one fused projection [T, (H + 2 H_kv) D] (what the model's QKV split gives):
     the kernels read them through their strides, with the same result as contiguous copies, and the reference."""
@@ -397,7 +398,7 @@ def test_forms_agree_and_v2_backward_is_deterministic(monkeypatch):
     off = _offsets(lens)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     results = {}
-    for form in ["base", "tma", "tma"]:
+    for form in ["delta_pre", "tma", "tma"]:
         _pin_form(form, monkeypatch)
         out = jagged_attention(q, k, v, off, 33, causal=True, kernel="triton")
         res = (out, *torch.autograd.grad(out, (q, k, v), g))
@@ -405,23 +406,23 @@ def test_forms_agree_and_v2_backward_is_deterministic(monkeypatch):
             for a, b in zip(results[form], res):
                 assert torch.equal(a, b)
         results[form] = res
-    for a, b in zip(results["base"], results["tma"]):
+    for a, b in zip(results["delta_pre"], results["tma"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_bwd_form():
-    from gem.ops.triton_jfa import _BWD_BASE_MIN_LEN as n
+    from gem.ops.triton_jfa import _BWD_DELTA_PRE_MIN_LEN as n
     from gem.ops.triton_jfa import _bwd_form
 
-    assert _bwd_form(n, -1) == "base"  # long, full or causal
-    assert _bwd_form(2 * n, -1) == "base"
-    assert _bwd_form(n - 1, -1) == "v2"  # short
-    assert _bwd_form(2 * n, 512) == "v2"  # sliding window
-    assert _bwd_form(2 * n, 0) == "v2"
+    assert _bwd_form(n, -1) == "delta_pre"  # long, full or causal
+    assert _bwd_form(2 * n, -1) == "delta_pre"
+    assert _bwd_form(n - 1, -1) == "fused_delta"  # short
+    assert _bwd_form(2 * n, 512) == "fused_delta"  # sliding window
+    assert _bwd_form(2 * n, 0) == "fused_delta"
 
 
 def _count_builders(monkeypatch):
-    """Counts work table builds and backward launches per form ("base" / "v2", from _bwd_configs)."""
+    """Counts work table builds and backward launches per form ("delta_pre" / "fused_delta", from _bwd_configs)."""
     from gem.ops import triton_jfa, triton_utils
 
     calls = {"keys": 0}
@@ -440,7 +441,7 @@ def _count_builders(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("form", ["base", "tma"])
+@pytest.mark.parametrize("form", ["delta_pre", "tma"])
 def test_backward_passes_tuned_apart(form, monkeypatch):
     """The dK/dV and dQ passes pick their configs independently: here a pairing no single entry of the list has."""
     from gem.ops import triton_jfa
@@ -514,7 +515,7 @@ def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypa
     """The base backward only for long rows without a left window, the v2 one otherwise."""
     from gem.ops import triton_jfa
 
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", base_min_len)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", base_min_len)
     monkeypatch.setattr(triton_jfa._TUNER, "best", {})  # candidates are listed only for a key not yet tuned
     calls = _count_builders(monkeypatch)
     lens = [5, 0, 17, 1, 33]
@@ -523,8 +524,8 @@ def test_auto_runs_both_backward_branches(base_min_len, causal, window, monkeypa
     _check(got, want, torch.float32)
     base_bwd = base_min_len == 0 and window is None
     # each pass lists its candidates once (tuned apart): two lookups of the form's list
-    assert calls.get("base", 0) == (2 if base_bwd else 0)
-    assert calls.get("v2", 0) == (0 if base_bwd else 2)
+    assert calls.get("delta_pre", 0) == (2 if base_bwd else 0)
+    assert calls.get("fused_delta", 0) == (0 if base_bwd else 2)
 
 
 def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right):
@@ -578,7 +579,7 @@ def _fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, **kw):
 
 
 def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False, window=None):
-    left, right = _norm_window(causal, window)
+    left, right = norm_window(causal, window)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     off_k, max_k = (off_q, max_q) if off_k is None else (off_k, max_k)
     ref = jagged_attention_reference(q64, k64, v64, off_q, max_q, off_k, max_k, left=left, right=right)
@@ -586,7 +587,7 @@ def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False,
     return (ref, *torch.autograd.grad(ref, (q64, k64, v64), g))
 
 
-@pytest.mark.parametrize("form", ["auto", "base"])
+@pytest.mark.parametrize("form", ["auto", "delta_pre"])
 def test_work_cache_reuses_tables_of_the_same_offsets(form, monkeypatch):
     _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
@@ -608,7 +609,7 @@ def test_work_cache_reuses_tables_of_the_same_offsets(form, monkeypatch):
     _check(first, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
-@pytest.mark.parametrize("form", ["auto", "base"])
+@pytest.mark.parametrize("form", ["auto", "delta_pre"])
 def test_work_cache_misses_after_in_place_change(form, monkeypatch):
     _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
@@ -623,7 +624,7 @@ def test_work_cache_misses_after_in_place_change(form, monkeypatch):
     _check(got, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
-@pytest.mark.parametrize("form", ["auto", "base"])
+@pytest.mark.parametrize("form", ["auto", "delta_pre"])
 def test_work_cache_never_shared_between_offsets_tensors(form, monkeypatch):
     """Equal shapes (and equal values) in another tensor rebuild; so does another offsets_k with the same offsets_q."""
     _pin_form(form, monkeypatch)
@@ -751,7 +752,7 @@ def _need_gpu():
 _GPU_MASKS = [(False, None), (True, None), (False, 256), (False, (100, 30))]
 # every mask on auto, base (first backward) and tma (TMA loads, v2 backward); rowmajor (pointer loads, v2 backward)
 # on the masks whose code differs most
-_GPU_PARAMS = [(v, d, c, w) for v in ("auto", "base", "tma") for d in (64, 128) for c, w in _GPU_MASKS]
+_GPU_PARAMS = [(v, d, c, w) for v in ("auto", "delta_pre", "tma") for d in (64, 128) for c, w in _GPU_MASKS]
 _GPU_PARAMS += [("rowmajor", 128, c, w) for c, w in _GPU_MASKS[1::2]]
 
 
@@ -768,7 +769,7 @@ def test_gpu_matches_reference(d, causal, window, form, no_autotune, monkeypatch
 
 
 @gpu
-@pytest.mark.parametrize("form", ["auto", "base", "rowmajor", "tma"])
+@pytest.mark.parametrize("form", ["auto", "delta_pre", "rowmajor", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_dtypes_and_cross(dtype, form, no_autotune, monkeypatch):
     _need_gpu()
@@ -780,7 +781,7 @@ def test_gpu_dtypes_and_cross(dtype, form, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("form", ["auto", "base", "tma"])
+@pytest.mark.parametrize("form", ["auto", "delta_pre", "tma"])
 def test_gpu_large_negative_and_determinism(form, no_autotune, monkeypatch):
     _need_gpu()
     _pin_form(form, monkeypatch)
@@ -797,7 +798,7 @@ def test_gpu_large_negative_and_determinism(form, no_autotune, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("form,d", [("base", 128), ("tma", 128), ("tma", 64), ("tma", 256)])
+@pytest.mark.parametrize("form,d", [("delta_pre", 128), ("tma", 128), ("tma", 64), ("tma", 256)])
 def test_gpu_forms_every_config(form, d, monkeypatch):
     """Every config in the lists compiles, runs and matches on jagged rows with empty and one-token sequences: the
     tuner times every candidate, and one that faults ends the process's CUDA context."""
@@ -807,7 +808,7 @@ def test_gpu_forms_every_config(form, d, monkeypatch):
     _pin_form(form, monkeypatch)
     lens = [1, 700, 2048, 63, 0, 1500]
     q, k, v = _inputs(lens, h=4, h_kv=4, d=d, dtype=torch.bfloat16, device="cuda")
-    form = "base" if form == "base" else "v2"
+    form = "delta_pre" if form == "delta_pre" else "fused_delta"
     fwd_cfgs, bwd_cfgs = triton_jfa._fwd_configs(d), triton_jfa._bwd_configs(d, form)
     for i in range(max(len(fwd_cfgs), len(bwd_cfgs))):
         f, b = fwd_cfgs[i % len(fwd_cfgs)], bwd_cfgs[i % len(bwd_cfgs)]

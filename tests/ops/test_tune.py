@@ -425,7 +425,7 @@ def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
     from tests.ops.test_jfa import _check, _inputs, _run
 
     monkeypatch.setenv("GEM_TUNE_CACHE", "0")
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
     monkeypatch.setattr(triton_jfa, "_TUNER", ConfigTuner("gem.ops.jfa"))
     good, bad = (16, 16, 4, 1), (16, 32, 4, 1)
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [good, bad])
@@ -465,7 +465,7 @@ def test_correct_tiles_of_every_op_agree(monkeypatch):
     for mod in (triton_jfa, triton_block, triton_gdpa, rotary):
         monkeypatch.setattr(mod._TUNER, "best", {})
         monkeypatch.setattr(mod._TUNER, "bench", lambda fn: (fn(), 1.0)[1])
-    monkeypatch.setattr(triton_jfa, "_BWD_BASE_MIN_LEN", 1 << 30)
+    monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [(16, 16, 4, 1), (16, 32, 4, 1)])
     monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
     monkeypatch.setattr(triton_block, "configs", lambda kind, bs: [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)])
@@ -497,3 +497,100 @@ def test_correct_tiles_of_every_op_agree(monkeypatch):
     # the pick's own launch rewrites every output the NaN fill touched
     assert all(torch.isfinite(r).all() for r in results)
     assert len(checked) >= 2 * 9  # two candidates each: jfa 3 kernels, block 3, gdpa >= 2, rope 1
+
+
+# ------------------------------------------------------------------------------------------- resource estimates
+
+
+def test_fitting_keeps_order_and_falls_back_to_smaller_tiles():
+    size = {"big": 300, "mid": 200, "small": 100, "tiny": 50, "huge_fb": 400}
+    est = size.__getitem__
+    assert _tune.fitting(["big", "mid", "small"], ["tiny"], est, 250) == (["mid", "small"], ["tiny"])
+    assert _tune.fitting(["big"], ["huge_fb", "small", "tiny"], est, 250) == ([], ["small", "tiny"])
+    # nothing fits at all: the smallest fallback is still tried (an estimate may be pessimistic)
+    assert _tune.fitting(["big"], ["huge_fb", "small"], est, 10) == ([], ["small"])
+    assert _tune.fitting(["small"], ["small"], est, 250) == (["small"], [])
+
+
+@pytest.mark.parametrize("tuning", ["0", "1"])
+def test_oversized_candidates_are_never_launched_and_fallbacks_take_over(monkeypatch, tuning):
+    monkeypatch.setenv("GEM_TEST_AUTOTUNE", tuning)
+    monkeypatch.setattr(_tune, "shared_memory_limit", lambda device: 1000)
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", lambda fn: (fn(), 1.0)[1])
+    size = {(128, 3): 5000, (64, 2): 900, (32, 1): 400, (16, 1): 100}
+    launch, launched = _launcher()
+    cfg = t.pick("fwd", ("k1",), [(128, 3), (64, 2)], launch, CPU, estimate=size.__getitem__,
+                 fallback=[(32, 1), (16, 1)])
+    assert cfg == (64, 2) and (128, 3) not in launched and (32, 1) not in launched
+    # no candidate fits: the first fitting fallback, untimed
+    launch, launched = _launcher()
+    cfg = t.pick("fwd", ("k2",), [(128, 3)], launch, CPU, estimate=size.__getitem__, fallback=[(32, 1), (16, 1)])
+    assert cfg == (32, 1) and launched == [(32, 1)]
+
+
+@pytest.mark.parametrize("tuning", ["0", "1"])
+def test_when_no_candidate_launches_the_fallbacks_are_tried_in_order(monkeypatch, tuning):
+    """An estimate that was too optimistic: every candidate fails at launch (out of resources)."""
+    monkeypatch.setenv("GEM_TEST_AUTOTUNE", tuning)
+    t = ConfigTuner("test", "GEM_TEST_AUTOTUNE")
+    monkeypatch.setattr(t, "bench", lambda fn: (fn(), 1.0)[1])
+    launch, launched = _launcher(bad=("a", "b", "fb1"))
+    assert t.pick("k", (1,), ["a", "b"], launch, CPU, fallback=["fb1", "fb2", "fb3"]) == "fb2"
+    assert launched[-1] == "fb2" and "fb3" not in launched
+    assert t.pick("k", (1,), ["a", "b"], launch, CPU, fallback=["fb1", "fb2"]) == "fb2"  # kept for the key
+    launch, _ = _launcher(bad=("a", "fb1"))
+    with pytest.raises(RuntimeError, match="out of resource for fb1"):
+        t.pick("k", (2,), ["a"], launch, CPU, fallback=["fb1"])
+
+
+def test_gdpa_fp32_wide_short_kv_takes_the_tiled_path():
+    """gdpa in fp32 at head dim 64 with ~256 keys: the whole-K/V tile (128 q rows, 256 keys) needs more shared
+    memory than an H100 / H200 has in every candidate, so the forward takes the tiled path; bf16 keeps it."""
+    from gem.ops import triton_gdpa as tg
+
+    limit = _tune.SMEM_LIMIT
+    kw = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_D": 64}
+    gpu_short = [{"num_warps": w, "num_stages": s} for w, s in ((4, 1), (4, 2), (8, 1), (8, 2))]
+    assert all(tg._smem("fwd_short", kw, 4)(c) > limit for c in gpu_short)
+    assert not tg._fits("fwd_short", kw, 4, CPU)
+    assert tg._fits("fwd_short", kw, 2, CPU)
+    # the tiled forward at 128-row q tiles: the fallback tiles fit in fp32
+    tiled = {"BLOCK_M": 128, "BLOCK_D": 64}
+    assert any(tg._smem("fwd_long", tiled, 4)(c) <= limit for c in tg.FALLBACK["fwd_long"])
+
+
+@pytest.mark.parametrize("elt", [2, 4])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_every_pass_of_every_op_has_a_config_within_the_limit(d, elt):
+    """At every tile width and element size, each kernel kind has some config (candidate or fallback) whose
+    estimate fits an H100 / H200, so the tuner always has something to launch."""
+    from gem.ops import triton_block as tb
+    from gem.ops import triton_gdpa as tg
+    from gem.ops import triton_jfa as tj
+
+    limit = _tune.SMEM_LIMIT
+    for p in ("fwd", "dkdv", "dq"):
+        assert min(map(tj._smem(p, d, elt), tj._FALLBACK)) <= limit, ("jfa", p)
+        assert min(map(tb._smem(p, d, elt), tb.FALLBACK)) <= limit, ("block", p)
+    # the tile sizes the GPU work tables fix (triton_gdpa._blocks, _fwd_block_m, _dq_block_m)
+    rows = 128 if d <= 64 else 64
+    fixed = {"fwd_long" if rows == 128 else "fwd_long_small": {"BLOCK_M": rows}, "bwd_dkdv": {"BLOCK_N": rows},
+             "bwd_dq" if rows == 128 else "bwd_dq_small": {"BLOCK_M": rows}}
+    for kind, kw in fixed.items():
+        est = tg._smem(kind, {**kw, "BLOCK_D": d}, elt)
+        assert min(map(est, tg.FALLBACK[kind])) <= limit, ("gdpa", kind)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_no_16_bit_jfa_candidate_is_dropped(d, monkeypatch):
+    """The estimate stays below what Triton allocates: every bf16 / fp16 tile JFA lists for the GPU (all of which
+    launch there) is kept, so 16-bit picks are the same as without it."""
+    from gem.ops import triton_jfa as tj
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's lists (nothing is launched)
+    limit = _tune.SMEM_LIMIT
+    assert all(tj._smem("fwd", d, 2)(c) <= limit for c in tj._fwd_configs(d))
+    for form in ("delta_pre", "fused_delta"):
+        for p in ("dkdv", "dq"):
+            assert all(tj._smem(p, d, 2)(c) <= limit for c in tj._pass_configs(d, form, p)), (form, p)
