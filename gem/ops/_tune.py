@@ -370,6 +370,20 @@ def attention_smem(stationary: int, streamed: int, stages: int, elt: int, scratc
     return (stationary + streamed * max(int(stages) - 1, 1) + (scratch if elt >= 4 else 0)) * elt
 
 
+def attention_pass_smem(pass_: str, width: int, elt: int) -> Callable:
+    """The estimate (attention_smem) of a config (BLOCK_M, BLOCK_N, warps, stages, ...) of one attention pass at tile
+    width `width`: the forward holds its q tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ (any other
+    pass) holds q/dO and streams K/V."""
+    def estimate(cfg) -> int:
+        bm, bn, _, stages = cfg[:4]
+        if pass_ == "fwd":
+            return attention_smem(bm * width, 2 * bn * width, stages, elt, bm * bn)
+        if pass_ == "dkdv":
+            return attention_smem(2 * bn * width, 2 * bm * width, stages, elt, bm * bn)
+        return attention_smem(2 * bm * width, 2 * bn * width, stages, elt, bm * bn)
+    return estimate
+
+
 def fitting(cands: list, fallback: list, estimate: Callable, limit: int) -> tuple[list, list]:
     """(the candidates whose estimate fits `limit`, in order; the fallbacks that fit and are not among them, or the
     last, smallest fallback alone when none fits: tried rather than nothing)."""

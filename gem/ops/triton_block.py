@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
-from gem.ops._tune import ConfigTuner, attention_smem, reg_cap
+from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
 from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
@@ -447,18 +447,8 @@ FALLBACK = [(32, 32, 4, 1), (16, 16, 4, 1)]
 
 
 def _smem(kind: str, d: int, elt: int):
-    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass, at the tile width of
-    head dim d: the forward holds q and streams K/V, dK/dV the reverse, dQ holds q and dO and streams K/V."""
-    width = max(16, next_pow2(d))
-
-    def estimate(cfg) -> int:
-        bm, bn, _, stages = cfg[:4]
-        if kind == "fwd":
-            return attention_smem(bm * width, 2 * bn * width, stages, elt, bm * bn)
-        if kind == "dkdv":
-            return attention_smem(2 * bn * width, 2 * bm * width, stages, elt, bm * bn)
-        return attention_smem(2 * bm * width, 2 * bn * width, stages, elt, bm * bn)
-    return estimate
+    """The shared-memory estimate of a config of one pass, at the tile width of head dim d."""
+    return attention_pass_smem(kind, max(16, next_pow2(d)), elt)
 
 
 _TUNER = ConfigTuner("gem.ops.block")

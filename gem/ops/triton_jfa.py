@@ -31,7 +31,7 @@ import triton.language as tl
 
 from gem.ops import triton_utils as tu
 from gem.ops._common import cdiv, eager_tables, triton_interpreting
-from gem.ops._tune import ConfigTuner, attention_smem, reg_cap
+from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
 
 LOG2E = 1.4426950408889634
 
@@ -635,16 +635,8 @@ _FALLBACK = [(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
 
 
 def _smem(pass_: str, d: int, elt: int):
-    """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one pass: the forward holds its q
-    tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ holds q/dO and streams K/V."""
-    def estimate(cfg) -> int:
-        bm, bn, _, stages = cfg[:4]
-        if pass_ == "fwd":
-            return attention_smem(bm * d, 2 * bn * d, stages, elt, bm * bn)
-        if pass_ == "dkdv":
-            return attention_smem(2 * bn * d, 2 * bm * d, stages, elt, bm * bn)
-        return attention_smem(2 * bm * d, 2 * bn * d, stages, elt, bm * bn)
-    return estimate
+    """The shared-memory estimate of a config of one pass at head dim d."""
+    return attention_pass_smem(pass_, d, elt)
 
 
 _TUNER = ConfigTuner("gem.ops.jfa")
