@@ -28,11 +28,11 @@ import torch.nn.functional as F
 
 from gem.ops._common import resolve_kernel
 from gem.ops.mx import _DTYPES, _ELEM_OF_DTYPE, ElemFormat, _check_args, mx_dequantize_reference, mx_quantize_reference
+from gem.ops.triton_fp8 import MIN_AMAX
 
-__all__ = ["layer_norm_quant", "quantize_rows", "rms_norm_quant", "swiglu_quant"]
+__all__ = ["layer_norm_quant", "quantize_rows", "rms_norm_mx", "rms_norm_quant", "swiglu_quant"]
 
 SCALINGS = ("row", "mx")
-MIN_AMAX = 1e-12
 
 
 # ---------------------------------------------------------------------------------------------------- reference
@@ -267,3 +267,15 @@ def swiglu_quant(a: torch.Tensor, b: torch.Tensor, scaling: str = "row", elem: s
         raise ValueError(f"{where}: a must have at least one dimension (got a scalar)")
     impl = _impl(kernel, where, a.shape[-1], a, b)
     return _SwiGLUQuant.apply(a, b, scaling, fmt, block, impl)
+
+
+def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, block: int = 32,
+                elem: str = "e4m3", kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis fused with MX quantization along it (the next GEMM's reduction axis).
+
+    Returns (y, data, scale): data / scale as quantize(rms_norm(x) in fp32) gives them (no rounding through x's
+    dtype in between), and y = their dequantized value in x's dtype, which carries the gradient: backward is
+    the RMSNorm backward with the quantization passed straight through. weight None: no affine scale.
+    """
+    return _norm_quant(x, weight, None, eps, False, "mx", elem, block, kernel, "gem.ops.fp8.rms_norm_mx",
+                       y_dequant=True)

@@ -18,9 +18,7 @@ Scales are returned as uint8 E8M0 bits (bias 127, 0xFF = NaN); `scale_as_e8m0` v
 torch.float8_e8m0fnu. Inputs may be fp32, bf16 or fp16; the math is exact in fp32. The Triton kernels
 (gem.ops.triton_mx) agree with the reference bit for bit (NaN payloads aside).
 
-rms_norm_mx fuses an RMSNorm forward with the quantization of its output along the last axis, saving rstd for a
-backward that treats the quantization as the identity (straight-through); it is gem.ops.fp8.rms_norm_quant's
-kernel with y returned dequantized.
+An RMSNorm fused with MX quantization of its output is gem.ops.fp8.rms_norm_mx.
 """
 
 from __future__ import annotations
@@ -223,20 +221,3 @@ def blocked_scales(scale: torch.Tensor) -> torch.Tensor:
     # [rt, 4 (r // 32), 32 (r % 32), ct, 4 (c)] -> [rt, ct, r % 32, r // 32, c]
     tiles = padded.reshape(rt, 4, 32, ct, 4).permute(0, 3, 2, 1, 4)
     return scale_as_e8m0(tiles.reshape(-1))
-
-
-# ---------------------------------------------------------------------------------------------------- RMSNorm + MX
-
-
-def rms_norm_mx(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, block: int = 32,
-                elem: str = "e4m3", kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last axis fused with MX quantization along it (the next GEMM's reduction axis).
-
-    Returns (y, data, scale): data / scale as quantize(rms_norm(x) in fp32) gives them (no rounding through x's
-    dtype in between), and y = their dequantized value in x's dtype, which carries the gradient: backward is
-    the RMSNorm backward with the quantization passed straight through. weight None: no affine scale.
-    """
-    from gem.ops.fp8 import _norm_quant
-
-    return _norm_quant(x, weight, None, eps, False, "mx", elem, block, kernel, "gem.ops.mx.rms_norm_mx",
-                       y_dequant=True)

@@ -25,6 +25,7 @@ from gem.ops._common import (
     resolve_kernel,
     triton_interpreting,
 )
+from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner
 
 
@@ -422,51 +423,23 @@ def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: flo
     return y
 
 
-@torch.library.custom_op("gem::rope", mutates_args=())
-def _rope_op(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: float, rotary_dim: int,
-             interleaved: bool, inverse: bool) -> torch.Tensor:
+def _rope_entry(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: float, rotary_dim: int,
+                interleaved: bool, inverse: bool) -> torch.Tensor:
     return _rope_triton(x, offsets, max_len, base, rotary_dim, interleaved, inverse)
 
 
-@_rope_op.register_fake
-def _(x, offsets, max_len, base, rotary_dim, interleaved, inverse):
+def _rope_fake(x, *rest):
     return torch.empty_like(x.contiguous())
 
 
-def _rope_setup(ctx, inputs, output):
-    _, offsets, max_len, base, rotary_dim, interleaved, inverse = inputs
-    ctx.save_for_backward(offsets)
-    ctx.args = (max_len, base, rotary_dim, interleaved, inverse)
+def _rope_backward(grad, offsets, max_len, base, rotary_dim, interleaved, inverse):
+    """The rotation is orthogonal: its vector-Jacobian product is the opposite rotation (through the op itself, so
+    it stays differentiable)."""
+    return rope_op(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
 
 
-def _rope_backward(ctx, grad):
-    (offsets,) = ctx.saved_tensors
-    max_len, base, rotary_dim, interleaved, inverse = ctx.args
-    # The rotation is orthogonal: its vector-Jacobian product is the opposite rotation.
-    gx = _rope_op(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
-    return gx, None, None, None, None, None, None
-
-
-_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
-
-
-class _RopeFn(torch.autograd.Function):
-    """Eager path without the custom op's dispatch overhead; same kernel."""
-
-    @staticmethod
-    def forward(ctx, x, offsets, max_len, base, rotary_dim, interleaved, inverse):
-        ctx.save_for_backward(offsets)
-        ctx.args = (max_len, base, rotary_dim, interleaved, inverse)
-        with eager_tables():  # positions cached per offsets tensor (the custom op rebuilds them)
-            return _rope_triton(x, offsets, max_len, base, rotary_dim, interleaved, inverse)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (offsets,) = ctx.saved_tensors
-        max_len, base, rotary_dim, interleaved, inverse = ctx.args
-        with eager_tables():
-            gx = _RopeFn.apply(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
-        return gx, None, None, None, None, None, None
+# inputs (x, offsets, *constants) -> rotated x; positions cached per offsets tensor in eager calls
+rope_op = KernelOp("rope", _rope_entry, _rope_backward, fake=_rope_fake, n_tensors=2, save=lambda i, o: (i[1],))
 
 
 def rope(x: torch.Tensor, offsets: torch.Tensor, max_len: int, *, config: RopeConfig | None = None,
@@ -481,6 +454,4 @@ def rope(x: torch.Tensor, offsets: torch.Tensor, max_len: int, *, config: RopeCo
     if resolve_kernel(kernel, x, offsets) == "reference":
         return rope_reference(x, offsets, max_len, config, inverse=inverse)
     args = (x, offsets, max_len, float(config.base), rd, bool(config.interleaved), bool(inverse))
-    if torch.compiler.is_compiling():  # the custom op lets torch.compile trace around the kernel
-        return _rope_op(*args)
-    return _RopeFn.apply(*args)
+    return rope_op(*args)

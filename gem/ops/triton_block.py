@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import eager_tables, next_pow2, offsets_cached, triton_interpreting
+from gem.ops._common import next_pow2, offsets_cached, triton_interpreting
+from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
 from gem.ops.rotary import (
     RopeConfig,
@@ -539,7 +541,9 @@ def _rotated(x, tables, max_len, block_size, rope_base, rotary_dim, interleaved)
                         False, tables.positions(block_size))
 
 
-def _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, block_size: int,
+         causal: bool, scale: float, rope_base: float, rotary_dim: int,
+         interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved)[:2]
 
 
@@ -569,8 +573,11 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
     return o, lse, (k_s if k_s is not k else None)
 
 
-def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved,
-         k_rot=None):
+def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+         offsets: torch.Tensor, max_len: int, block_size: int, causal: bool, scale: float, rope_base: float,
+         rotary_dim: int, interleaved: bool,
+         k_rot: Optional[torch.Tensor] = None,  # noqa: UP045 (custom-op schemas)
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k_rot: the forward's rotated copy of k, reused instead of a rope pass."""
     t, h, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -615,67 +622,24 @@ def _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_
     return dq, dk, dv
 
 
-@torch.library.custom_op("gem::block_attention_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int,
-            block_size: int, causal: bool, scale: float, rope_base: float, rotary_dim: int,
-            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved)
-
-
-@_fwd_op.register_fake
-def _(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+def _fwd_fake(q, *rest):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("gem::block_attention_bwd", mutates_args=())
-def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor, offsets: torch.Tensor, max_len: int, block_size: int, causal: bool, scale: float,
-            rope_base: float, rotary_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim,
-                interleaved)
-
-
-@_bwd_op.register_fake
-def _(do, q, k, v, o, lse, offsets, max_len, block_size, causal, scale, rope_base, rotary_dim, interleaved):
+def _bwd_fake(do, q, k, v, *rest, **kw):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, offsets, *rest = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, offsets)
-    ctx.rest = rest
-    ctx.mark_non_differentiable(lse)
+def _keep(*inputs):
+    """The eager forward also keeps K_rot for the dQ pass (one k-sized activation more, one rope pass less; RoPE as
+    a separate op keeps both rotated q and k)."""
+    o, lse, k_rot = _fwd_keep(*inputs)
+    return (o, lse), {"k_rot": k_rot}
 
 
-def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, offsets = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, offsets, *ctx.rest)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _BlockAttentionFn(torch.autograd.Function):
-    """Eager path: same kernels as the custom op, without its per-call dispatch overhead (tens of microseconds,
-    comparable to a whole forward at 64K tokens). With pre-rotated RoPE it also keeps the forward's K_rot for the
-    dQ pass (one k-sized activation more, one rope pass less; RoPE as a separate op keeps both rotated q and k)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, *rest):
-        with eager_tables():
-            o, lse, k_rot = _fwd_keep(q, k, v, offsets, *rest)
-        ctx.save_for_backward(q, k, v, o, lse, offsets, k_rot)
-        ctx.rest = rest
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, offsets, k_rot = ctx.saved_tensors
-        with eager_tables():
-            dq, dk, dv = _bwd(do, q, k, v, o, lse, offsets, *ctx.rest, k_rot=k_rot)
-        return (dq, dk, dv) + (None,) * (1 + len(ctx.rest))
+# inputs (q, k, v, offsets, *constants) -> (o, lse); backward(do, q, k, v, o, lse, offsets, *constants, k_rot=None)
+block_attention_op = KernelOp("block_attention", _fwd, _bwd, fake=_fwd_fake, backward_fake=_bwd_fake, n_tensors=4,
+                              nondiff=(1,), save=lambda i, o: (*i[:3], *o, i[3]), keep=_keep)
 
 
 def block_attention_triton(q, k, v, offsets, max_len, *, block_size, causal=True, rope: RopeConfig | None = None,
@@ -688,6 +652,4 @@ def block_attention_triton(q, k, v, offsets, max_len, *, block_size, causal=True
     interleaved = bool(rope.interleaved) if rope is not None else False
     args = (q.contiguous(), k.contiguous(), v.contiguous(), offsets, int(max_len), int(block_size), bool(causal),
             scale, base, rd, interleaved)
-    if torch.compiler.is_compiling():  # the custom op lets torch.compile trace around the kernels
-        return _fwd_op(*args)[0]
-    return _BlockAttentionFn.apply(*args)
+    return block_attention_op(*args)[0]

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import cdiv, next_pow2
-from gem.ops.fp8 import MIN_AMAX
 from gem.ops.triton_mx import (
     IN_KIND_OF,
     bits_view,
@@ -31,6 +30,7 @@ OP_COPY, OP_RMS_NORM, OP_SWIGLU, OP_LAYER_NORM = 0, 1, 2, 3
 SCALING_ROW, SCALING_MX = 0, 1
 SCALINGS = {"row": SCALING_ROW, "mx": SCALING_MX}
 MAX_WIDTH = 32768  # one row lives in registers; wider rows go through the reference
+MIN_AMAX = 1e-12  # the smallest row amax a scale is taken from (gem.ops.fp8's reference clamps to it too)
 MIN_AMAX_FP32 = float(torch.tensor(MIN_AMAX, dtype=torch.float32))  # the fp32 value the reference clamps to
 
 

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from gem.ops import triton_utils as tu
-from gem.ops._common import eager_tables, offsets_cached, triton_interpreting
+from gem.ops._common import offsets_cached, triton_interpreting
+from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner, attention_smem, shared_memory_limit
 from gem.ops.gdpa_consts import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
@@ -834,7 +835,7 @@ def _launch_args(tensors, offsets_q, offsets_k, table, scale, out_scale, left, r
 
 
 # ------------------------------------------------------------------------------------ custom ops + autograd
-# _gdpa_fwd / _gdpa_bwd do the work; the custom ops wrap them for torch.compile, _GdpaFn for eager calls.
+# _gdpa_fwd / _gdpa_bwd do the work; gdpa_op (gem.ops._register.KernelOp) makes them one differentiable op.
 def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
               max_len_q: int, max_len_k: int, activation: str, approx: str, left: int, right: int, scale: float,
               out_scale: float, ordered: bool, short_kv: int,
@@ -872,15 +873,6 @@ def _gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torc
         _launch("fwd_long_small" if block_m <= 64 else "fwd_long", grid, args,
                 dict(SHORT_KV=False, FLAT=flat, **common), (out,))
     return out
-
-
-# the custom op wraps the annotated function itself (its schema comes from the annotations)
-gdpa_fwd_op = torch.library.custom_op("gem::gdpa_fwd", _gdpa_fwd, mutates_args=())
-
-
-@gdpa_fwd_op.register_fake
-def _(q, *args):
-    return torch.empty_like(q)
 
 
 def _gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor,
@@ -944,47 +936,14 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
     return dq, dk, dv
 
 
-gdpa_bwd_op = torch.library.custom_op("gem::gdpa_bwd", _gdpa_bwd, mutates_args=())
+def _fwd_fake(q, *rest):
+    return torch.empty_like(q)
 
 
-@gdpa_bwd_op.register_fake
-def _(do, q, k, v, *args):
+def _bwd_fake(do, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, *rest = inputs
-    ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
-    ctx.rest = rest
-
-
-def _backward(ctx, do):
-    dq, dk, dv = gdpa_bwd_op(do, *ctx.saved_tensors, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 15  # nothing for offsets, lengths, num_targets and the constants
-
-
-gdpa_fwd_op.register_autograd(_backward, setup_context=_setup)
-
-class _GdpaFn(torch.autograd.Function):
-    """Eager path: the custom op's kernels without its per-call dispatch overhead (see triton_jfa._JfaFn)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets_q, offsets_k, *rest):
-        with eager_tables():
-            out = _gdpa_fwd(q, k, v, offsets_q, offsets_k, *rest)
-        ctx.save_for_backward(q, k, v, offsets_q, offsets_k)
-        ctx.rest = rest
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        with eager_tables():
-            dq, dk, dv = _gdpa_bwd(do, *ctx.saved_tensors, *ctx.rest)
-        return (dq, dk, dv) + (None,) * 15
-
-
-def gdpa_op(q, k, v, offsets_q, offsets_k, *rest):
-    """The differentiable entry point gdpa() calls: the custom op while torch.compile traces, else _GdpaFn."""
-    if torch.compiler.is_compiling():
-        return gdpa_fwd_op(q, k, v, offsets_q, offsets_k, *rest)
-    return _GdpaFn.apply(q, k, v, offsets_q, offsets_k, *rest)
+# gdpa() calls gdpa_op(q, k, v, offsets_q, offsets_k, *constants) -> out; the backward recomputes the scores
+gdpa_op = KernelOp("gdpa", _gdpa_fwd, _gdpa_bwd, fake=_fwd_fake, backward_fake=_bwd_fake, n_tensors=5,
+                   save=lambda i, o: i[:5])

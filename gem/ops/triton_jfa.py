@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from gem.ops import triton_utils as tu
-from gem.ops._common import cdiv, eager_tables, triton_interpreting
+from gem.ops._common import cdiv, triton_interpreting
+from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
 
 LOG2E = 1.4426950408889634
@@ -760,61 +761,18 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 # ----------------------------------------------------------------------------------------------- torch op
 
 
-# the custom ops wrap the annotated functions themselves (their schemas come from the annotations)
-jfa_fwd_op = torch.library.custom_op("gem::jfa_fwd", _fwd, mutates_args=())
-
-
-@jfa_fwd_op.register_fake
-def _(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, num_targets=None,
-      hstu_ctx=0, hstu_max_attn=0):
+def _fwd_fake(q, k, v, offsets_q, offsets_k, *rest):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-jfa_bwd_op = torch.library.custom_op("gem::jfa_bwd", _bwd, mutates_args=())
-
-
-@jfa_bwd_op.register_fake
-def _(do, q, k, v, out, lse, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf,
-      num_targets=None, hstu_ctx=0, hstu_max_attn=0):
+def _bwd_fake(do, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
-    ctx.args = tuple(args)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, do, dlse):
-    q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
-    dq, dk, dv = jfa_bwd_op(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * (2 + len(ctx.args))
-
-
-jfa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _JfaFn(torch.autograd.Function):
-    """Eager path: the custom op's kernels without its per-call dispatch (about 4x the cost of a direct call, and
-    more with autograd: tens of microseconds, as much as a whole short-sequence forward on the H200)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets_q, offsets_k, *rest):
-        with eager_tables():
-            out, lse = _fwd(q, k, v, offsets_q, offsets_k, *rest)
-        ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
-        ctx.rest = rest
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
-        with eager_tables():
-            dq, dk, dv = _bwd(do, q, k, v, out, lse, offsets_q, offsets_k, *ctx.rest)
-        return (dq, dk, dv) + (None,) * (2 + len(ctx.rest))
+# inputs (q, k, v, offsets_q, offsets_k, *constants) -> (out, lse); backward(do, q, k, v, out, lse, offsets_q,
+# offsets_k, *constants) -> (dq, dk, dv)
+jfa_op = KernelOp("jfa", _fwd, _bwd, fake=_fwd_fake, backward_fake=_bwd_fake, n_tensors=5, nondiff=(1,),
+                  save=lambda i, o: (*i[:3], *o, *i[3:5]))
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -831,9 +789,7 @@ def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, sca
             float(scale), int(left), int(right), bool(mask_inf))
     if hstu is not None:
         args += (hstu.num_targets, hstu.contextual_len, hstu.max_attn)
-    if torch.compiler.is_compiling():  # the custom op lets torch.compile trace around the kernels
-        return jfa_fwd_op(*args)
-    return _JfaFn.apply(*args)
+    return jfa_op(*args)
 
 
 def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, hstu=None):

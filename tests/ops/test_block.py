@@ -168,11 +168,11 @@ def test_torch_compile_forward_backward():
 
 
 def test_custom_op_registration():
-    from gem.ops.triton_block import _fwd_op
+    from gem.ops.triton_block import block_attention_op
 
     q, k, v, _, offsets = _inputs([6, 3], 2, 1, 32, torch.float32, seed=7)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    torch.library.opcheck(_fwd_op, (q, k, v, offsets, 6, 4, True, 0.2, 10000.0, 16, False))
+    torch.library.opcheck(block_attention_op.fwd_op, (q, k, v, offsets, 6, 4, True, 0.2, 10000.0, 16, False))
 
 
 def test_reference_path_default_on_cpu(monkeypatch):

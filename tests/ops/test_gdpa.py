@@ -380,13 +380,13 @@ def test_eager_calls_bypass_the_custom_op_with_the_same_result(monkeypatch):
 
     q, k, v, oq, mq, ok, mk = _inputs([5, 0, 9], [7, 3, 2])
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
-    out_op = tg.gdpa_fwd_op(q, k, v, oq, ok, mq, mk, "gelu", "", -1, -1, 0.2, 1.0, True, -1)
+    out_op = tg.gdpa_op.fwd_op(q, k, v, oq, ok, mq, mk, "gelu", "", -1, -1, 0.2, 1.0, True, -1)
     want = (out_op, *torch.autograd.grad(out_op, (q, k, v), g))
 
     def no_op(*args):
         raise AssertionError("the custom op ran in eager mode")
 
-    monkeypatch.setattr(tg, "gdpa_fwd_op", no_op)
+    monkeypatch.setattr(tg.gdpa_op, "fwd_op", no_op)
     out = gdpa(q, k, v, oq, mq, ok, mk, activation="gelu", scale=0.2, kernel="triton")
     got = (out, *torch.autograd.grad(out, (q, k, v), g))
     for a, b in zip(got, want):
@@ -394,7 +394,7 @@ def test_eager_calls_bypass_the_custom_op_with_the_same_result(monkeypatch):
 
 
 def test_torch_compile_and_opcheck():
-    from gem.ops.triton_gdpa import gdpa_fwd_op
+    from gem.ops.triton_gdpa import gdpa_op
 
     q, k, v, oq, mq, ok, mk = _inputs([5, 9], [7, 2])
 
@@ -409,7 +409,7 @@ def test_torch_compile_and_opcheck():
     for a, b in zip(grads, wgrads):
         torch.testing.assert_close(a, b)
     torch.library.opcheck(
-        gdpa_fwd_op,
+        gdpa_op.fwd_op,
         (q, k, v, oq, ok, mq, mk, "silu", "", -1, -1, 0.2, 1.0, True, -1),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )

@@ -464,8 +464,8 @@ def test_gpu_matches_reference(op, c, m, d, monkeypatch):
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
 def test_torch_compile_fullgraph_and_opcheck(op):
-    from gem.ops.triton_gdpa import gdpa_fwd_op
-    from gem.ops.triton_jfa import jfa_fwd_op
+    from gem.ops.triton_gdpa import gdpa_op
+    from gem.ops.triton_jfa import jfa_op
 
     lengths, targets, c, m = [6, 0, 13], [2, 0, 13], 2, 3
     q, k, v = _inputs(lengths)
@@ -480,9 +480,9 @@ def test_torch_compile_fullgraph_and_opcheck(op):
         torch.testing.assert_close(a, b)
     off, nt = _offsets(lengths), torch.tensor(targets)
     if op == "jfa":
-        fn, args = jfa_fwd_op, (q, k, v, off, off, 13, 13, 0.25, -1, -1, False, nt, c, m)
+        fn, args = jfa_op.fwd_op, (q, k, v, off, off, 13, 13, 0.25, -1, -1, False, nt, c, m)
     else:
-        fn, args = gdpa_fwd_op, (q, k, v, off, off, 13, 13, "silu", "", -1, 0, 0.25, 1.0, True, -1, nt, c, m)
+        fn, args = gdpa_op.fwd_op, (q, k, v, off, off, 13, 13, "silu", "", -1, 0, 0.25, 1.0, True, -1, nt, c, m)
     torch.library.opcheck(fn, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

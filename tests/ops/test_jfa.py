@@ -272,13 +272,13 @@ def test_eager_calls_bypass_the_custom_op_with_the_same_result(monkeypatch):
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
-    out_op, _ = tj.jfa_fwd_op(q, k, v, off, off, 12, 12, 0.25, -1, 0, False)
+    out_op, _ = tj.jfa_op.fwd_op(q, k, v, off, off, 12, 12, 0.25, -1, 0, False)
     want = (out_op, *torch.autograd.grad(out_op, (q, k, v), g))
 
     def no_op(*args):
         raise AssertionError("the custom op ran in eager mode")
 
-    monkeypatch.setattr(tj, "jfa_fwd_op", no_op)
+    monkeypatch.setattr(tj.jfa_op, "fwd_op", no_op)
     out = jagged_attention(q, k, v, off, 12, causal=True, scale=0.25, kernel="triton")
     got = (out, *torch.autograd.grad(out, (q, k, v), g))
     for a, b in zip(got, want):
@@ -835,10 +835,10 @@ def test_tables_cached_only_in_eager_calls_and_offsets_stay_picklable(monkeypatc
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
     # tune the key first: the tuner launches a new key's config once more, which would count as a build
-    triton_jfa.jfa_fwd_op(q, k, v, _offsets(lens), _offsets(lens), 17, 17, 0.25, -1, 0, False)
+    triton_jfa.jfa_op.fwd_op(q, k, v, _offsets(lens), _offsets(lens), 17, 17, 0.25, -1, 0, False)
     calls = _count_builders(monkeypatch)
     for _ in range(2):
-        triton_jfa.jfa_fwd_op(q, k, v, off, off, 17, 17, 0.25, -1, 0, False)
+        triton_jfa.jfa_op.fwd_op(q, k, v, off, off, 17, 17, 0.25, -1, 0, False)
     assert calls["keys"] == 2 and not cached_tables(off, "work:seq_span")
     _fwd_bwd(q, k, v, off, 17, causal=True)
     assert cached_tables(off, "work:seq_span")

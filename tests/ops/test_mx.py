@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gem.ops import mx
+from gem.ops import fp8, mx
 
 # fp16 outputs that overflow become inf, as they should; the interpreter's numpy cast warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -334,7 +334,7 @@ def test_rms_norm_mx_forward_backward(kernel, dtype, elem, shape):
     x = (torch.randn(shape, generator=g) * 3).to(dtype).requires_grad_()
     w = (torch.rand(n, generator=g) + 0.5).requires_grad_()
     gy = torch.randn(shape, generator=g).to(dtype).float()  # exact in dtype: the grad y receives
-    y, data, scale = mx.rms_norm_mx(x, w, eps=1e-5, elem=elem, kernel=kernel)
+    y, data, scale = fp8.rms_norm_mx(x, w, eps=1e-5, elem=elem, kernel=kernel)
     want_data, want_scale, y64 = _norm_then_quant(x.detach(), w.detach(), 1e-5, elem)
     assert y.dtype == dtype and data.dtype == mx.FORMATS[elem].dtype and scale.shape == want_scale.shape
     _assert_codes_close(data, scale, want_data, want_scale, y64)
@@ -353,14 +353,14 @@ def test_rms_norm_mx_forward_backward(kernel, dtype, elem, shape):
 def test_rms_norm_mx_no_weight_and_zero_rows(kernel):
     x = torch.randn(4, 64)
     x[1] = 0.0  # rstd = 1 / sqrt(eps), y = 0: the smallest scale
-    y, data, scale = mx.rms_norm_mx(x, None, eps=1e-6, kernel=kernel)
+    y, data, scale = fp8.rms_norm_mx(x, None, eps=1e-6, kernel=kernel)
     want_data, want_scale, y64 = _norm_then_quant(x, None, 1e-6, "e4m3")
     _assert_codes_close(data, scale, want_data, want_scale, y64)
     assert (scale[1] == 0).all() and (y[1] == 0).all()
     with pytest.raises(ValueError, match="non-empty last axis"):
-        mx.rms_norm_mx(torch.randn(3, 0), kernel=kernel)
+        fp8.rms_norm_mx(torch.randn(3, 0), kernel=kernel)
     with pytest.raises(ValueError, match=r"weight must be a float \[64\]"):
-        mx.rms_norm_mx(x, torch.ones(32), kernel=kernel)
+        fp8.rms_norm_mx(x, torch.ones(32), kernel=kernel)
 
 
 @pytest.mark.gpu
@@ -369,7 +369,7 @@ def test_cuda_rms_norm_mx(dtype):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(512, 1000, generator=g) * 3).to(dtype)
     w = torch.rand(1000, generator=g) + 0.5
-    y, data, scale = mx.rms_norm_mx(x.cuda(), w.cuda(), kernel="triton")
+    y, data, scale = fp8.rms_norm_mx(x.cuda(), w.cuda(), kernel="triton")
     want_data, want_scale, y64 = _norm_then_quant(x, w, 1e-6, "e4m3")
     _assert_codes_close(data.cpu(), scale.cpu(), want_data, want_scale, y64)
     _same(y.cpu(), mx.dequantize(data.cpu(), scale.cpu(), dtype=dtype, kernel="reference"))

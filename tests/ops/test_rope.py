@@ -112,7 +112,7 @@ def test_positions_restart_per_sequence():
 
 
 def test_torch_compile_and_opcheck():
-    from gem.ops.rotary import _rope_op
+    from gem.ops.rotary import rope_op
 
     x = torch.randn(12, 2, 32, requires_grad=True)
     off = torch.tensor([0, 5, 12])
@@ -123,7 +123,7 @@ def test_torch_compile_and_opcheck():
     ref = _complex_rope(x.detach(), [5, 7], cfg)
     torch.testing.assert_close(x.grad.double(), _complex_rope(2 * ref, [5, 7], cfg, inverse=True), atol=1e-5,
                                rtol=1e-5)
-    torch.library.opcheck(_rope_op, (x.detach(), off, 7, 10000.0, 16, False, False))
+    torch.library.opcheck(rope_op.fwd_op, (x.detach(), off, 7, 10000.0, 16, False, False))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -213,7 +213,7 @@ def test_custom_op_does_not_cache_positions(monkeypatch):
     monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
     x, off = torch.randn(12, 2, 32), torch.tensor([0, 5, 12])
     for _ in range(2):
-        rotary._rope_op(x, off, 7, 10000.0, 32, False, False)
+        rotary.rope_op.fwd_op(x, off, 7, 10000.0, 32, False, False)
     assert built == [12, 12]
 
 
