@@ -45,10 +45,12 @@ def pooled_features(kt, names: list[str]) -> tuple[torch.Tensor, ...]:
 
 def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformer blocks over the jagged histories -> (x, summed MoE aux loss fp32)."""
+    """The transformer blocks over the jagged histories -> (x, summed MoE aux loss fp32). The blocks share one
+    JaggedBatch: their kernels' tables and offsets checks are built once per batch."""
     aux = torch.zeros((), dtype=torch.float32, device=x.device)
+    hist = ops.JaggedBatch(offsets, max_len)
     for blk in blocks:
-        x, a = blk(x, offsets, max_len)
+        x, a = blk(x, hist, max_len)
         aux = aux + a
     return x, aux
 
@@ -84,17 +86,6 @@ class TargetInteraction(nn.Module):
         self.kv_proj = nn.Linear(d, 2 * self.num_kv_heads * self.head_dim, bias=False)
         self.out = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
-    def _offsets_q(self, b: int, n: int, like: torch.Tensor) -> torch.Tensor:
-        """[0, n, 2n, ...]: one tensor per (B, n), so GDPA's checks and work tables are built once, not per step."""
-        if torch.compiler.is_compiling():
-            return torch.arange(b + 1, device=like.device, dtype=like.dtype) * n
-        key = (b, n, like.dtype, like.device)
-        cached = self.__dict__.get("_offsets_q_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, torch.arange(b + 1, device=like.device, dtype=like.dtype) * n)
-            self.__dict__["_offsets_q_cache"] = cached  # not a buffer: never saved, moved or sharded
-        return cached[1]
-
     def _project(self, tokens: torch.Tensor, seq: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, n, d = tokens.shape
@@ -114,7 +105,7 @@ class TargetInteraction(nn.Module):
         """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
         b, n, _ = tokens.shape
         q, k, v = self._project(tokens, seq)
-        offsets_q = self._offsets_q(b, n, seq_offsets)
+        offsets_q = torch.arange(b + 1, device=seq_offsets.device, dtype=seq_offsets.dtype) * n
         o = ops.gdpa(q, k, v, offsets_q, n, seq_offsets, max_seq_len, activation=self.activation,
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
         return self._finish(tokens, o)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
+import operator
 import os
 import threading
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 KERNELS = ("auto", "triton", "reference")
 MAX_HEAD_DIM = 256  # the widest head the kernels' tiles hold
@@ -126,79 +124,132 @@ def padded_rows(offsets: torch.Tensor, max_len: int, rows: int) -> torch.Tensor:
     return b * max_len + (t - offsets.to(torch.int64)[b])
 
 
-OFFSETS_CACHE_MAX = 16  # entries per offsets tensor and table kind: (pass, block) pairs of the tuned configs
+class JaggedBatch:
+    """One batch of jagged sequences: offsets [B+1] (int32 / int64, from 0) and max_len (>= every length), with the
+    tables the kernels derive from them (work orders, token positions), built on first use and kept as long as the
+    batch object lives.
 
-# Per-offsets caches live here, not on the tensors: a tensor's __dict__ travels with pickle / deepcopy (and a
-# weak reference cannot be pickled). Entries die with their offsets tensor.
-_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_EAGER = threading.local()
+    Build one per batch and pass it to every layer in place of the offsets tensor: the layers, and their backward,
+    share its tables and its validation. A plain offsets tensor passed to an op makes a batch for that call alone.
+    Tables are dropped when the offsets (or a cross-attention partner's) are written in place (their version
+    counter moves); offsets rewritten through .data, where that counter does not see it, need a new batch. A batch
+    is used on one CUDA stream (its tables are ready on the stream that built them). Not cached: calls under
+    torch.compile (the custom ops rebuild their tables) and during CUDA graph capture (the tables are then built
+    inside the graph, so a replay rebuilds them from the offsets' new values)."""
 
+    __slots__ = ("_checked", "_tables", "max_len", "offsets")
 
-@contextlib.contextmanager
-def eager_tables():
-    """Marks an eager autograd call of an op: only there are per-offsets tables cached (offsets_cached). The custom
-    ops, which torch.compile graphs and CUDA-graph trees run from private streams and memory pools, rebuild them."""
-    prev = getattr(_EAGER, "on", False)
-    _EAGER.on = True
-    try:
-        yield
-    finally:
-        _EAGER.on = prev
+    def __init__(self, offsets: torch.Tensor, max_len: int):
+        if isinstance(offsets, JaggedBatch):
+            raise TypeError("offsets is a JaggedBatch already")
+        try:
+            n = operator.index(max_len)
+        except TypeError:
+            n = -1
+        if isinstance(max_len, bool) or n < 0:
+            raise ValueError(f"max_len={max_len!r}: must be an int >= 0")
+        self.offsets, self.max_len = offsets, n
+        self._tables: dict = {}  # partner batch (None: self) -> (partner, versions, {key: table})
+        self._checked: tuple = (None, ())  # (version, ((rows, max_len), ...)) validated
 
+    def __repr__(self) -> str:
+        return f"JaggedBatch(B={self.offsets.numel() - 1}, max_len={self.max_len})"
 
-def offsets_cached(attr: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
-    """build(), computed once per pair of offsets tensors (for an op's table kind `attr`).
-
-    Every layer of a model, and its backward, gets the same offsets tensors, so per-batch tables (work orders,
-    tile counts) are built once. A hit needs the same two objects at the same _version (an in-place write
-    misses) on the same CUDA stream. Cached only in eager calls (eager_tables); not while compiling, during CUDA
-    graph capture (a hit would freeze the table into the graph) or for inference tensors (no version). Offsets
-    rewritten where the version counter does not see it (through .data) must be passed as a new tensor.
-    """
-    if not getattr(_EAGER, "on", False) or torch.compiler.is_compiling():
-        return build()
-    stream = None
-    if offsets_a.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
-            return build()
-        stream = torch.cuda.current_stream(offsets_a.device).cuda_stream  # a table is ready on its own stream only
-    try:
-        versions = (offsets_a._version, offsets_b._version)
-    except RuntimeError:
-        return build()
-    kinds = _TABLES.get(offsets_a)
-    if kinds is None:
-        kinds = _TABLES[offsets_a] = {}
-    cache = kinds.setdefault(attr, {})
-    full_key = (id(offsets_b), stream) + tuple(key)
-    hit = cache.get(full_key)
-    # a weak reference: offsets_b may be offsets_a itself, and a dead one never matches a new tensor of equal id
-    if hit is not None and hit[0]() is offsets_b and hit[1] == versions:
+    def tables(self, partner: JaggedBatch | None = None) -> dict | None:
+        """The tables of this batch with `partner` (cross attention's other side; None or self: this batch alone),
+        emptied when either side's offsets changed in place; None for tensors without a version (inference)."""
+        other = None if partner is None or partner is self else partner
+        try:
+            versions = (self.offsets._version, other.offsets._version if other is not None else -1)
+        except RuntimeError:
+            return None
+        hit = self._tables.get(id(other))
+        if hit is None or hit[0] is not other or hit[1] != versions:
+            hit = self._tables[id(other)] = (other, versions, {})
         return hit[2]
-    value = build()
-    cache.pop(full_key, None)
-    while len(cache) >= OFFSETS_CACHE_MAX:
-        cache.pop(next(iter(cache)))  # oldest first
-    cache[full_key] = (weakref.ref(offsets_b), versions, value)
-    return value
 
 
-def cached_tables(offsets: torch.Tensor, attr: str) -> dict:
-    """The cache entries of one table kind for an offsets tensor (for tests and debugging)."""
-    return _TABLES.get(offsets, {}).get(attr, {})
+TABLES_MAX = 32  # tables kept per batch pair: (pass, tile) pairs of the tuned configs, a few masks
 
 
-def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, device: torch.device | None = None):
+def as_batch(offsets, max_len) -> JaggedBatch:
+    """offsets as a JaggedBatch: itself (max_len None or the batch's), or a batch for this call made of a tensor."""
+    if isinstance(offsets, JaggedBatch):
+        if max_len is not None and max_len != offsets.max_len:
+            raise ValueError(f"max_len={max_len!r} differs from the JaggedBatch's max_len={offsets.max_len}")
+        return offsets
+    if max_len is None:
+        raise ValueError("max_len is needed with an offsets tensor (or pass a JaggedBatch)")
+    return JaggedBatch(offsets, max_len)
+
+
+# The batches of the op call running on this thread (set by gem.ops._register.KernelOp around its eager forward
+# and backward): where cached() keeps what it builds.
+_SCOPE = threading.local()
+
+
+def cached(attr: str, offsets_a: torch.Tensor, offsets_b: torch.Tensor, key: tuple, build):
+    """build() for a table kind `attr` over offsets_a (tiled side) and offsets_b (partner side), kept in the running
+    call's JaggedBatch (the query side's, per key-side partner) when the call has one, so the layers of a model and
+    their backward build it once. Without one (custom ops, graph capture) it is built every time."""
+    pair = getattr(_SCOPE, "pair", None)
+    if pair is None:
+        return build()
+    bq, bk = pair
+    sides = []
+    for t in (offsets_a, offsets_b):
+        if t is bq.offsets:
+            sides.append(0)
+        elif t is bk.offsets:
+            sides.append(1)
+        else:
+            return build()  # not this call's offsets (e.g. a converted copy)
+    tables = bq.tables(bk)
+    if tables is None:
+        return build()
+    full_key = (attr, *sides, *key)
+    hit = tables.get(full_key)
+    if hit is None:
+        hit = build()
+        while len(tables) >= TABLES_MAX:
+            tables.pop(next(iter(tables)))  # oldest first
+        tables[full_key] = hit
+    return hit
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on t's device's current stream (False for CPU tensors)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class batch_scope:
+    """Marks the ops' eager calls with their batches (see cached); none (None) while a CUDA graph is captured."""
+
+    __slots__ = ("pair", "prev")
+
+    def __init__(self, pair):
+        self.pair = pair
+
+    def __enter__(self):
+        self.prev = getattr(_SCOPE, "pair", None)
+        _SCOPE.pair = self.pair
+
+    def __exit__(self, *exc):
+        _SCOPE.pair = self.prev
+
+
+def check_offsets(name: str, offsets, rows: int, max_len: int, device: torch.device | None = None):
     """One clear error for offsets that would make a kernel read out of bounds, leave rows unwritten or silently
-    drop work.
+    drop work. offsets: a tensor, or a JaggedBatch (then checked once per version and (rows, max_len): every layer of
+    a model passes the same batch).
 
     Shape, dtype, contiguity (the kernels read offsets with stride 1) and device are checked on the host. The
     contents (offsets[0] == 0, non-decreasing, offsets[-1] == rows, every length <= max_len) are checked on the
-    CPU directly and on the GPU with asynchronous device asserts (no host sync). Done once per offsets tensor,
-    version and (rows, max_len): every layer of a model passes the same offsets. (Inference tensors have no
-    version: checked every time.)
+    CPU directly and on the GPU with asynchronous device asserts (no host sync).
     """
+    batch = offsets if isinstance(offsets, JaggedBatch) else None
+    if batch is not None:
+        offsets = batch.offsets
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must be a 1-D tensor [B+1]")
     if offsets.dtype not in (torch.int32, torch.int64):
@@ -209,16 +260,16 @@ def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, dev
         raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
     if torch.compiler.is_compiling():
         return
-    try:
-        version = offsets._version
-    except RuntimeError:
-        version = None
-    key = (version, int(rows), int(max_len))
-    seen = _CHECKED.get(offsets) if version is not None else None
-    if seen is not None and key in seen:
-        return  # checked before: the common case, every layer of a model passes the same offsets
+    version, key = None, (int(rows), int(max_len))
+    if batch is not None:
+        try:
+            version = offsets._version
+        except RuntimeError:
+            version = None
+        if version is not None and batch._checked[0] == version and key in batch._checked[1]:
+            return  # checked before: the common case, every layer of a model passes the same batch
     if os.environ.get("GEM_OFFSETS_CHECK", "1") == "0":
-        return  # callers that validate upstream (inference tensors are checked every call)
+        return  # callers that validate upstream
     lengths = offsets[1:] - offsets[:-1]
     if offsets.device.type == "cpu":
         if int(offsets[0]) != 0:
@@ -236,7 +287,5 @@ def check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, dev
             torch._assert_async(lengths.min() >= 0, f"{name} must be non-decreasing")
             torch._assert_async(lengths.max() <= max_len, f"a sequence of {name} is longer than max_len={max_len}")
     if version is not None:
-        if seen is None or seen[0][0] != version:  # a new version: the old keys are void
-            seen = _CHECKED[offsets] = []
-        seen.append(key)
-        del seen[:-4]  # a few (rows, max_len) pairs per tensor, e.g. q and k sides
+        seen = batch._checked[1] if batch._checked[0] == version else ()  # a new version: the old keys are void
+        batch._checked = (version, (*seen[-3:], key))  # a few (rows, max_len) pairs, e.g. q and k sides

@@ -16,15 +16,20 @@ Conventions (the same for both faces):
   the first n_tensors; returns the gradients of the first inputs (as many as it returns; None for the others).
   With `backward_fake` the backward is a custom op too; without, it is called as it is (it may call ops itself,
   e.g. a rotation's backward is the opposite rotation: then it stays differentiable).
+- Eager calls may name their batches (gem.ops._common.JaggedBatch): the tables the functions build through
+  gem.ops._common.cached are then kept in them, for the other layers and the backward.
 - `keep` (eager only): a forward that also returns a dict of tensors the backward takes as keyword arguments, for
   residuals worth keeping when no graph capture or tracing is involved (e.g. a rotated k).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+
+from gem.ops._common import batch_scope, capturing
 
 
 class KernelOp:
@@ -43,10 +48,14 @@ class KernelOp:
         self.fwd_op.register_autograd(self._op_backward, setup_context=self._setup)
         self.fn = _eager_function(self)
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, batches: tuple | None = None):
+        """batches: the call's (query side, key side) gem.ops._common.JaggedBatch, which keeps the tables the eager
+        forward and backward build (none while a CUDA graph is captured: the graph then builds its own)."""
         if torch.compiler.is_compiling():
             return self.fwd_op(*inputs)
-        return self.fn.apply(*inputs)
+        if batches is not None and capturing(inputs[0]):
+            batches = False  # none: not even those of a call this one runs inside
+        return self.fn.apply(batches, *inputs)
 
     # ------------------------------------------------------------------------------------- shared by both faces
     def _stash(self, ctx, inputs, outputs, kept=None) -> None:
@@ -77,24 +86,24 @@ class KernelOp:
 
 
 def _eager_function(op: KernelOp) -> type[torch.autograd.Function]:
-    from gem.ops._common import eager_tables
-
     class Fn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *inputs):
+        def forward(ctx, batches, *inputs):
             kept = None
-            with eager_tables():
+            # batches None: those of the op call this one runs in, if any (a backward calling an op)
+            with batch_scope(batches or None) if batches is not None else contextlib.nullcontext():
                 if op.keep is not None:
                     outputs, kept = op.keep(*inputs)
                 else:
                     outputs = op.forward(*inputs)
             op._stash(ctx, inputs, outputs, kept)
+            ctx.batches = batches
             return outputs
 
         @staticmethod
         def backward(ctx, *grads):
-            with eager_tables():
-                return op._run_backward(ctx, grads, op.backward)
+            with batch_scope(ctx.batches or None) if ctx.batches is not None else contextlib.nullcontext():
+                return (None, *op._run_backward(ctx, grads, op.backward))
 
     Fn.__name__ = Fn.__qualname__ = op.name.title().replace("_", "") + "Fn"  # e.g. JfaFn in profiler traces
     return Fn

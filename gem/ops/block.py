@@ -18,6 +18,7 @@ import math
 import torch
 
 from gem.ops._common import (
+    as_batch,
     check_head_dim,
     check_offsets,
     jagged_to_padded,
@@ -29,7 +30,8 @@ from gem.ops._common import (
 from gem.ops.rotary import RopeConfig, rope_reference
 
 
-def _validate(q, k, v, offsets, max_len, block_size, rope, scale):
+def _validate(q, k, v, batch, max_len, block_size, rope, scale):
+    offsets = batch.offsets
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     t, h, d = q.shape
@@ -47,7 +49,7 @@ def _validate(q, k, v, offsets, max_len, block_size, rope, scale):
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     if max_len < 0:
         raise ValueError(f"max_len={max_len} must be >= 0")
-    check_offsets("offsets", offsets, t, max_len, q.device)
+    check_offsets("offsets", batch, t, max_len, q.device)
     if rope is not None:
         if not isinstance(rope, RopeConfig):
             raise TypeError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
@@ -96,17 +98,20 @@ def block_attention_reference(q, k, v, offsets, max_len, *, block_size, causal=T
     return out.to(q.dtype)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets, max_len: int | None = None, *,
                     block_size: int, causal: bool = True, rope: RopeConfig | None = None,
                     scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
     """Jagged block(-causal) attention; q [T, H, D], k/v [T, H_kv, D] with H_kv | H; returns [T, H, D].
 
-    `offsets` [B+1] (offsets[-1] == T), `max_len` >= the longest sequence. `rope`: RopeConfig to rotate q and k
+    `offsets` [B+1] (offsets[-1] == T), or a gem.ops.JaggedBatch (max_len then optional; its tables are shared by
+    every layer given it), `max_len` >= the longest sequence. `rope`: RopeConfig to rotate q and k
     by their position within the sequence (fused into the Triton kernel); rotary_dim must be even (rotary_dim=None
     rotates all of D, so D must then be even). `scale` defaults to 1/sqrt(D). Any D in 1..256 (the Triton kernels
     mask their columns; heads under 16 channels are zero-padded to 16 for the tile shapes).
     """
-    _validate(q, k, v, offsets, max_len, block_size, rope, scale)
+    batch = as_batch(offsets, max_len)
+    offsets, max_len = batch.offsets, batch.max_len
+    _validate(q, k, v, batch, max_len, block_size, rope, scale)
     if resolve_kernel(kernel, q, k, v, offsets) == "reference":
         return block_attention_reference(q, k, v, offsets, max_len, block_size=block_size, causal=causal,
                                          rope=rope, scale=scale)
@@ -119,6 +124,5 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         rope = None if rope is None else dataclasses.replace(rope, rotary_dim=rope.resolve_dim(d))
         q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
-    out = block_attention_triton(q, k, v, offsets, max_len, block_size=block_size, causal=causal, rope=rope,
-                                 scale=scale)
+    out = block_attention_triton(q, k, v, batch, block_size=block_size, causal=causal, rope=rope, scale=scale)
     return out if width == d else out[..., :d]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from gem.ops._common import (
+    as_batch,
     check_head_dim,
     check_offsets,
     clamp_window,
@@ -40,6 +41,7 @@ from gem.ops._common import (
 )
 from gem.ops.gdpa_consts import ACTIVATIONS, APPROX, LEAKY_SLOPE, POLY6, Poly6
 from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
+
 
 def poly6(x: torch.Tensor, activation: str) -> torch.Tensor:
     """The FMA-only approximation in PyTorch (reference for the kernel)."""
@@ -169,10 +171,14 @@ def _reference(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, activation, 
     return padded_to_jagged(o, mq).to(q.dtype)
 
 
-def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gelu", approx=None, causal=False,
+def gdpa(q, k, v, offsets_q, max_len_q=None, offsets_k=None, max_len_k=None, *, activation="gelu", approx=None, causal=False,
          window=None, scale=None, normalize=None, kernel="auto", ordered=True, short_kv=None, num_targets=None,
          contextual_len=0, max_attn_len=None):
     """Jagged pointwise-activation attention; returns [Tq, H, Dv] (v's head dim) in q's dtype.
+
+    offsets_q / offsets_k: tensors [B+1], or gem.ops.JaggedBatch objects (max_len_q / max_len_k then optional),
+    which keep the work tables for every layer given them (plain tensors: each call builds its own). offsets_k
+    None: self attention over offsets_q.
 
     activation: one of ACTIVATIONS; approx: None or "poly6" (gelu / gelu_tanh / silu).
     causal / window: FlashAttention semantics, bottom-right aligned when Lq != Lk (see module doc).
@@ -187,13 +193,15 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     Lk - Lq + i; num_targets counts the key sequence's targets). HSTU itself is activation="silu",
     normalize="max_len_k".
     """
+    batch_q = as_batch(offsets_q, max_len_q)
+    batch_k = batch_q if offsets_k is None else as_batch(offsets_k, max_len_k)
+    offsets_q, offsets_k = batch_q.offsets, batch_k.offsets
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
-    consts = _resolve(q, max_len_k, causal, window, scale, normalize)
-    lengths = (int(max_len_q), int(max_len_k))
-    if min(lengths) < 0:
-        raise ValueError(f"max_len_q and max_len_k must be >= 0, got {lengths}")
-    check_offsets("offsets_q", offsets_q, q.shape[0], lengths[0], q.device)
-    check_offsets("offsets_k", offsets_k, k.shape[0], lengths[1], q.device)
+    lengths = (batch_q.max_len, batch_k.max_len)
+    consts = _resolve(q, lengths[1], causal, window, scale, normalize)
+    check_offsets("offsets_q", batch_q, q.shape[0], lengths[0], q.device)
+    if batch_k is not batch_q or k.shape[0] != q.shape[0]:
+        check_offsets("offsets_k", batch_k, k.shape[0], lengths[1], q.device)
     hstu = _hstu(q, offsets_k, causal, window, num_targets, contextual_len, max_attn_len)
     consts = (*clamp_window(consts[0], consts[1], *lengths), *consts[2:])
     if resolve_kernel(kernel, q, k, v, offsets_q, offsets_k) == "reference":
@@ -207,7 +215,7 @@ def gdpa(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, *, activation="gel
     short = -1 if short_kv is None else int(bool(short_kv))
     out = triton_gdpa.gdpa_op(
         q, k, v, offsets_q, offsets_k, *lengths, activation, approx or "", *consts, bool(ordered), short,
-        *triton_gdpa.hstu_launch_args(hstu, offsets_q)
+        *triton_gdpa.hstu_launch_args(hstu, offsets_q), batches=(batch_q, batch_k)
     )
     return out if width == dv else out[..., :dv]
 

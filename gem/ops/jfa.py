@@ -28,6 +28,7 @@ import torch
 
 from gem.ops._common import (
     KERNELS,
+    as_batch,
     check_head_dim,
     check_offsets,
     clamp_window,
@@ -44,7 +45,8 @@ from gem.ops.hstu_mask import HstuMask, hstu_args, hstu_visible_mask
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
+def _validate(q, k, v, batch_q, max_len_q, batch_k, max_len_k, scale):
+    offsets_q, offsets_k = batch_q.offsets, None if batch_k is None else batch_k.offsets
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [T, heads, D], got {getattr(t, 'shape', type(t))}")
@@ -63,11 +65,11 @@ def _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale):
         raise ValueError("q, k, v must be on one device")
     if not isinstance(max_len_q, int) or max_len_q < 0:
         raise ValueError(f"max_len_q must be an int >= 0, got {max_len_q!r}")
-    check_offsets("offsets_q", offsets_q, q.shape[0], max_len_q, q.device)
+    check_offsets("offsets_q", batch_q, q.shape[0], max_len_q, q.device)
     if offsets_k is not None:
         if not isinstance(max_len_k, int) or max_len_k < 0:
             raise ValueError(f"max_len_k must be an int >= 0 for cross attention, got {max_len_k!r}")
-        check_offsets("offsets_k", offsets_k, k.shape[0], max_len_k, q.device)
+        check_offsets("offsets_k", batch_k, k.shape[0], max_len_k, q.device)
         if offsets_k.numel() != offsets_q.numel():
             raise ValueError(f"offsets_q has {offsets_q.numel() - 1} sequences, offsets_k {offsets_k.numel() - 1}")
     elif k.shape[0] != q.shape[0]:
@@ -82,9 +84,9 @@ def jagged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets_q: torch.Tensor,
-    max_len_q: int,
-    offsets_k: torch.Tensor | None = None,
+    offsets_q,
+    max_len_q: int | None = None,
+    offsets_k=None,
     max_len_k: int | None = None,
     *,
     causal: bool = False,
@@ -113,8 +115,9 @@ def jagged_attention(
     H200 for each. The Triton forward loads K/V through TMA descriptors where the tensors allow it; the backward
     computes delta in a preprocessing kernel for long rows (max_len_q >= 16384) without a left window, else fuses
     it into its dQ pass (gem.ops.triton_jfa._bwd_form). The
-    per-sequence work tables are cached per offsets_q / offsets_k tensor pair and reused while those tensors are
-    not modified in place, so pass the same offsets objects to every layer.
+    per-sequence work tables are kept in the call's gem.ops.JaggedBatch: pass one (offsets_q / offsets_k may be
+    JaggedBatch objects, max_len_q / max_len_k then optional) to every layer of a model and they are built once
+    per batch; with plain offsets tensors every call builds its own.
 
     num_targets ([B] int tensor: the last num_targets[b] tokens of sequence b are targets), contextual_len (the
     first tokens of every sequence are contextual) and max_attn_len (None or 0: unbounded) give
@@ -122,7 +125,12 @@ def jagged_attention(
     queries are the last Lq tokens of each key sequence (generative-recommenders' cached form: row i sees the full
     self-attention mask's row Lk - Lq + i; num_targets counts the key sequence's targets).
     """
-    _validate(q, k, v, offsets_q, max_len_q, offsets_k, max_len_k, scale)
+    batch_q = as_batch(offsets_q, max_len_q)
+    batch_k = None if offsets_k is None else as_batch(offsets_k, max_len_k)
+    offsets_q, max_len_q = batch_q.offsets, batch_q.max_len
+    if batch_k is not None:
+        offsets_k, max_len_k = batch_k.offsets, batch_k.max_len
+    _validate(q, k, v, batch_q, max_len_q, batch_k, max_len_k, scale)
     hstu = hstu_args(num_targets, contextual_len, max_attn_len, offsets=offsets_q if offsets_k is None else offsets_k,
                      causal=causal, window=window, device=q.device)
     if mask_mode not in ("auto", "sub", "inf"):
@@ -131,7 +139,7 @@ def jagged_attention(
     if mask_mode == "auto":
         mask_mode = "inf" if left >= 0 else "sub"
     if offsets_k is None:
-        offsets_k, max_len_k = offsets_q, max_len_q
+        batch_k, offsets_k, max_len_k = batch_q, offsets_q, max_len_q
     left, right = clamp_window(left, right, int(max_len_q), int(max_len_k))
     default_scale = scale is None or float(scale) == 1.0 / math.sqrt(q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
@@ -162,7 +170,7 @@ def jagged_attention(
     width = tile_head_dim(d, pow2=True)
     q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
     args = (q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_mode == "inf")
-    extra = {} if hstu is None else {"hstu": hstu}
+    extra = {"batches": (batch_q, batch_k)} if hstu is None else {"hstu": hstu, "batches": (batch_q, batch_k)}
     if not return_lse:
         out = jfa_triton(*args, **extra)
         return out if width == d else out[..., :d]

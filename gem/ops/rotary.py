@@ -17,11 +17,13 @@ import triton
 import triton.language as tl
 
 from gem.ops._common import (
+    as_batch,
+    batch_scope,
+    cached,
+    capturing,
     cdiv,
     check_offsets,
-    eager_tables,
     next_pow2,
-    offsets_cached,
     resolve_kernel,
     triton_interpreting,
 )
@@ -54,11 +56,10 @@ def positions_of(offsets: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def positions_cached(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """positions_of as int32 for the kernels, built once per offsets tensor and row count in eager calls
-    (gem.ops._common.offsets_cached): building it is ~7 small launches, far more than the rope kernel's own memory
-    time at 64K tokens."""
-    return offsets_cached("rope_pos", offsets, offsets, (int(total),),
-                          lambda: positions_of(offsets, total).to(torch.int32))
+    """positions_of as int32 for the kernels, kept in the eager call's JaggedBatch per row count
+    (gem.ops._common.cached): building it is ~7 small launches, far more than the rope kernel's own memory time at
+    64K tokens."""
+    return cached("rope_pos", offsets, offsets, (int(total),), lambda: positions_of(offsets, total).to(torch.int32))
 
 
 _TABLES: dict = {}
@@ -81,7 +82,8 @@ def cos_sin_table(length: int, rotary_dim: int, base: float, device) -> tuple[to
     return table
 
 
-def _check(x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> None:
+def _check(x: torch.Tensor, batch, max_len: int) -> None:
+    offsets = batch.offsets
     if x.dim() != 3:
         raise ValueError(f"rope expects x of shape [T, H, D], got {tuple(x.shape)}")
     if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype not in (torch.int32, torch.int64):
@@ -90,7 +92,7 @@ def _check(x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> None:
         raise ValueError(f"max_len={max_len} must be >= 0")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"rope supports fp16/bf16/fp32, got {x.dtype}")
-    check_offsets("offsets", offsets, x.shape[0], max_len, x.device)
+    check_offsets("offsets", batch, x.shape[0], max_len, x.device)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, *,
@@ -187,14 +189,17 @@ def rope_reference(x: torch.Tensor, offsets: torch.Tensor, max_len: int, config:
     return rotate(x, cos[pos], sin[pos], config.interleaved, inverse=inverse)
 
 
-def rope_tables(offsets: torch.Tensor, total: int, max_len: int, rotary_dim: int, base: float
+def rope_tables(offsets, total: int, max_len: int | None, rotary_dim: int, base: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions [total] int32, cos table, sin table) for `rotate` of a jagged batch in a caller's own graph:
-    cos[positions] are the rows. Positions are built once per offsets tensor, the tables once per length class."""
-    check_offsets("offsets", offsets, total, max_len)  # the rows gathered by position must exist in the tables
-    with eager_tables():
-        pos = positions_cached(offsets, total)
-    cos, sin = cos_sin_table(max(max_len, 1), rotary_dim, base, offsets.device)
+    cos[positions] are the rows. offsets: a tensor or a JaggedBatch (whose positions are then built once for
+    every layer); the tables are built once per length class."""
+    batch = as_batch(offsets, max_len)
+    check_offsets("offsets", batch, total, batch.max_len)  # the rows gathered by position must exist in the tables
+    eager = not (torch.compiler.is_compiling() or capturing(batch.offsets))
+    with batch_scope((batch, batch) if eager else None):
+        pos = positions_cached(batch.offsets, total)
+    cos, sin = cos_sin_table(max(batch.max_len, 1), rotary_dim, base, batch.offsets.device)
     return pos, cos, sin
 
 
@@ -442,16 +447,19 @@ def _rope_backward(grad, offsets, max_len, base, rotary_dim, interleaved, invers
 rope_op = KernelOp("rope", _rope_entry, _rope_backward, fake=_rope_fake, n_tensors=2, save=lambda i, o: (i[1],))
 
 
-def rope(x: torch.Tensor, offsets: torch.Tensor, max_len: int, *, config: RopeConfig | None = None,
+def rope(x: torch.Tensor, offsets, max_len: int | None = None, *, config: RopeConfig | None = None,
          inverse: bool = False, kernel: str = "auto") -> torch.Tensor:
     """Rotate jagged x [T, H, D] by each token's position within its sequence (see the module docstring).
 
-    `max_len` must be >= the longest sequence; `inverse=True` undoes the rotation. Differentiable.
+    offsets: a tensor [B+1], or a gem.ops.JaggedBatch (max_len then optional; its positions are built once for every
+    layer). `max_len` must be >= the longest sequence; `inverse=True` undoes the rotation. Differentiable.
     """
     config = RopeConfig() if config is None else config
-    _check(x, offsets, max_len)
+    batch = as_batch(offsets, max_len)
+    offsets, max_len = batch.offsets, batch.max_len
+    _check(x, batch, max_len)
     rd = config.resolve_dim(x.shape[-1])
     if resolve_kernel(kernel, x, offsets) == "reference":
         return rope_reference(x, offsets, max_len, config, inverse=inverse)
     args = (x, offsets, max_len, float(config.base), rd, bool(config.interleaved), bool(inverse))
-    return rope_op(*args)
+    return rope_op(*args, batches=(batch, batch))

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import next_pow2, offsets_cached, triton_interpreting
+from gem.ops._common import cached, next_pow2, triton_interpreting
 from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
 from gem.ops.rotary import (
@@ -481,7 +481,7 @@ class _Tables:
         """Each token's position within its block (the rope op's per-sequence positions mod block_size)."""
         pos = self.pos.get(block_size)
         if pos is None:
-            pos = self.pos[block_size] = offsets_cached(
+            pos = self.pos[block_size] = cached(
                 "block_rope_pos", self.offsets, self.offsets, (self.total, block_size),
                 lambda: positions_cached(self.offsets, self.total) % block_size)
         return pos
@@ -642,14 +642,13 @@ block_attention_op = KernelOp("block_attention", _fwd, _bwd, fake=_fwd_fake, bac
                               nondiff=(1,), save=lambda i, o: (*i[:3], *o, i[3]), keep=_keep)
 
 
-def block_attention_triton(q, k, v, offsets, max_len, *, block_size, causal=True, rope: RopeConfig | None = None,
-                           scale=None):
+def block_attention_triton(q, k, v, batch, *, block_size, causal=True, rope: RopeConfig | None = None, scale=None):
     """Triton path of gem.ops.block.block_attention (inputs already validated)."""
     d = q.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rd = rope.resolve_dim(d) if rope is not None else 0
     base = float(rope.base) if rope is not None else 10000.0
     interleaved = bool(rope.interleaved) if rope is not None else False
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), offsets, int(max_len), int(block_size), bool(causal),
-            scale, base, rd, interleaved)
-    return block_attention_op(*args)[0]
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), batch.offsets, batch.max_len, int(block_size),
+            bool(causal), scale, base, rd, interleaved)
+    return block_attention_op(*args, batches=(batch, batch))[0]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from gem.ops import triton_utils as tu
-from gem.ops._common import offsets_cached, triton_interpreting
+from gem.ops._common import cached, triton_interpreting
 from gem.ops._register import KernelOp
 from gem.ops._tune import ConfigTuner, attention_smem, shared_memory_limit
 from gem.ops.gdpa_consts import ACTIVATIONS, LEAKY_SLOPE, POLY6
@@ -927,7 +927,7 @@ def _gdpa_bwd_short(do, q, k, v, offsets_q, offsets_k, max_len_k, activation, ap
         lq = offsets_q[1:] - offsets_q[:-1]
         return torch.argsort(lq, descending=True, stable=True).to(torch.int32)
 
-    table = offsets_cached("gdpa_seq_order", offsets_q, offsets_k, (ordered,), order)
+    table = cached("gdpa_seq_order", offsets_q, offsets_k, (ordered,), order)
     common = {**_common(q, k, left, right, activation, approx, hstu["HSTU"]), **hstu}
     args = _launch_args((q, k, v, do, dq, dk, dv), offsets_q, offsets_k, table, scale, out_scale, left, right,
                         max_len_k, k.shape[1])

@@ -782,17 +782,19 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left=-1, right=-1,
-                        mask_inf=False, hstu=None):
+                        mask_inf=False, hstu=None, batches=None):
     """(out, lse [H, Tq] natural log, +inf for rows that see no key) — for tests and callers that need lse. hstu:
-    a gem.ops.hstu_mask.HstuMask (self attention or its cached form, no window)."""
+    a gem.ops.hstu_mask.HstuMask (self attention or its cached form, no window). batches: the (query, key)
+    gem.ops.JaggedBatch pair whose offsets these are, which keeps the work tables."""
     args = (_unit_last(q), _unit_last(k), _unit_last(v), offsets_q, offsets_k, int(max_len_q), int(max_len_k),
             float(scale), int(left), int(right), bool(mask_inf))
     if hstu is not None:
         args += (hstu.num_targets, hstu.contextual_len, hstu.max_attn)
-    return jfa_op(*args)
+    return jfa_op(*args, batches=batches)
 
 
-def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, hstu=None):
+def jfa_triton(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf, hstu=None,
+               batches=None):
     """Triton path of gem.ops.jagged_attention (arguments already validated and normalised)."""
     return jfa_triton_with_lse(q, k, v, offsets_q, offsets_k, max_len_q, max_len_k, scale, left, right, mask_inf,
-                               hstu)[0]
+                               hstu, batches)[0]

@@ -1,9 +1,9 @@
 """What the Triton attention kernels (JFA, GDPA, BlockAttention) share: dot helpers, window masks and the split of a
 tile loop into masked and unmasked runs, the HSTU mask and the tiles it leaves visible, length buckets, and the
-per-batch work tables with their cache.
+per-batch work tables.
 
-Work tables map a program to a (sequence, tile) item, built on the device (no host sync) and cached per offsets
-tensor pair. One builder, work_table(), serves every op; each op gives the cost that orders its items.
+Work tables map a program to a (sequence, tile) item, built on the device (no host sync) and kept in the
+call's JaggedBatch. One builder, work_table(), serves every op; each op gives the cost that orders its items.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import cdiv, next_pow2, offsets_cached, triton_interpreting
+from gem.ops._common import cached as batch_cached
+from gem.ops._common import cdiv, next_pow2, triton_interpreting
 
 # ----------------------------------------------------------------------------------------------- device helpers
 
@@ -316,8 +317,8 @@ def work_table(cost: str, offsets_a, offsets_b, max_len_a: int, block: int, *, l
     """The work items of one pass: tiles of `block` rows over offsets_a's sequences, ordered by `cost` (see above);
     offsets_b holds the partner sequences (keys of a q tile, queries of a key tile: transpose) and left / right the
     window (-1 unbounded). "seq_span" returns (sorted keys, tiles per sequence); the others an int32 [W, 2] table.
-    Built once per offsets tensor pair and key when cached (gem.ops._common.offsets_cached): the layers of a model
-    and the backward share it."""
+    Built once per batch pair and key when cached and the call names its batches (gem.ops._common.cached): the
+    layers of a model and the backward share it."""
     if cost == "seq_len":
         def build():
             return _seq_len_table(offsets_a, block, total)
@@ -332,4 +333,4 @@ def work_table(cost: str, offsets_a, offsets_b, max_len_a: int, block: int, *, l
     if not cached:
         return build()
     key = (max_len_a, block, left, right, transpose, ordered, total)
-    return offsets_cached(f"work:{cost}", offsets_a, offsets_b, key, build)
+    return batch_cached(f"work:{cost}", offsets_a, offsets_b, key, build)

@@ -395,8 +395,8 @@ def test_saved_k_rot_reused_by_the_backward(monkeypatch):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_cached_tables_do_not_keep_offsets_alive():
-    # the per-offsets caches are keyed weakly: a cached value that referenced its offsets would leak every batch's
+def test_calls_do_not_keep_offsets_alive():
+    # nothing global holds a batch's tables: a cached value that referenced its offsets would leak every batch's
     import gc
     import weakref
 
@@ -409,18 +409,19 @@ def test_cached_tables_do_not_keep_offsets_alive():
     assert alive() is None
 
 
-def test_rotated_copies_reuse_cached_positions(monkeypatch):
-    # the K_rot / Q_rot passes take positions from the rope op's per-offsets cache: built once for all layers
-    from gem.ops import rotary
+def test_rotated_copies_reuse_the_batch_positions(monkeypatch):
+    # the K_rot / Q_rot passes take positions from the batch, as the rope op does: built once for all layers
+    from gem.ops import JaggedBatch, rotary
 
     built = []
     real = rotary.positions_of
     monkeypatch.setattr(rotary, "positions_of", lambda off, t: built.append(t) or real(off, t))
     q, k, v, _, off = _inputs([19, 1, 0, 12], 4, 2, 32, torch.float32)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
+    batch = JaggedBatch(off, 19)
     for _ in range(2):
-        block_attention(q, k, v, off, 19, block_size=8, rope=RopeConfig(), kernel="triton").sum().backward()
-    rope(k.detach(), off, 19, config=RopeConfig(), kernel="triton")  # the standalone op shares the cache
+        block_attention(q, k, v, batch, 19, block_size=8, rope=RopeConfig(), kernel="triton").sum().backward()
+    rope(k.detach(), batch, config=RopeConfig(), kernel="triton")  # the standalone op shares the positions
     assert built == [32]
 
 

@@ -582,24 +582,25 @@ def test_fused_loop_default_keeps_waves(monkeypatch):
     assert tg._fused_tiles(500_000, 128, 4, 1000, 1024, 257, cpu) == 0  # long key loops: no fused loop
 
 
-def test_work_tables_built_once_per_offsets(monkeypatch):
-    # the layers of a model share offsets: one table per pass, reused by later calls and the backward;
+def test_work_tables_built_once_per_batch(monkeypatch):
+    # the layers of a model share a JaggedBatch: one table per pass, reused by later calls and the backward;
     # an in-place write to the offsets (a new batch in the same buffer) rebuilds them and stays correct
-    from gem.ops import triton_gdpa, triton_utils
+    from gem.ops import JaggedBatch, triton_gdpa, triton_utils
 
     built = []
-    real = triton_gdpa.offsets_cached
+    real = triton_gdpa.cached
 
     def counting(attr, oa, ob, key, build):
         return real(attr, oa, ob, key, lambda: built.append(key) or build())
 
-    monkeypatch.setattr(triton_gdpa, "offsets_cached", counting)
-    monkeypatch.setattr(triton_utils, "offsets_cached", counting)
+    monkeypatch.setattr(triton_gdpa, "cached", counting)
+    monkeypatch.setattr(triton_utils, "batch_cached", counting)
     lq, lk = [40, 0, 17, 33], [9, 5, 0, 30]
     q, k, v, oq, mq, ok, mk = _inputs(lq, lk)
+    bq, bk = JaggedBatch(oq, mq), JaggedBatch(ok, mk)
     counts = []
     for _ in range(3):
-        out = gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
+        out = gdpa(q, k, v, bq, mq, bk, mk, activation="silu", kernel="triton")
         out.sum().backward()
         counts.append(len(built))
     # the forward's table and the backward's (one-pass short K/V here), then no more
@@ -607,7 +608,7 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
     new_lq = [17, 33, 40, 0]
     oq.copy_(_offsets(new_lq))
     _check(new_lq, lk)  # fresh tensors: builds its own tables
-    out = gdpa(q, k, v, oq, mq, ok, mk, activation="silu", kernel="triton")
+    out = gdpa(q, k, v, bq, None, bk, None, activation="silu", kernel="triton")
     assert len(built) > 2 * counts[0]  # the write bumped oq's version: rebuilt
     ref = gdpa_reference(q, k, v, oq, mq, ok, mk, activation="silu")
     _close(out, ref, torch.float32, "out after an in-place offsets write")

@@ -588,112 +588,109 @@ def _ref_fwd_bwd(q, k, v, off_q, max_q, off_k=None, max_k=None, *, causal=False,
 
 
 @pytest.mark.parametrize("form", ["auto", "delta_pre"])
-def test_work_cache_reuses_tables_of_the_same_offsets(form, monkeypatch):
+def test_batch_keeps_its_tables_for_every_layer(form, monkeypatch):
+    from gem.ops import JaggedBatch
+
     _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens = [5, 0, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
-    first = _fwd_bwd(q, k, v, off, 33, causal=True)
+    batch = JaggedBatch(off, 33)
+    first = _fwd_bwd(q, k, v, batch, 33, causal=True)
     built = dict(calls)
     # interpreter blocks are all 16 and the table's order depends only on the sequences' lengths: in self attention
     # the forward's table serves both backward passes
     assert built["keys"] == 1
-    for _ in range(2):  # another layer, another step: no rebuild, same bits
-        again = _fwd_bwd(q, k, v, off, 33, causal=True)
+    for _ in range(2):  # another layer given the batch (max_len from it): no rebuild, same bits
+        again = _fwd_bwd(q, k, v, batch, None, causal=True)
         assert calls["keys"] == built["keys"]
         for a, b in zip(first, again):
             assert torch.equal(a, b)
-    _fwd_bwd(q, k, v, off, 33, window=4)  # other mask parameters: their own tables
+    _fwd_bwd(q, k, v, batch, 33, window=4)  # other mask parameters: their own tables
     assert calls["keys"] > built["keys"]
+    n = calls["keys"]
+    for _ in range(2):  # a plain offsets tensor: a batch of its own per call
+        plain = _fwd_bwd(q, k, v, off, 33, causal=True)
+    assert calls["keys"] == n + 2
+    for a, b in zip(first, plain):
+        assert torch.equal(a, b)
     _check(first, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
 @pytest.mark.parametrize("form", ["auto", "delta_pre"])
-def test_work_cache_misses_after_in_place_change(form, monkeypatch):
+def test_batch_tables_rebuilt_after_in_place_change(form, monkeypatch):
+    from gem.ops import JaggedBatch
+
     _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens = [5, 17, 1, 33]
     q, k, v = _inputs(lens, h=2, h_kv=1)
     off = _offsets(lens)
-    _fwd_bwd(q, k, v, off, 33, causal=True)
+    batch = JaggedBatch(off, 33)
+    _fwd_bwd(q, k, v, batch, 33, causal=True)
     built = calls["keys"]
     off.copy_(_offsets([33, 1, 21, 1]))  # same total, other sequences: a version bump
-    got = _fwd_bwd(q, k, v, off, 33, causal=True)
+    got = _fwd_bwd(q, k, v, batch, 33, causal=True)
     assert calls["keys"] > built
     _check(got, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
 
 
 @pytest.mark.parametrize("form", ["auto", "delta_pre"])
-def test_work_cache_never_shared_between_offsets_tensors(form, monkeypatch):
-    """Equal shapes (and equal values) in another tensor rebuild; so does another offsets_k with the same offsets_q."""
+def test_batch_tables_never_shared_between_batches(form, monkeypatch):
+    """Another batch of equal shapes rebuilds; so does another key batch with the same query batch, also when the
+    previous key batch was freed and a new object took its id."""
+    from gem.ops import JaggedBatch
+
     _pin_form(form, monkeypatch)
     calls = _count_builders(monkeypatch)
     lens_a, lens_b = [5, 17, 1, 33], [33, 1, 21, 1]
     q, k, v = _inputs(lens_a, h=2, h_kv=1)
-    off_a, off_b = _offsets(lens_a), _offsets(lens_b)
-    _fwd_bwd(q, k, v, off_a, 33, causal=True)
+    batch_a, batch_b = JaggedBatch(_offsets(lens_a), 33), JaggedBatch(_offsets(lens_b), 33)
+    _fwd_bwd(q, k, v, batch_a, 33, causal=True)
     n = calls["keys"]
-    got = _fwd_bwd(q, k, v, off_b, 33, causal=True)
+    got = _fwd_bwd(q, k, v, batch_b, 33, causal=True)
     assert calls["keys"] > n
-    _check(got, _ref_fwd_bwd(q, k, v, off_b, 33, causal=True), torch.float32)
-    n = calls["keys"]
-    _fwd_bwd(q, k, v, off_a.clone(), 33, causal=True)
-    assert calls["keys"] > n
-    # cross attention: one offsets_q, then key offsets of equal shape in a new tensor each time
+    _check(got, _ref_fwd_bwd(q, k, v, batch_b.offsets, 33, causal=True), torch.float32)
     lens_k = [[9, 0, 40, 3], [0, 40, 3, 9]]
     for i in range(4):
         lk = lens_k[i % 2]
         _, k2, v2 = _inputs(lens_a, lk, h=2, h_kv=1, seed=i)
-        off_k = _offsets(lk)  # the previous one is freed: its id may come back
-        got = _fwd_bwd(q, k2, v2, off_a, 33, off_k, 40, causal=True)
-        _check(got, _ref_fwd_bwd(q, k2, v2, off_a, 33, off_k, 40, causal=True), torch.float32)
-        del off_k
+        batch_k = JaggedBatch(_offsets(lk), 40)  # the previous one is freed: its id may come back
+        got = _fwd_bwd(q, k2, v2, batch_a, 33, batch_k, 40, causal=True)
+        _check(got, _ref_fwd_bwd(q, k2, v2, batch_a.offsets, 33, batch_k.offsets, 40, causal=True), torch.float32)
+        del batch_k
 
 
-def test_work_cache_bounds_and_opt_outs(monkeypatch):
-    from gem.ops import triton_jfa
-    from gem.ops._common import cached_tables, eager_tables
-
-    with eager_tables():  # the op's eager autograd path, where tables are cached
-        _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch)
-
-
-def _bounds_and_opt_outs(triton_jfa, cached_tables, monkeypatch):
-    from gem.ops import _common
-    from gem.ops._common import OFFSETS_CACHE_MAX
+def test_batch_tables_bounded_and_not_kept_for_inference_tensors(monkeypatch):
+    from gem.ops import JaggedBatch, triton_jfa
+    from gem.ops._common import TABLES_MAX, batch_scope
 
     calls = _count_builders(monkeypatch)
-    off = _offsets([300, 100, 0, 129])
-    blocks = [16 * (i + 1) for i in range(2 * OFFSETS_CACHE_MAX)]
-    for block in blocks:
-        triton_jfa._cached_table(off, off, 300, block, -1, 0)
-    assert len(cached_tables(off, "work:seq_span")) == OFFSETS_CACHE_MAX
-    n = calls["keys"]
-    keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)
-    assert calls["keys"] == n  # the newest entries stay
-    want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0)
-    assert _decode(keys).tolist() == want.tolist() and nt == nt_want
-    triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0)
-    assert calls["keys"] == n + 1  # the oldest went
+    batch = JaggedBatch(_offsets([300, 100, 0, 129]), 300)
+    off = batch.offsets
+    blocks = [16 * (i + 1) for i in range(TABLES_MAX + 4)]
+    with batch_scope((batch, batch)):
+        for block in blocks:
+            triton_jfa._cached_table(off, off, 300, block, -1, 0)
+        assert len(batch.tables()) == TABLES_MAX
+        n = calls["keys"]
+        keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)
+        assert calls["keys"] == n  # the newest entries stay
+        want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0)
+        assert _decode(keys).tolist() == want.tolist() and nt == nt_want
+        triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0)
+        assert calls["keys"] == n + 1  # the oldest went
+    triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)
+    assert calls["keys"] == n + 2  # outside an op call with its batches: built every time
 
-    # offsets_b tensors that share an id (one freed, the next allocated in its place) never share an entry
-    monkeypatch.setattr(_common, "id", lambda obj: 0, raising=False)
-    lens_b = ([40, 0, 300, 7], [300, 7, 40, 0])
-    got = [_decode(triton_jfa._cached_table(off, _offsets(lb), 300, 16, -1, 0)[0]) for lb in lens_b]
-    want = [_torch_work_table(off, _offsets(lb), 300, 16, -1, 0)[0] for lb in lens_b]
-    assert not torch.equal(want[0], want[1])  # the sequences' weights depend on offsets_b
-    for a, b in zip(got, want):
-        assert a.tolist() == b.tolist()
-    monkeypatch.undo()
-    calls = _count_builders(monkeypatch)
-
-    with torch.inference_mode():  # no version counter: never cached
-        off_inf = _offsets([3, 4])
-        for _ in range(2):
-            triton_jfa._cached_table(off_inf, off_inf, 4, 16, -1, -1)
-    assert not cached_tables(off_inf, "work:seq_span")
-    assert calls["keys"] == 2
+    with torch.inference_mode():  # no version counter: never kept
+        inf = JaggedBatch(_offsets([3, 4]), 4)
+        with batch_scope((inf, inf)):
+            for _ in range(2):
+                triton_jfa._cached_table(inf.offsets, inf.offsets, 4, 16, -1, -1)
+        assert inf.tables() is None
+    assert calls["keys"] == n + 4
 
 
 @pytest.mark.parametrize(
@@ -822,24 +819,19 @@ def test_gpu_forms_every_config(form, d, monkeypatch):
     triton_jfa._TUNER.best.clear()
 
 
-
-def test_tables_cached_only_in_eager_calls_and_offsets_stay_picklable(monkeypatch):
-    """The custom op (what torch.compile runs) rebuilds its tables; the eager path caches them off the tensor, so
-    the offsets still pickle (a batch saved after a step)."""
-    import io
-
-    from gem.ops import triton_jfa
-    from gem.ops._common import cached_tables
+def test_tables_kept_only_in_eager_calls_with_a_batch(monkeypatch):
+    """The custom op (what torch.compile runs) rebuilds its tables; the eager path keeps them in the batch."""
+    from gem.ops import JaggedBatch, triton_jfa
 
     lens = [5, 0, 17]
     q, k, v = _inputs(lens, h=2, h_kv=1)
-    off = _offsets(lens)
+    batch = JaggedBatch(_offsets(lens), 17)
+    off = batch.offsets
     # tune the key first: the tuner launches a new key's config once more, which would count as a build
     triton_jfa.jfa_op.fwd_op(q, k, v, _offsets(lens), _offsets(lens), 17, 17, 0.25, -1, 0, False)
     calls = _count_builders(monkeypatch)
     for _ in range(2):
         triton_jfa.jfa_op.fwd_op(q, k, v, off, off, 17, 17, 0.25, -1, 0, False)
-    assert calls["keys"] == 2 and not cached_tables(off, "work:seq_span")
-    _fwd_bwd(q, k, v, off, 17, causal=True)
-    assert cached_tables(off, "work:seq_span")
-    torch.save(off, io.BytesIO())
+    assert calls["keys"] == 2 and not batch.tables()
+    _fwd_bwd(q, k, v, batch, 17, causal=True)
+    assert batch.tables() and calls["keys"] == 3

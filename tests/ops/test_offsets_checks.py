@@ -55,17 +55,25 @@ def test_bad_offsets_raise_one_clear_error(op, offsets, max_len, message):
     fn(torch.tensor([0, 5, 10]), 5)  # the same call with good offsets runs
 
 
-def test_check_is_cached_per_version_and_limits():
-    from gem.ops._common import _CHECKED
+def test_check_is_kept_per_batch_version_and_limits(monkeypatch):
+    from gem.ops import JaggedBatch
 
     off = torch.tensor([0, 3, 8])
+    batch = JaggedBatch(off, 5)
+    check_offsets("offsets", batch, 8, 5)
+    calls = []
+    real_diff = torch.Tensor.__sub__
+    monkeypatch.setattr(torch.Tensor, "__sub__", lambda a, b: calls.append(1) or real_diff(a, b))
+    check_offsets("offsets", batch, 8, 5)
+    assert not calls  # checked before: nothing computed
     check_offsets("offsets", off, 8, 5)
-    assert (off._version, 8, 5) in _CHECKED[off]
+    assert calls  # a plain tensor is checked every time
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="max_len=4"):
-        check_offsets("offsets", off, 8, 4)  # other limits: checked again
+        check_offsets("offsets", batch, 8, 4)  # other limits: checked again
     off[2] = 20  # an in-place write bumps the version: checked again
     with pytest.raises(ValueError, match="have 8 rows"):
-        check_offsets("offsets", off, 8, 5)
+        check_offsets("offsets", batch, 8, 5)
     with pytest.raises(ValueError, match="contiguous"):
         check_offsets("offsets", torch.tensor([0, 9, 3, 9, 8, 9])[::2], 8, 5)
 

@@ -182,10 +182,10 @@ def test_gpu_matches_complex_rotation(cfg):
     torch.testing.assert_close(got.double(), _complex_rope(x.cpu(), lengths, cfg), atol=1e-4, rtol=1e-4)
 
 
-def test_positions_built_once_per_offsets(monkeypatch):
-    """positions_of calls over 3 eager fwd+bwd rope calls on one offsets tensor, then after an in-place write: the
+def test_positions_built_once_per_batch(monkeypatch):
+    """positions_of calls over 3 eager fwd+bwd rope calls on one JaggedBatch, then after an in-place write: the
     forward and backward of every call share one positions vector until the offsets are written."""
-    from gem.ops import rotary
+    from gem.ops import JaggedBatch, rotary
 
     built = []
     real = rotary.positions_of
@@ -193,13 +193,14 @@ def test_positions_built_once_per_offsets(monkeypatch):
     lengths, cfg = [17, 0, 1, 20], RopeConfig(rotary_dim=16)
     x = torch.randn(38, 2, 32, requires_grad=True)
     off = _offsets(lengths)
+    batch = JaggedBatch(off, 20)
     counts = []
     for _ in range(3):
-        rope(x, off, 20, config=cfg, kernel="triton").sum().backward()
+        rope(x, batch, config=cfg, kernel="triton").sum().backward()
         counts.append(len(built))
     new = [20, 1, 0, 17]
     off.copy_(_offsets(new))  # same T, new positions: must rebuild
-    y = rope(x, off, 20, config=cfg, kernel="triton")
+    y = rope(x, batch, config=cfg, kernel="triton")
     torch.testing.assert_close(y.double(), _complex_rope(x.detach(), new, cfg), atol=1e-5, rtol=1e-5)
     counts.append(len(built))
     assert counts == [1, 1, 1, 2]  # without the cache: [2, 4, 6, 7], one build per kernel call
