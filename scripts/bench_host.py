@@ -12,7 +12,8 @@ For each op and pass (forward; backward from saved forward outputs) it prints, p
   call:   CUDA events around back-to-back calls on an idle GPU, what a caller waits for: about max(host, device)
           for short kernels.
 Rows are one process; run it several times for a spread. bf16, causal, fixed-length jagged rows (every sequence
-`--len` tokens). Needs gem importable (pip install -e . or PYTHONPATH=.).
+`--len` tokens). gem's ops get one gem.ops.JaggedBatch for all calls, as a model's layers do ("jfa-plain": a plain
+offsets tensor, whose per-call batch builds its own tables and checks). Needs gem importable (pip install -e . or PYTHONPATH=.).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ SPIN_CYCLES_PER_US = 2000  # GPU clock cycles per microsecond of the spin kernel
 
 
 def _ops(args, q, k, v, off, n):
-    from gem.ops import block_attention, gdpa, jagged_attention
+    from gem.ops import JaggedBatch, block_attention, gdpa, jagged_attention
 
+    batch = JaggedBatch(off, n)  # built once per batch and handed to every layer, as the model does
     ops = {
-        "jfa": lambda: jagged_attention(q, k, v, off, n, causal=True, kernel="triton"),
-        "jfa-auto": lambda: jagged_attention(q, k, v, off, n, causal=True),
-        "gdpa": lambda: gdpa(q, k, v, off, n, off, n, causal=True, activation="silu", normalize="max_len_k",
+        "jfa": lambda: jagged_attention(q, k, v, batch, causal=True, kernel="triton"),
+        "jfa-plain": lambda: jagged_attention(q, k, v, off, n, causal=True, kernel="triton"),
+        "jfa-auto": lambda: jagged_attention(q, k, v, batch, causal=True),
+        "gdpa": lambda: gdpa(q, k, v, batch, n, batch, n, causal=True, activation="silu", normalize="max_len_k",
                              kernel="triton"),
-        "block": lambda: block_attention(q, k, v, off, n, block_size=64, kernel="triton"),
+        "block": lambda: block_attention(q, k, v, batch, block_size=64, kernel="triton"),
     }
     try:
         import inspect
@@ -121,7 +124,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--calls", type=int, default=100)
-    p.add_argument("--ops", default="jfa,jfa-auto,varlen,gdpa,block", help="comma list")
+    p.add_argument("--ops", default="jfa,jfa-plain,jfa-auto,varlen,gdpa,block", help="comma list")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")

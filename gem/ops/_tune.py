@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,14 +30,72 @@ FORMAT = 1  # the cache files' layout version
 SHIPPED = Path(__file__).parent / "tuned" / "defaults.json"
 
 
+class LaunchConfig(NamedTuple):
+    """One launch of a Triton kernel as a tuner picks it: tile sizes and other launch-time choices by name (BLOCK_M,
+    BLOCK_N, ..., or an op's own, e.g. rope's layout) and the compiler's options. The config type of every gem.ops
+    tuner; its JSON form (tuning caches, gem/ops/tuned/defaults.json) is the dict of its fields by name."""
+
+    tiles: tuple = ()  # ((name, value), ...)
+    num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default
+    maxnreg: int | None = None  # ptxas's per-thread register cap, so that more programs share an SM (GPU only)
+
+    @classmethod
+    def of(cls, num_warps: int, num_stages: int | None = None, maxnreg: int | None = None, **tiles) -> LaunchConfig:
+        return cls(tuple(tiles.items()), num_warps, num_stages, maxnreg)
+
+    def tile(self, name: str, default=None):
+        for k, v in self.tiles:
+            if k == name:
+                return v
+        return default
+
+    @property
+    def block_m(self):
+        return self.tile("BLOCK_M")
+
+    @property
+    def block_n(self):
+        return self.tile("BLOCK_N")
+
+    def launch_kwargs(self) -> dict:
+        """The kernel launch's keywords: the tiles as constexprs and the compiler options that are set (maxnreg not
+        under the interpreter, which has no registers)."""
+        kw = dict(self.tiles)
+        kw["num_warps"] = self.num_warps
+        if self.num_stages is not None:
+            kw["num_stages"] = self.num_stages
+        if self.maxnreg is not None and not triton_interpreting():
+            kw["maxnreg"] = self.maxnreg
+        return kw
+
+    def json(self) -> dict:
+        out = {**dict(self.tiles), "num_warps": self.num_warps}
+        for k in ("num_stages", "maxnreg"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+    def __str__(self) -> str:  # as GEM_TUNE_LOG=1 prints it
+        return " ".join([f"{k}={v}" for k, v in self.tiles] + [f"w{self.num_warps}"]
+                        + ([f"s{self.num_stages}"] if self.num_stages is not None else [])
+                        + ([f"r{self.maxnreg}"] if self.maxnreg is not None else []))
+
+
+def tile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None
+                ) -> LaunchConfig:
+    """The LaunchConfig of an attention pass's (BLOCK_M, BLOCK_N) tile."""
+    return LaunchConfig.of(num_warps, num_stages, maxnreg, BLOCK_M=block_m, BLOCK_N=block_n)
+
+
 class ConfigTuner:
     """Best config per (kind, key): from memory, else the user's cache dir, else the shipped defaults, else timed
     on the first call with that key (and then written to the cache dir).
 
     `launch(cfg)` must be idempotent (the kernels only store), since timing runs it repeatedly. With GEM_AUTOTUNE=0
     (the `env` variable) the first candidate that compiles and launches is kept without timing or cache (fp32 tiles
-    can exceed shared memory). Configs are tuples, NamedTuples, dicts of JSON scalars, or triton.Config-like objects;
-    a cached config is used only when it equals one of the current candidates.
+    can exceed shared memory). gem's ops give LaunchConfigs; tuples, dicts of JSON scalars and triton.Config-like
+    objects work too. A cached config is used only when it equals one of the current candidates.
     """
 
     def __init__(self, name: str, env: str = "GEM_AUTOTUNE"):
@@ -304,8 +363,10 @@ def _json_value(v):
 
 def _json_config(cfg):
     """A config as JSON data, as json.loads gives it back (tuples and NamedTuples as lists; triton.Config as its
-    kwargs and launch options), for comparison with a stored one."""
-    if isinstance(cfg, dict):
+    kwargs and launch options; LaunchConfig as its fields by name), for comparison with a stored one."""
+    if isinstance(cfg, LaunchConfig):
+        out = cfg.json()
+    elif isinstance(cfg, dict):
         out = {str(k): _json_config(v) for k, v in cfg.items()}
     elif all(hasattr(cfg, a) for a in ("kwargs", "num_warps", "num_stages")):
         out = {"kwargs": _json_config(dict(cfg.kwargs)), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -371,11 +432,11 @@ def attention_smem(stationary: int, streamed: int, stages: int, elt: int, scratc
 
 
 def attention_pass_smem(pass_: str, width: int, elt: int) -> Callable:
-    """The estimate (attention_smem) of a config (BLOCK_M, BLOCK_N, warps, stages, ...) of one attention pass at tile
-    width `width`: the forward holds its q tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ (any other
-    pass) holds q/dO and streams K/V."""
-    def estimate(cfg) -> int:
-        bm, bn, _, stages = cfg[:4]
+    """The estimate (attention_smem) of a tile LaunchConfig of one attention pass at tile width `width`: the forward
+    holds its q tile and streams K/V; dK/dV holds K/V and streams q/dO; dQ (any other pass) holds q/dO and streams
+    K/V."""
+    def estimate(cfg: LaunchConfig) -> int:
+        bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages or 1
         if pass_ == "fwd":
             return attention_smem(bm * width, 2 * bn * width, stages, elt, bm * bn)
         if pass_ == "dkdv":
@@ -390,9 +451,3 @@ def fitting(cands: list, fallback: list, estimate: Callable, limit: int) -> tupl
     fit = [c for c in cands if estimate(c) <= limit]
     rest = [c for c in fallback if estimate(c) <= limit and c not in fit]
     return fit, rest or [c for c in list(fallback)[-1:] if c not in fit]
-
-
-def reg_cap(cfg: tuple) -> dict:
-    """Launch option of a config tuple's optional 5th entry after (BLOCK_M, BLOCK_N, num_warps, num_stages): ptxas's
-    per-thread register cap, so that more programs share an SM (GPU only: the interpreter has no registers)."""
-    return {"maxnreg": cfg[4]} if len(cfg) > 4 and not triton_interpreting() else {}

@@ -16,7 +16,7 @@ Any head dim 1..256 (the Triton path zero-pads heads to its next tile width: 16,
 
 `max_len_q` / `max_len_k` must be >= every sequence length, and the offsets must start at 0, not decrease and
 end at the row count of q / k: checked on the CPU, and on the GPU by asynchronous device asserts (no host sync),
-once per offsets tensor and version (gem.ops._common.check_offsets).
+once per JaggedBatch and offsets version (gem.ops._common.check_offsets).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ The rotation is orthogonal, so the backward of rope is the inverse rotation (sin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -28,7 +27,7 @@ from gem.ops._common import (
     triton_interpreting,
 )
 from gem.ops._register import KernelOp
-from gem.ops._tune import ConfigTuner
+from gem.ops._tune import ConfigTuner, LaunchConfig
 
 
 @dataclass(frozen=True)
@@ -206,7 +205,7 @@ def rope_tables(offsets, total: int, max_len: int | None, rotary_dim: int, base:
 # ----------------------------------------------------------------------------------------------------------------
 # Triton: a program rotates a tile of token rows, for every head (cos/sin fetched once per token) or for one head
 # (layouts and launch configs below, picked per shape by the tuner, GEM_AUTOTUNE=0: the first); positions come
-# from a [T] int32 vector built on device (once per offsets tensor in eager calls: positions_cached).
+# from a [T] int32 vector built on device (once per JaggedBatch in eager calls: positions_cached).
 
 
 @triton.jit
@@ -335,16 +334,11 @@ def _rope_full_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, T, H: tl.constexp
         tl.store(y_ptr + y_ptrs, tl.where(rot, y.to(x.dtype), x), mask=m)
 
 
-class RopeLaunch(NamedTuple):
-    """One launch config of the rope kernels (what the tuner picks between)."""
-
-    layout: str  # "halves": two half-row loads per head (_rope_kernel); "full": one row load (_rope_full_kernel)
-    block_t: int  # token rows per program
-    heads: str  # "loop": a program loops over every head, cos/sin fetched once; "grid": one head per program
-    num_warps: int
-
-    def __str__(self) -> str:  # as GEM_TUNE_LOG=1 prints it
-        return f"{self.layout}/{self.block_t}/{self.heads}/w{self.num_warps}"
+def rope_launch(layout: str, block_t: int, heads: str, num_warps: int) -> LaunchConfig:
+    """One launch config of the rope kernels (what the tuner picks between). layout "halves": two half-row loads per
+    head (_rope_kernel), "full": one row load (_rope_full_kernel); block_t token rows per program; heads "loop": a
+    program loops over every head, cos/sin fetched once, "grid": one head per program."""
+    return LaunchConfig.of(num_warps, layout=layout, BLOCK_T=block_t, heads=heads)
 
 
 LAYOUTS = ("halves", "full")
@@ -355,56 +349,57 @@ def full_layout_ok(rd: int, interleaved: bool) -> bool:
     return interleaved or rd & (rd - 1) == 0
 
 
-def gpu_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
+def gpu_configs(rd: int, interleaved: bool) -> list[LaunchConfig]:
     """Candidates on the GPU; the first is the measured default (the fastest at 64K x 4 x 128 bf16 on the H200)."""
-    out = [RopeLaunch("halves", 32, "loop", 4)]
+    out = [rope_launch("halves", 32, "loop", 4)]
     # (128 rows, 4 warps) is left out: ptxas spills 144-3288 bytes per thread there
-    out += [RopeLaunch("halves", bt, "loop", w) for bt in (32, 64, 128) for w in (4, 8)
+    out += [rope_launch("halves", bt, "loop", w) for bt in (32, 64, 128) for w in (4, 8)
             if (bt, w) not in ((32, 4), (128, 4))]
     # head-parallel: H times the programs, cos/sin re-read per head (from L2)
-    out += [RopeLaunch("halves", 64, "grid", 4), RopeLaunch("halves", 128, "grid", 4),
-            RopeLaunch("halves", 128, "grid", 8)]
+    out += [rope_launch("halves", 64, "grid", 4), rope_launch("halves", 128, "grid", 4),
+            rope_launch("halves", 128, "grid", 8)]
     if full_layout_ok(rd, interleaved):
-        out += [RopeLaunch("full", 32, "loop", 4), RopeLaunch("full", 64, "loop", 8),
-                RopeLaunch("full", 64, "grid", 4), RopeLaunch("full", 128, "grid", 8)]
+        out += [rope_launch("full", 32, "loop", 4), rope_launch("full", 64, "loop", 8),
+                rope_launch("full", 64, "grid", 4), rope_launch("full", 128, "grid", 8)]
     return out
 
 
-def rope_configs(rd: int, interleaved: bool) -> list[RopeLaunch]:
+def rope_configs(rd: int, interleaved: bool) -> list[LaunchConfig]:
     """The tuner's candidates: gpu_configs, or one small config under the interpreter (CPU tests stay fast)."""
     if triton_interpreting():
-        return [RopeLaunch("halves", 16, "loop", 4)]
+        return [rope_launch("halves", 16, "loop", 4)]
     return gpu_configs(rd, interleaved)
 
 
 _TUNER = ConfigTuner("gem.ops.rope")
 
 
-def _rope_launch(cfg: RopeLaunch, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+def _rope_launch(cfg: LaunchConfig, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, rd: int, interleaved: bool, inverse: bool) -> None:
     """Write y = rope(x) ([T, H, D] each, T > 0; heads adjacent and the head dim dense, any token stride) with launch
     config cfg; pos [T] int32, cos/sin tables."""
     t, h, d = x.shape
-    heads = {"loop": h, "grid": 1}[cfg.heads]
-    grid = (cdiv(t, cfg.block_t), h // heads)
+    layout, block_t = cfg.tile("layout"), cfg.tile("BLOCK_T")
+    heads = {"loop": h, "grid": 1}[cfg.tile("heads")]
+    grid = (cdiv(t, block_t), h // heads)
     sign = -1.0 if inverse else 1.0
     half = rd // 2
-    if cfg.layout == "halves":
+    if layout == "halves":
         _rope_kernel[grid](
             x, y, pos, cos, sin, t, h, d, half, rd, x.stride(0), y.stride(0),
-            BLOCK_T=cfg.block_t, HALF_B=max(1, next_pow2(half)),
+            BLOCK_T=block_t, HALF_B=max(1, next_pow2(half)),
             PASS_B=max(1, next_pow2(max(d - rd, 1))), HAS_PASS=d > rd,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
         )
-    elif cfg.layout == "full":
+    elif layout == "full":
         if not full_layout_ok(rd, interleaved):
             raise ValueError(f"rope layout 'full' needs a power-of-two rotary_dim for NeoX halves, got {rd}")
         _rope_full_kernel[grid](
-            x, y, pos, cos, sin, t, h, d, x.stride(0), y.stride(0), HALF=half, D_B=next_pow2(d), BLOCK_T=cfg.block_t,
+            x, y, pos, cos, sin, t, h, d, x.stride(0), y.stride(0), HALF=half, D_B=next_pow2(d), BLOCK_T=block_t,
             INTERLEAVED=interleaved, SIGN=sign, HEADS=heads, num_warps=cfg.num_warps,
         )
     else:
-        raise ValueError(f"rope layout {cfg.layout!r}: expected one of {LAYOUTS}")
+        raise ValueError(f"rope layout {layout!r}: expected one of {LAYOUTS}")
 
 
 def _rope_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, base: float, rd: int, interleaved: bool,
@@ -443,7 +438,7 @@ def _rope_backward(grad, offsets, max_len, base, rotary_dim, interleaved, invers
     return rope_op(grad.contiguous(), offsets, max_len, base, rotary_dim, interleaved, not inverse)
 
 
-# inputs (x, offsets, *constants) -> rotated x; positions cached per offsets tensor in eager calls
+# inputs (x, offsets, *constants) -> rotated x; positions kept in the JaggedBatch in eager calls
 rope_op = KernelOp("rope", _rope_entry, _rope_backward, fake=_rope_fake, n_tensors=2, save=lambda i, o: (i[1],))
 
 

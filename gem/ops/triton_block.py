@@ -36,7 +36,7 @@ import triton.language as tl
 
 from gem.ops._common import cached, next_pow2, triton_interpreting
 from gem.ops._register import KernelOp
-from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
+from gem.ops._tune import ConfigTuner, LaunchConfig, attention_pass_smem, tile_config
 from gem.ops.rotary import (
     RopeConfig,
     _rope_triton,
@@ -408,15 +408,15 @@ DKDV_TILES = ((64, 64), (32, 64), (32, 128), (64, 128), (128, 128))
 DQ_TILES = ((64, 64), (128, 32), (128, 64), (128, 128))
 
 
-def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) candidates for kind in fwd/dkdv/dq; the first is the
-    default.
+def configs(kind: str, block_size: int) -> list[LaunchConfig]:
+    """Tile candidates for kind in fwd/dkdv/dq, built as (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]); the
+    first is the default.
 
     Tiles are clamped to max(16, next_pow2(block_size)) (larger ones only add masked-out work in block-local
     attention) and deduplicated. Under the interpreter: one small config, so CPU tests stay fast.
     """
     if triton_interpreting():
-        return [(16, 16, 4, 1)]
+        return [tile_config(16, 16, 4, 1)]
     cap = max(16, next_pow2(block_size))
     tiles = {"fwd": FWD_TILES, "dkdv": DKDV_TILES, "dq": DQ_TILES}[kind]
     bm, bn = _default_tiles(block_size, kind != "fwd")
@@ -441,11 +441,11 @@ def configs(kind: str, block_size: int) -> list[tuple[int, ...]]:
         cfg = (min(cfg[0], cap), min(cfg[1], cap)) + cfg[2:]
         if cfg not in out:
             out.append(cfg)
-    return out
+    return [tile_config(*c) for c in out]
 
 
 # Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads), largest first.
-FALLBACK = [(32, 32, 4, 1), (16, 16, 4, 1)]
+FALLBACK = [tile_config(32, 32, 4, 1), tile_config(16, 16, 4, 1)]
 
 
 def _smem(kind: str, d: int, elt: int):
@@ -463,8 +463,8 @@ def _tune_key(q, k, block_size, causal, rotary_dim, interleaved) -> tuple:
 
 
 class _Tables:
-    """One call's work tables per tile height (gem.ops.triton_utils.work_table, cached per offsets tensor in eager
-    calls), and the rope token positions within their block: built on first use, shared by the tuner's timed
+    """One call's work tables per tile height (gem.ops.triton_utils.work_table, kept in the call's JaggedBatch in
+    eager calls), and the rope token positions within their block: built on first use, shared by the tuner's timed
     configs and both backward passes."""
 
     def __init__(self, offsets, total):
@@ -561,11 +561,10 @@ def _fwd_keep(q, k, v, offsets, max_len, block_size, causal, scale, rope_base, r
     k_s = _rotated(k, tables, max_len, block_size, rope_base, rotary_dim, interleaved)  # streamed
 
     def launch(cfg):
-        bm, bn, warps, stages = cfg[:4]
-        work = tables.work(bm)
+        work = tables.work(cfg.block_m)
         _fwd_kernel[(work.shape[0] * h,)](
             q, k_s, v, o, lse, offsets32, work, cos, sin, scale * _LOG2E, t, block_size, rotary_dim // 2, rotary_dim,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **reg_cap(cfg), **meta)
+            **cfg.launch_kwargs(), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
     launch(_TUNER.pick("fwd", key, lambda: configs("fwd", block_size), launch, q.device, outputs=(o, lse),
@@ -594,18 +593,14 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     # The two passes are independent kernels (each only stores its own outputs), so each is tuned on its own.
     # Both read the stationary and the streamed tiles from the rotated copies: only dQ/dK's inverse rotation stays.
     def dkdv(cfg, q_s, k_s):
-        bm, bn, warps, stages = cfg[:4]
-        work = tables.work(bn)  # one program per key tile
+        work = tables.work(cfg.block_n)  # one program per key tile
         _bwd_dkdv_kernel[(work.shape[0] * k.shape[1],)](
-            q_s, k_s, v, do, lse, delta, dk, dv, offsets32, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **reg_cap(cfg), **meta)
+            q_s, k_s, v, do, lse, delta, dk, dv, offsets32, work, *args, **cfg.launch_kwargs(), **meta)
 
     def dq_pass(cfg, q_s, k_s):
-        bm, bn, warps, stages = cfg[:4]
-        work = tables.work(bm)  # one program per query tile
+        work = tables.work(cfg.block_m)  # one program per query tile
         _bwd_dq_kernel[(work.shape[0] * h,)](
-            q_s, k_s, v, o, do, lse, delta, dq, offsets32, work, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **reg_cap(cfg), **meta)
+            q_s, k_s, v, o, do, lse, delta, dq, offsets32, work, *args, **cfg.launch_kwargs(), **meta)
 
     key = _tune_key(q, k, block_size, causal, rotary_dim, interleaved)
     rot = (tables, max_len, block_size, rope_base, rotary_dim, interleaved)

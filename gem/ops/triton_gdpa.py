@@ -29,7 +29,7 @@ import triton.language as tl
 from gem.ops import triton_utils as tu
 from gem.ops._common import cached, triton_interpreting
 from gem.ops._register import KernelOp
-from gem.ops._tune import ConfigTuner, attention_smem, shared_memory_limit
+from gem.ops._tune import ConfigTuner, LaunchConfig, attention_smem, shared_memory_limit
 from gem.ops.gdpa_consts import ACTIVATIONS, LEAKY_SLOPE, POLY6
 
 SHORT_KV_MAX = 256  # forward keeps the whole K/V sequence in one tile up to this many keys (D <= 64) ...
@@ -654,10 +654,11 @@ def _bwd_short_item(Q, DO, DQ, Kb, Vb, DKb, DVb, q_start, lq, lk, doff, kvh, off
 
 
 # --------------------------------------------------------------------------------------------- launch configs
-# Candidates per kernel, as launch keywords; the first is the default (GEM_AUTOTUNE=0). A small space: each config
-# costs a compile per key.
-def _configs(names: tuple[str, ...], values: list[tuple]) -> list[dict]:
-    return [{**dict(zip(names, v[:-2])), "num_warps": v[-2], "num_stages": v[-1]} for v in values]
+# Candidates per kernel; the first is the default (GEM_AUTOTUNE=0). A small space: each config costs a compile per
+# key.
+def _configs(names: tuple[str, ...], values: list[tuple]) -> list[LaunchConfig]:
+    """LaunchConfigs of (*tiles named by names, num_warps, num_stages) entries."""
+    return [LaunchConfig.of(v[-2], v[-1], **dict(zip(names, v[:-2]))) for v in values]
 
 
 if triton_interpreting():
@@ -703,8 +704,8 @@ def _smem(kind: str, kwargs: dict, elt: int):
     """The shared-memory estimate (gem.ops._tune.attention_smem) of a config of one kernel kind, its fixed tile
     sizes taken from kwargs: the forward holds q and streams K/V (the short-K/V one the reverse), dK/dV and the
     one-pass backward hold K/V and stream q/dO, dQ holds q/dO and streams K/V."""
-    def estimate(cfg: dict) -> int:
-        kw = {**kwargs, **cfg}
+    def estimate(cfg: LaunchConfig) -> int:
+        kw = {**kwargs, **cfg.launch_kwargs()}
         bm, bn, bd, stages = kw["BLOCK_M"], kw.get("BLOCK_N", 0), kw["BLOCK_D"], kw["num_stages"]
         if kind == "fwd_short":
             return attention_smem(2 * bn * bd, bm * bd, stages, elt, bm * bn)
@@ -743,7 +744,7 @@ def _launch(kind: str, grid: tuple, args: tuple, kwargs: dict, outputs: tuple) -
         key += ("hstu",)
 
     def launch(cfg):
-        kernel[grid](*args, **kwargs, **cfg)
+        kernel[grid](*args, **kwargs, **cfg.launch_kwargs())
 
     launch(_TUNER.pick(kind, key, CONFIGS[kind], launch, args[0].device, outputs=outputs,
                        estimate=lambda cfg: _smem(kind, kwargs, args[0].element_size())(cfg),

@@ -2,8 +2,8 @@
 
 Scheme (see gem/ops/jfa.py for the mask semantics):
 - Work items: one program per (q tile, head) in the forward and dQ pass, per (k tile, kv head) in the dK/dV
-  pass. A small table of sorted int64 keys maps program -> batch * NT + tile, the heaviest sequences first, each
-  sequence's tiles adjacent in index order, so the programs in flight share K/V in L2 (gem.ops.triton_utils).
+  pass. A work table of (sequence, tile) rows maps program -> item, the heaviest sequences first, each sequence's
+  tiles adjacent in index order, so the programs in flight share K/V in L2 (gem.ops.triton_utils).
 - Each program visits only the tiles that intersect its window, split in three runs: a masked run on the left
   window edge, a run of fully visible tiles with no per-element select, and a masked run on the right edge
   (the causal diagonal).
@@ -32,7 +32,7 @@ import triton.language as tl
 from gem.ops import triton_utils as tu
 from gem.ops._common import cdiv, triton_interpreting
 from gem.ops._register import KernelOp
-from gem.ops._tune import ConfigTuner, attention_pass_smem, reg_cap
+from gem.ops._tune import ConfigTuner, LaunchConfig, attention_pass_smem, tile_config
 
 LOG2E = 1.4426950408889634
 
@@ -54,19 +54,19 @@ def _vis_t(rows, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT: tl.constexp
 
 
 @triton.jit
-def _work_item(WORK, w):
-    """Entry w of a work table (sorted int64 keys, gem.ops.triton_utils) as b * NT + tile, or -1."""
-    key = tl.load(WORK + w)
-    return tl.where(key < 0, -1, 4294967295 - (key & 4294967295)).to(tl.int32)
+def _work_item(WORK, w, NT):
+    """Row w of a work table ((sequence, tile) int32 pairs, gem.ops.triton_utils) as b * NT + tile, or -1."""
+    b = tl.load(WORK + 2 * w)
+    return tl.where(b < 0, -1, b * NT + tl.load(WORK + 2 * w + 1))
 
 
 @triton.jit
-def _program_item(WORK, H_GRID: tl.constexpr, FLAT: tl.constexpr):
+def _program_item(WORK, NT, H_GRID: tl.constexpr, FLAT: tl.constexpr):
     """(work item, head) of this program: a flat item-major grid (every head of a work item adjacent, in the work
     table's order) or a (item, head) grid."""
     if FLAT:
-        return _work_item(WORK, tl.program_id(0) // H_GRID), tl.program_id(0) % H_GRID
-    return _work_item(WORK, tl.program_id(0)), tl.program_id(1)
+        return _work_item(WORK, tl.program_id(0) // H_GRID, NT), tl.program_id(0) % H_GRID
+    return _work_item(WORK, tl.program_id(0), NT), tl.program_id(1)
 
 
 @triton.jit
@@ -311,7 +311,7 @@ def _jfa_fwd_kernel(Q, K, V, O, LSE, OFF_Q, OFF_K, WORK,
                     HAS_RIGHT: tl.constexpr, RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr,
                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                     NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
-    item, h = _program_item(WORK, H, True)
+    item, h = _program_item(WORK, NT, H, True)
     if item >= 0:
         _fwd_item(Q, K, V, O, LSE, OFF_Q, OFF_K, item, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                   stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, win_left, win_right, NUM_TARGETS, HSTU_CTX,
@@ -340,7 +340,7 @@ def _jfa_bwd_pre_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, col, stride_qt, stride_dot, m,
                offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
-               ROWMAJOR: tl.constexpr, TMA: tl.constexpr):
+               FUSED_FORM: tl.constexpr, TMA: tl.constexpr):
     rows = m + offs_m
     in_q = rows < Lq
     if TMA:  # rows >= Lq come back as zeros
@@ -349,7 +349,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
         do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=in_q[:, None], other=0.0)
     lse2 = tl.load(lse_base + rows, mask=in_q, other=float("inf")) * 1.4426950408889634  # log2; +inf -> p = 0
     delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
-    if ROWMAJOR:  # q as contiguous [BLOCK_M, D] rows
+    if FUSED_FORM:  # q as contiguous [BLOCK_M, D] rows
         if TMA:
             q = desc_q.load([m, col])
         else:
@@ -362,13 +362,13 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc
     if MASKED:
         if HSTU:
             vis = tu.hstu_visible(rows[None, :], offs_n[:, None], hstu)
-        elif ROWMAJOR:
+        elif FUSED_FORM:
             vis = _vis2_t(rows, offs_n, shift, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         else:
             vis = _vis_t(rows, offs_n, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         pT = tl.where(vis, pT, 0.0)
     dpT = tu.dot(v, tl.trans(do), DOT_PREC)
-    if ROWMAJOR:
+    if FUSED_FORM:
         dv = tu.dot_acc(pT.to(do.dtype), do, dv, DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
         dk = tu.dot_acc(dsT.to(q.dtype), q, dk, DOT_PREC)
@@ -385,10 +385,10 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                          qk_scale, sm_scale, win_left, win_right, NT,
                          H_GRID: tl.constexpr, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                         DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                         DOT_PREC: tl.constexpr, FUSED_FORM: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN,
                          HSTU: tl.constexpr):
-    item, kvh = _program_item(WORK, H_GRID, ROWMAJOR)  # fused_delta: the flat grid
+    item, kvh = _program_item(WORK, NT, H_GRID, FUSED_FORM)  # fused_delta: the flat grid
     if item < 0:
         return
     b = item // NT
@@ -439,17 +439,17 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
                 m = tu.hstu_tile_start(t, runs, BLOCK_M)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
                                 stride_qt, stride_dot, m, offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right,
-                                hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA)
+                                hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC, FUSED_FORM, TMA)
         for t in range(k_lo, k_hi):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
                                 stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
                                 win_left, win_right, hstu, HSTU, qk_scale, False, HAS_LEFT, HAS_RIGHT, DOT_PREC,
-                                ROWMAJOR, TMA)
+                                FUSED_FORM, TMA)
         for t in range(k_hi, n_t):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, desc_q, desc_do, g * HEAD_D,
                                 stride_qt, stride_dot, lo + t * BLOCK_M, offs_m, offs_n, offs_d, shift, Lq, Lk,
                                 win_left, win_right, hstu, HSTU, qk_scale, True, HAS_LEFT, HAS_RIGHT, DOT_PREC,
-                                ROWMAJOR, TMA)
+                                FUSED_FORM, TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=in_k[:, None])
@@ -461,10 +461,10 @@ def _jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFF_Q, OFF_K, WORK,
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n, offs_d,
              shift, Lq, Lk, win_left, win_right, hstu, HSTU: tl.constexpr, qk_scale,
              MASKED: tl.constexpr, CLAMP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
+             DOT_PREC: tl.constexpr, FUSED_FORM: tl.constexpr, TMA: tl.constexpr, RIGHT_CLOSED: tl.constexpr):
     cols = n + offs_n
     in_k = cols < Lk
-    if ROWMAJOR:  # contiguous [BLOCK_N, D] rows, transposed for free in the dot
+    if FUSED_FORM:  # contiguous [BLOCK_N, D] rows, transposed for free in the dot
         if TMA:
             k = desc_k.load([n, 0])
             v = desc_v.load([n, 0])
@@ -482,12 +482,12 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, 
     if MASKED:
         if HSTU:
             vis = tu.hstu_visible(offs_m[:, None], cols[None, :], hstu)
-        elif ROWMAJOR:
+        elif FUSED_FORM:
             vis = _vis2(offs_m, cols, shift, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT, RIGHT_CLOSED)
         else:
             vis = _vis(offs_m, cols, shift, Lq, Lk, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         p = tl.where(vis, p, 0.0)
-    if ROWMAJOR:
+    if FUSED_FORM:
         dp = tu.dot(do, tl.trans(v), DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tu.dot_acc(ds.to(k.dtype), k, dq, DOT_PREC)
@@ -504,10 +504,10 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
                        stride_dqt, stride_dqh, stride_ot, stride_oh, stride_lh, qk_scale, sm_scale, win_left,
                        win_right, NT, H_GRID: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
                        MASK_EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, ROWMAJOR: tl.constexpr, TMA: tl.constexpr,
+                       RIGHT_CLOSED: tl.constexpr, DOT_PREC: tl.constexpr, FUSED_FORM: tl.constexpr, TMA: tl.constexpr,
                        FUSE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                        NUM_TARGETS, HSTU_CTX, HSTU_MAX_ATTN, HSTU: tl.constexpr):
-    item, h = _program_item(WORK, H_GRID, ROWMAJOR)  # fused_delta: the flat grid
+    item, h = _program_item(WORK, NT, H_GRID, FUSED_FORM)  # fused_delta: the flat grid
     if item < 0:
         return
     (q_start, Lq, Lk, shift, offs_m, offs_n, offs_d, in_q, hstu, k_base, v_base, desc_k, desc_v, lo, n_t, k_lo, k_hi,
@@ -530,23 +530,23 @@ def _jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O, OFF_Q, OFF_K, WORK,
     for t in range(k_lo):
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
                       offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False,
-                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, FUSED_FORM, TMA, RIGHT_CLOSED)
     for t in range(k_lo, k_full):
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
                       offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, False, False,
-                      HAS_LEFT, HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+                      HAS_LEFT, HAS_RIGHT, DOT_PREC, FUSED_FORM, TMA, RIGHT_CLOSED)
     for t in range(k_full, k_hi):  # the fully visible tile crossing Lk: masked, or clamped for the sub scheme
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, lo + t * BLOCK_N,
                       offs_m, offs_n, offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale,
                       MASKED=MASK_EDGE, CLAMP=SUB, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, DOT_PREC=DOT_PREC,
-                      ROWMAJOR=ROWMAJOR, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
+                      FUSED_FORM=FUSED_FORM, TMA=TMA, RIGHT_CLOSED=RIGHT_CLOSED)
     for t in range(k_hi, n_t):
         n = lo + t * BLOCK_N
         if HSTU:
             n = tu.hstu_tile_start(t, runs, BLOCK_N)
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, stride_kt, stride_vt, n, offs_m, offs_n,
                       offs_d, shift, Lq, Lk, win_left, win_right, hstu, HSTU, qk_scale, True, False, HAS_LEFT,
-                      HAS_RIGHT, DOT_PREC, ROWMAJOR, TMA, RIGHT_CLOSED)
+                      HAS_RIGHT, DOT_PREC, FUSED_FORM, TMA, RIGHT_CLOSED)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
@@ -566,10 +566,6 @@ def _cached_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, r
 _BWD_DELTA_PRE_MIN_LEN = 16384
 
 
-# the forms' names in tuning keys, as the shipped picks (gem/ops/tuned/defaults.json) and users' caches hold them
-_TUNE_TAG = {"delta_pre": "base", "fused_delta": "v2"}
-
-
 def _bwd_form(max_len_q: int, left: int) -> str:
     """"delta_pre" or "fused_delta" (see the module doc): a left window bounds the rows each tile visits, where the
     fused_delta backward's lean edge masks and fused delta win."""
@@ -582,28 +578,33 @@ def _bwd_form(max_len_q: int, left: int) -> str:
 _TMA_BWD_HEAD_DIMS = (128,)
 
 
-# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]). The first entry of each list is the default.
-def _fwd_configs(d: int):
+def _tiles(entries) -> list[LaunchConfig]:
+    """LaunchConfigs of (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) entries."""
+    return [tile_config(*e) for e in entries]
+
+
+# The first entry of each list is the default.
+def _fwd_configs(d: int) -> list[LaunchConfig]:
     if triton_interpreting():
-        return [(16, 16, 4, 1)]
+        return _tiles([(16, 16, 4, 1)])
     # a 128-row q tile on 8 warps (two wgmma warpgroups). (128, 64, 8, 2) needs ~96 KB of shared memory: two
     # programs fit by shared memory, and by registers once capped (below), hiding each other's pipeline fill on
     # short jagged rows and causal diagonals.
     if d <= 64:
-        return [(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 8, 2, 128)]
+        return _tiles([(128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 8, 2, 128)])
     if d <= 128:
         # A 5th entry is ptxas's register cap (maxnreg). At 253 registers an 8-warp program fills the SM's register
         # file: one program per SM, latency-bound on short jagged rows. Capped at 128, two (128, 64, 8, 2) programs
         # (~96 KB of shared memory each) fit on one SM.
         # No 64-row tile on 4 warps: on the H200 it faults (unspecified launch failure) on causal calls with
         # jagged rows (test_gpu_forms_every_config), and a tuner trying it would kill the process's CUDA context.
-        return [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 64, 8, 2, 128)]
-    return [(64, 64, 4, 2), (128, 32, 8, 2)]
+        return _tiles([(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 64, 8, 2, 128)])
+    return _tiles([(64, 64, 4, 2), (128, 32, 8, 2)])
 
 
 def _bwd_configs(d: int, form: str = "delta_pre"):
-    """(dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages): each pass takes its half of
-    every entry as a candidate (_pass_configs); the first entry is the default."""
+    """Paired tiles of the two passes, (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages):
+    each pass takes its half of every entry as a candidate LaunchConfig (_pass_configs); the first is the default."""
     if triton_interpreting():
         return [(16, 16, 16, 16, 4, 1)]
     if d <= 128:
@@ -619,20 +620,19 @@ def _bwd_configs(d: int, form: str = "delta_pre"):
     return [(32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 1)]
 
 
-def _pass_configs(d: int, form: str, which: str):
-    """One backward pass's candidates, (BLOCK_M, BLOCK_N, num_warps, num_stages), projected from _bwd_configs: the
+def _pass_configs(d: int, form: str, which: str) -> list[LaunchConfig]:
+    """One backward pass's candidates, projected from _bwd_configs: the
     dK/dV and dQ passes are tuned apart, so a pass may pair its best tile with the other's."""
     out = []
     for bm1, bn1, bm2, bn2, warps, stages in _bwd_configs(d, form):
-        cfg = (bm1, bn1, warps, stages) if which == "dkdv" else (bm2, bn2, warps, stages)
+        cfg = tile_config(bm1, bn1, warps, stages) if which == "dkdv" else tile_config(bm2, bn2, warps, stages)
         if cfg not in out:
             out.append(cfg)
     return out
 
 
-# Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads): (BLOCK_M, BLOCK_N,
-# num_warps, num_stages), largest first.
-_FALLBACK = [(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
+# Smaller tiles for where no candidate fits the device's shared memory (fp32 at wide heads), largest first.
+_FALLBACK = _tiles([(64, 32, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1)])
 
 
 def _smem(pass_: str, d: int, elt: int):
@@ -673,13 +673,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Ten
               **tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))}
 
     def launch(cfg):
-        bm, bn, warps, stages = cfg[:4]
-        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, bm, left, right)
-        _jfa_fwd_kernel[(work.numel() * h,)](
+        work, nt = _cached_table(offsets_q, offsets_k, max_len_q, cfg.block_m, left, right)
+        _jfa_fwd_kernel[(work.shape[0] * h,)](
             q, k, v, out, lse, offsets_q, offsets_k, work, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E, max(left, 0),
-            max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **reg_cap(cfg), **common)
+            max(right, 0), nt, H=h, TMA=tma, RIGHT_CLOSED=right == 0, **cfg.launch_kwargs(), **common)
 
     key = (tma, d, q.dtype, tu.len_bucket(max_len_q), tu.len_bucket(max_len_k), left, right, mask_inf)
     if num_targets is not None:  # keys without the HSTU mask stay as they were
@@ -718,31 +716,30 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             BLOCK=pre_block, HEAD_D=d)
     hstu = tu.hstu_kw(offsets_q, num_targets, hstu_ctx, hstu_max_attn, max(max_len_q, max_len_k))
     common = {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0, "DOT_PREC": tu.dot_prec(q.dtype), "HEAD_D": d,
-              "ROWMAJOR": fused, "TMA": tma, **hstu}
+              "FUSED_FORM": fused, "TMA": tma, **hstu}
 
     in_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                   do.stride(1))
     scalars = (scale * LOG2E, scale, max(left, 0), max(right, 0))
 
     # The two passes are separate kernels, each tuned on its own (tiles, warps and stages): per pass, its kernel, the
-    # sides its work table tiles (keys for dK/dV, queries for dQ), which config entry is the tile height, its heads,
+    # sides its work table tiles (keys for dK/dV, queries for dQ), which tile is the work table's height, its heads,
     # its outputs and its own constexprs.
     passes = {
-        "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, 1, h_kv, (dk, dv), {}),
-        "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, 0, h, (dq, out),
+        "bwd_dkdv": (_jfa_bwd_dkdv_kernel, offsets_k, offsets_q, max_len_k, "BLOCK_N", h_kv, (dk, dv), {}),
+        "bwd_dq": (_jfa_bwd_dq_kernel, offsets_q, offsets_k, max_len_q, "BLOCK_M", h, (dq, out),
                    {"SUB": not mask_inf, "MASK_EDGE": mask_inf, "FUSE_DELTA": fused, "RIGHT_CLOSED": right == 0}),
     }
 
     def launch(kind, cfg):
         kernel, off_a, off_b, max_len_a, tile_of, heads, (out1, out2), extra = passes[kind]
-        bm, bn, warps, stages = cfg
-        work, nt = _cached_table(off_a, off_b, max_len_a, cfg[tile_of], left, right)
-        kernel[(work.numel() * heads,) if fused else (work.numel(), heads)](
+        work, nt = _cached_table(off_a, off_b, max_len_a, cfg.tile(tile_of), left, right)
+        kernel[(work.shape[0] * heads,) if fused else (work.shape[0], heads)](
             q, k, v, do, lse, delta, out1, out2, offsets_q, offsets_k, work, *in_strides, out1.stride(0),
             out1.stride(1), out2.stride(0), out2.stride(1), lse.stride(0), *scalars, nt, H_GRID=heads, GROUP=group,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common, **extra)
+            **cfg.launch_kwargs(), **common, **extra)
 
-    key = (_TUNE_TAG[form] + ("-tma" if tma else ""), d, q.dtype, tu.len_bucket(max_len_q),
+    key = (form + ("-tma" if tma else ""), d, q.dtype, tu.len_bucket(max_len_q),
            tu.len_bucket(max_len_k), left, right, group)
     if num_targets is not None:
         key += ("hstu",)

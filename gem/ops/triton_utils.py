@@ -198,9 +198,8 @@ def num_sms(device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- work tables
-# A table is int32 [W, 2] of (sequence, tile), spare rows (-1, -1) last, or (JFA) sorted int64 keys
-# cost << 32 | ~(b * NT + tile) that the kernel decodes. The cost orders the items, heaviest first, so a skewed
-# batch does not end on one long tail:
+# Every table is int32 [W, 2] of (sequence, tile), spare rows (-1, -1) last. The cost orders the items, heaviest
+# first, so a skewed batch does not end on one long tail:
 #   "seq_len"   (BlockAttention) none: sequence-major order, tiles in index order;
 #   "seq_span"  (JFA) the sequence's rows x visible partners: heaviest sequences first, each sequence's tiles
 #               adjacent in index order, so the programs in flight share their K/V (or Q/dO) in L2;
@@ -252,14 +251,27 @@ def _seq_len_table(offsets_a, block: int, total: int) -> torch.Tensor:
     return work
 
 
+@triton.jit
+def _seq_span_rows_kernel(KEYS, WORK, n, NT, BLOCK: tl.constexpr):
+    """Sorted keys (_seq_span_keys_kernel) -> (sequence, tile) rows, (-1, -1) for tiles past their sequence."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    key = tl.load(KEYS + idx, mask=ok, other=-1)
+    item = 4294967295 - (key & 4294967295)
+    tl.store(WORK + 2 * idx, tl.where(key < 0, -1, item // NT).to(tl.int32), mask=ok)
+    tl.store(WORK + 2 * idx + 1, tl.where(key < 0, -1, item % NT).to(tl.int32), mask=ok)
+
+
 def _seq_span_table(offsets_a, offsets_b, max_len_a: int, block: int, left: int, right: int):
     nt = max(1, cdiv(max_len_a, block))
     n = (offsets_a.numel() - 1) * nt
     keys = torch.empty(n, device=offsets_a.device, dtype=torch.int64)
+    work = torch.empty((n, 2), device=offsets_a.device, dtype=torch.int32)
     kb = 16 if triton_interpreting() else 1024
     span_cap = min(left + right + 1, 2**31 - 1) if left >= 0 and right >= 0 else 2**31 - 1
     _seq_span_keys_kernel[(cdiv(n, kb),)](offsets_a, offsets_b, keys, n, nt, block, span_cap, BLOCK=kb)
-    return torch.sort(keys, descending=True).values, nt
+    _seq_span_rows_kernel[(cdiv(n, kb),)](torch.sort(keys, descending=True).values, work, n, nt, BLOCK=kb)
+    return work, nt
 
 
 def _visible_span(pos, block, len_b, lo_off, hi_off):
@@ -316,7 +328,7 @@ def work_table(cost: str, offsets_a, offsets_b, max_len_a: int, block: int, *, l
                transpose: bool = False, ordered: bool = True, total: int | None = None, cached: bool = True):
     """The work items of one pass: tiles of `block` rows over offsets_a's sequences, ordered by `cost` (see above);
     offsets_b holds the partner sequences (keys of a q tile, queries of a key tile: transpose) and left / right the
-    window (-1 unbounded). "seq_span" returns (sorted keys, tiles per sequence); the others an int32 [W, 2] table.
+    window (-1 unbounded). Returns the int32 [W, 2] table; "seq_span" returns (table, tiles per sequence).
     Built once per batch pair and key when cached and the call names its batches (gem.ops._common.cached): the
     layers of a model and the backward share it."""
     if cost == "seq_len":

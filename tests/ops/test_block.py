@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gem.ops._tune import tile_config
 from gem.ops.block import block_attention, block_attention_reference
 from gem.ops.rotary import RopeConfig, rope
 
@@ -277,7 +278,7 @@ def test_tuner_picks_and_caches_per_key(monkeypatch, winner):
 
     # Two interpreter-sized configs with unequal tiles (BLOCK_M > BLOCK_N and the reverse); both are launched
     # while timing, the winner produces the checked result.
-    cands = [(32, 16, 4, 1), (16, 32, 4, 1)]
+    cands = [tile_config(32, 16, 4, 1), tile_config(16, 32, 4, 1)]
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: list(cands))
     monkeypatch.setattr(tb._TUNER, "best", {})
     calls = []
@@ -302,11 +303,11 @@ def test_tuner_off_keeps_first_config(monkeypatch):
     import gem.ops.triton_block as tb
 
     monkeypatch.setenv("GEM_AUTOTUNE", "0")
-    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [(32, 16, 4, 1), (16, 32, 4, 1)])
+    monkeypatch.setattr(tb, "configs", lambda kind, block_size: [tile_config(32, 16, 4, 1), tile_config(16, 32, 4, 1)])
     monkeypatch.setattr(tb._TUNER, "best", {})
     monkeypatch.setattr(tb._TUNER, "bench", lambda fn: pytest.fail("timed with GEM_AUTOTUNE=0"))
     _check([25, 9], block_size=16, rope_cfg=RopeConfig())
-    assert set(tb._TUNER.best.values()) == {(32, 16, 4, 1)}
+    assert set(tb._TUNER.best.values()) == {tile_config(32, 16, 4, 1)}
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 32, 100, 128, 512, 4096])
@@ -317,20 +318,21 @@ def test_gpu_config_lists(monkeypatch, block_size):
     cap = max(16, 1 << (block_size - 1).bit_length())
     for kind, tiles in (("fwd", tb.FWD_TILES), ("dkdv", tb.DKDV_TILES), ("dq", tb.DQ_TILES)):
         cfgs = tb.configs(kind, block_size)
-        assert len(cfgs) == len(set(cfgs)) and cfgs[0][:2] == tb._default_tiles(block_size, kind != "fwd")
-        assert all(16 <= bm <= cap and 16 <= bn <= cap for bm, bn, *_ in cfgs), (kind, cfgs)
-        # a 5th entry is a register cap that leaves room for two 8-warp programs per SM
-        assert all(len(c) == 4 or (len(c) == 5 and c[2] * 32 * c[4] <= 32768) for c in cfgs), (kind, cfgs)
+        assert len(cfgs) == len(set(cfgs))
+        assert (cfgs[0].block_m, cfgs[0].block_n) == tb._default_tiles(block_size, kind != "fwd")
+        assert all(16 <= c.block_m <= cap and 16 <= c.block_n <= cap for c in cfgs), (kind, cfgs)
+        # a register cap leaves room for two 8-warp programs per SM
+        assert all(c.maxnreg is None or c.num_warps * 32 * c.maxnreg <= 32768 for c in cfgs), (kind, cfgs)
         if block_size >= 128:  # nothing clamped: every tile, at most three forms of one tile (warps/stages/cap)
-            assert {c[:2] for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 2
+            assert {(c.block_m, c.block_n) for c in cfgs} == set(tiles) and len(cfgs) <= len(tiles) + 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tb.configs("fwd", 512) == [(16, 16, 4, 1)]
+    assert tb.configs("fwd", 512) == [tile_config(16, 16, 4, 1)]
 
 
-def test_work_tables_built_once_per_offsets(monkeypatch):
-    # layers share offsets: the forward's and backward's tables are built once and reused by later calls;
+def test_work_tables_built_once_per_batch(monkeypatch):
+    # layers share a JaggedBatch: the forward's and backward's tables are built once and reused by later calls;
     # an in-place write to the offsets rebuilds them (and the result stays right)
-    from gem.ops import triton_utils
+    from gem.ops import JaggedBatch, triton_utils
 
     built = []
     real = triton_utils._seq_len_table
@@ -338,16 +340,17 @@ def test_work_tables_built_once_per_offsets(monkeypatch):
     lengths = [40, 1, 0, 23]
     q, k, v, _, off = _inputs(lengths, 2, 2, 32, torch.float32)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
+    batch = JaggedBatch(off, 40)
     counts = []
     for _ in range(3):
-        block_attention(q, k, v, off, 40, block_size=16, kernel="triton").sum().backward()
+        block_attention(q, k, v, batch, block_size=16, kernel="triton").sum().backward()
         counts.append(len(built))
     n = counts[0]
     # the first call builds one table per distinct tile height (never one twice); later calls build none
     assert n >= 1 and len(set(built)) == n and counts == [n, n, n]
     new = [23, 40, 0, 1]
     off.copy_(_offsets(new))
-    out = block_attention(q, k, v, off, 40, block_size=16, kernel="triton")
+    out = block_attention(q, k, v, batch, 40, block_size=16, kernel="triton")
     assert len(built) > n
     ref = block_attention_reference(q, k, v, off, 40, block_size=16)
     assert torch.allclose(out, ref, atol=2e-5, rtol=2e-5)
@@ -502,12 +505,13 @@ def test_flat_grids_match_reference(monkeypatch, lengths, h, hkv, block_size, ro
 
 
 def test_register_cap_reaches_block_launches(monkeypatch):
-    """A config's 5th entry becomes the maxnreg launch option of the kernel it was picked for (GPU only: here the
+    """A config's register cap becomes the maxnreg launch option of the kernel it was picked for (GPU only: here the
     interpreter check is patched off and the interpreter ignores the option)."""
     import gem.ops._tune as tune
     import gem.ops.triton_block as tb
 
-    cfgs = {"fwd": [(16, 16, 4, 1, 128)], "dkdv": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1, 96)]}
+    cfgs = {"fwd": [tile_config(16, 16, 4, 1, 128)], "dkdv": [tile_config(16, 16, 4, 1)],
+            "dq": [tile_config(16, 16, 4, 1, 96)]}
     monkeypatch.setattr(tb, "configs", lambda kind, block_size: cfgs[kind])
     monkeypatch.setattr(tb._TUNER, "best", {})
     monkeypatch.setattr(tune, "triton_interpreting", lambda: False)

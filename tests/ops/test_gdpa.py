@@ -139,9 +139,10 @@ def test_configs_tuned_per_key(monkeypatch):
     fastest, later calls launch it untimed with the same outputs, and another key (here causal: MASKED) tunes
     again."""
     from gem.ops import triton_gdpa
+    from gem.ops._tune import LaunchConfig
 
-    one = {"BLOCK_M": 16, "KT": False, "num_warps": 1, "num_stages": 1}
-    two = {"BLOCK_M": 16, "KT": True, "num_warps": 2, "num_stages": 1}
+    one = LaunchConfig.of(1, 1, BLOCK_M=16, KT=False)
+    two = LaunchConfig.of(2, 1, BLOCK_M=16, KT=True)
     monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short", [one, two])
     monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
     monkeypatch.delenv("GEM_AUTOTUNE", raising=False)

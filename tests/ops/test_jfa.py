@@ -468,22 +468,24 @@ def test_backward_passes_tuned_apart(form, monkeypatch):
 
 
 def test_register_cap_config_launches(monkeypatch):
-    """A forward config with a 5th entry (ptxas's register cap) is picked and run like any other; the cap becomes the
+    """A forward config with a register cap (ptxas's maxnreg) is picked and run like any other; the cap becomes the
     maxnreg launch option on the GPU only (the interpreter rejects nothing, but it has no registers to cap)."""
     from gem.ops import _tune, triton_jfa
+    from gem.ops._tune import tile_config
 
+    capped, plain = tile_config(16, 16, 4, 1, 128), tile_config(16, 16, 4, 1)
     monkeypatch.setenv("GEM_AUTOTUNE", "0")
-    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False: [(16, 16, 4, 1, 128)])
+    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False: [capped])
     monkeypatch.setattr(triton_jfa._TUNER, "best", {})
     lens = [5, 0, 37, 1, 20]
     q, k, v = _inputs(lens, h=2, h_kv=1)
     got, ref = _run(q, k, v, lens, causal=True)
     _check(got, ref, torch.float32)
-    assert {cfg for key, cfg in triton_jfa._TUNER.best.items() if key[0] == "fwd"} == {(16, 16, 4, 1, 128)}
-    assert _tune.reg_cap((16, 16, 4, 1, 128)) == {} and _tune.reg_cap((16, 16, 4, 1)) == {}
+    assert {cfg for key, cfg in triton_jfa._TUNER.best.items() if key[0] == "fwd"} == {capped}
+    assert "maxnreg" not in capped.launch_kwargs() and "maxnreg" not in plain.launch_kwargs()
     # as on the GPU: the cap reaches the forward launch as maxnreg (the interpreter ignores the option)
     monkeypatch.setattr(_tune, "triton_interpreting", lambda: False)
-    assert _tune.reg_cap((128, 64, 8, 2, 128)) == {"maxnreg": 128} and _tune.reg_cap((128, 64, 8, 2)) == {}
+    assert capped.launch_kwargs()["maxnreg"] == 128 and "maxnreg" not in plain.launch_kwargs()
     caps = []
     real = triton_jfa._jfa_fwd_kernel
 
@@ -492,7 +494,7 @@ def test_register_cap_config_launches(monkeypatch):
             return lambda *a, **kw: caps.append(kw.get("maxnreg")) or real[grid](*a, **kw)
 
     monkeypatch.setattr(triton_jfa, "_jfa_fwd_kernel", Spy())
-    for cfg in ((16, 16, 4, 1, 128), (16, 16, 4, 1)):
+    for cfg in (capped, plain):
         monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d, masked=False, c=cfg: [c])
         monkeypatch.setattr(triton_jfa._TUNER, "best", {})
         got, ref = _run(q, k, v, lens, causal=True)
@@ -505,8 +507,8 @@ def test_gpu_forward_register_caps_leave_room_for_two_programs(monkeypatch):
     from gem.ops import triton_jfa
 
     monkeypatch.setattr(triton_jfa, "triton_interpreting", lambda: False)
-    capped = [c for d in (32, 64, 128, 256) for c in triton_jfa._fwd_configs(d) if len(c) > 4]
-    assert capped and all(2 * c[2] * 32 * c[4] <= 65536 for c in capped), capped
+    capped = [c for d in (32, 64, 128, 256) for c in triton_jfa._fwd_configs(d) if c.maxnreg]
+    assert capped and all(2 * c.num_warps * 32 * c.maxnreg <= 65536 for c in capped), capped
 
 
 @pytest.mark.parametrize("base_min_len", [0, 1 << 30])
@@ -542,8 +544,12 @@ def _torch_work_table(offsets_a, offsets_b, max_len_a, block, left, right):
     return torch.where(cost[perm] >= 0, perm, -1), nt
 
 
-def _decode(keys):
-    return torch.where(keys < 0, -1, 2**32 - 1 - (keys & (2**32 - 1)))
+def _decode(table, nt):
+    """A work table's (sequence, tile) rows as b * NT + tile, -1 for spare rows."""
+    assert table.dtype == torch.int32 and table.shape[1] == 2
+    b, t = table.long().unbind(1)
+    assert torch.equal(b < 0, t < 0)
+    return torch.where(b < 0, -1, b * nt + t)
 
 
 def test_work_table_groups_sequences():
@@ -551,7 +557,7 @@ def test_work_table_groups_sequences():
     from gem.ops.triton_utils import work_table
 
     off = _offsets([300, 100, 0, 129])
-    items = _decode(work_table("seq_span", off, off, 300, 128, left=-1, right=0, cached=False)[0])
+    items = _decode(*work_table("seq_span", off, off, 300, 128, left=-1, right=0, cached=False))
     assert items.tolist() == [0, 1, 2, 9, 10, 3] + [-1] * 6
 
 
@@ -566,7 +572,7 @@ def test_work_keys_match_the_torch_reference(left, right):
         keys, nt = work_table("seq_span", a, b, 300, 32, left=left, right=right, cached=False)
         want, nt_want = _torch_work_table(a, b, 300, 32, left, right)
         assert nt == nt_want
-        assert _decode(keys).tolist() == want.tolist()
+        assert _decode(keys, nt).tolist() == want.tolist()
 
 
 # ------------------------------------------------------------------------------------- work table cache
@@ -678,7 +684,7 @@ def test_batch_tables_bounded_and_not_kept_for_inference_tensors(monkeypatch):
         keys, nt = triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)
         assert calls["keys"] == n  # the newest entries stay
         want, nt_want = _torch_work_table(off, off, 300, blocks[-1], -1, 0)
-        assert _decode(keys).tolist() == want.tolist() and nt == nt_want
+        assert _decode(keys, nt).tolist() == want.tolist() and nt == nt_want
         triton_jfa._cached_table(off, off, 300, blocks[0], -1, 0)
         assert calls["keys"] == n + 1  # the oldest went
     triton_jfa._cached_table(off, off, 300, blocks[-1], -1, 0)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gem.ops import rotary
-from gem.ops.rotary import RopeConfig, RopeLaunch, full_layout_ok, gpu_configs, positions_of, rope, rope_reference
+from gem.ops.rotary import RopeConfig, full_layout_ok, gpu_configs, positions_of, rope, rope_launch, rope_reference
 
 
 def _offsets(lengths):
@@ -245,18 +245,21 @@ def _force(monkeypatch, *cands):
 
 
 def test_gpu_candidates():
-    assert GPU_LAUNCHES[0] == RopeLaunch("halves", 32, "loop", 4)  # the measured default comes first
+    assert GPU_LAUNCHES[0] == rope_launch("halves", 32, "loop", 4)  # the measured default comes first
     assert len(set(GPU_LAUNCHES)) == len(GPU_LAUNCHES)
-    assert {c.block_t for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "loop"} == {32, 64, 128}
-    assert {c.num_warps for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "loop"} == {4, 8}
-    assert {c.block_t for c in GPU_LAUNCHES if c.layout == "halves" and c.heads == "grid"} == {64, 128}
-    assert {(c.layout, c.heads) for c in GPU_LAUNCHES} == {(a, b) for a in rotary.LAYOUTS for b in ("loop", "grid")}
-    assert all(c.layout == "halves" for c in gpu_configs(48, False))  # NeoX, rotary_dim not a power of two
+    def kind(c):
+        return c.tile("layout"), c.tile("heads")
+
+    assert {c.tile("BLOCK_T") for c in GPU_LAUNCHES if kind(c) == ("halves", "loop")} == {32, 64, 128}
+    assert {c.num_warps for c in GPU_LAUNCHES if kind(c) == ("halves", "loop")} == {4, 8}
+    assert {c.tile("BLOCK_T") for c in GPU_LAUNCHES if kind(c) == ("halves", "grid")} == {64, 128}
+    assert {kind(c) for c in GPU_LAUNCHES} == {(a, b) for a in rotary.LAYOUTS for b in ("loop", "grid")}
+    assert all(c.tile("layout") == "halves" for c in gpu_configs(48, False))  # NeoX, rotary_dim not a power of two
     assert gpu_configs(48, True) == GPU_LAUNCHES
-    assert rotary.rope_configs(32, False) == [RopeLaunch("halves", 16, "loop", 4)]  # interpreter: one small config
+    assert rotary.rope_configs(32, False) == [rope_launch("halves", 16, "loop", 4)]  # interpreter: one small config
 
 
-@pytest.mark.parametrize("launch", GPU_LAUNCHES, ids=lambda c: f"{c.layout}-{c.block_t}-{c.heads}-w{c.num_warps}")
+@pytest.mark.parametrize("launch", GPU_LAUNCHES, ids=str)
 def test_every_launch_config_matches_reference(monkeypatch, launch):
     _force(monkeypatch, launch)
     checked = 0
@@ -264,7 +267,7 @@ def test_every_launch_config_matches_reference(monkeypatch, launch):
         rd = cfg.resolve_dim(d)
         off, max_len = _offsets(lengths), max(lengths)
         x = torch.randn(sum(lengths), h, d, generator=torch.Generator().manual_seed(len(lengths) + d)).to(dtype)
-        if launch.layout == "full" and not full_layout_ok(rd, cfg.interleaved):
+        if launch.tile("layout") == "full" and not full_layout_ok(rd, cfg.interleaved):
             with pytest.raises(ValueError, match="power-of-two"):
                 rope(x, off, max_len, config=cfg, kernel="triton")
             continue
@@ -285,7 +288,7 @@ def test_every_launch_config_matches_reference(monkeypatch, launch):
 
 def test_launch_config_backward(monkeypatch):
     # the backward is a launch of the same tuned config in the other direction
-    for launch in (RopeLaunch("halves", 32, "grid", 4), RopeLaunch("full", 16, "loop", 4)):
+    for launch in (rope_launch("halves", 32, "grid", 4), rope_launch("full", 16, "loop", 4)):
         _force(monkeypatch, launch)
         lengths, cfg = [17, 0, 1, 40], RopeConfig(rotary_dim=16, interleaved=True)
         x = torch.randn(58, 3, 32, requires_grad=True)
@@ -295,8 +298,8 @@ def test_launch_config_backward(monkeypatch):
                                    rtol=1e-5)
 
 
-TUNE_CANDS = [RopeLaunch("halves", 16, "loop", 4), RopeLaunch("halves", 32, "grid", 4),
-              RopeLaunch("full", 16, "grid", 4)]
+TUNE_CANDS = [rope_launch("halves", 16, "loop", 4), rope_launch("halves", 32, "grid", 4),
+              rope_launch("full", 16, "grid", 4)]
 
 
 def _record_launches(monkeypatch, cost=None):

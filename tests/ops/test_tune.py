@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gem.ops import _tune
-from gem.ops._tune import ConfigTuner
+from gem.ops._tune import ConfigTuner, tile_config
 
 CPU = torch.device("cpu")
 
@@ -427,7 +427,7 @@ def test_jfa_passes_over_a_miscompiled_tile(monkeypatch):
     monkeypatch.setenv("GEM_TUNE_CACHE", "0")
     monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
     monkeypatch.setattr(triton_jfa, "_TUNER", ConfigTuner("gem.ops.jfa"))
-    good, bad = (16, 16, 4, 1), (16, 32, 4, 1)
+    good, bad = tile_config(16, 16, 4, 1), tile_config(16, 32, 4, 1)
     monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [good, bad])
     monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (16, 16, 16, 32, 4, 1)])
 
@@ -466,16 +466,17 @@ def test_correct_tiles_of_every_op_agree(monkeypatch):
         monkeypatch.setattr(mod._TUNER, "best", {})
         monkeypatch.setattr(mod._TUNER, "bench", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(triton_jfa, "_BWD_DELTA_PRE_MIN_LEN", 1 << 30)
-    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [(16, 16, 4, 1), (16, 32, 4, 1)])
+    monkeypatch.setattr(triton_jfa, "_fwd_configs", lambda d: [tile_config(16, 16, 4, 1), tile_config(16, 32, 4, 1)])
     monkeypatch.setattr(triton_jfa, "_bwd_configs", lambda d, form: [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)])
-    monkeypatch.setattr(triton_block, "configs", lambda kind, bs: [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)])
+    monkeypatch.setattr(triton_block, "configs", lambda kind, bs: [
+        tile_config(16, 16, 4, 1), tile_config(32, 16, 4, 1), tile_config(16, 32, 4, 1)])
     two = {"fwd_short": [(), (1, 1), (2, 1)], "fwd_long": [("BLOCK_N",), (16, 1, 1), (32, 1, 1)],
            "bwd_dkdv": [("BLOCK_M",), (16, 1, 1), (32, 1, 1)], "bwd_dq_small": [("BLOCK_N",), (16, 1, 1), (32, 1, 1)],
            "bwd_short": [("BLOCK_M", "KT"), (16, False, 1, 1), (32, True, 1, 1)]}
     monkeypatch.setattr(triton_gdpa, "CONFIGS", {**triton_gdpa.CONFIGS, **{
         k: triton_gdpa._configs(v[0], v[1:]) for k, v in two.items()}})
     monkeypatch.setattr(rotary, "rope_configs", lambda rd, il: [
-        rotary.RopeLaunch("halves", 16, "loop", 4), rotary.RopeLaunch("halves", 32, "grid", 4)])
+        rotary.rope_launch("halves", 16, "loop", 4), rotary.rope_launch("halves", 32, "grid", 4)])
 
     lens = [37, 1, 0, 20]
     off = torch.nn.functional.pad(torch.tensor(lens).cumsum(0), (1, 0))
@@ -551,7 +552,7 @@ def test_gdpa_fp32_wide_short_kv_takes_the_tiled_path():
 
     limit = _tune.SMEM_LIMIT
     kw = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_D": 64}
-    gpu_short = [{"num_warps": w, "num_stages": s} for w, s in ((4, 1), (4, 2), (8, 1), (8, 2))]
+    gpu_short = [_tune.LaunchConfig.of(w, s) for w, s in ((4, 1), (4, 2), (8, 1), (8, 2))]
     assert all(tg._smem("fwd_short", kw, 4)(c) > limit for c in gpu_short)
     assert not tg._fits("fwd_short", kw, 4, CPU)
     assert tg._fits("fwd_short", kw, 2, CPU)
