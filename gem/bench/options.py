@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from gem.bench.profiler import TOP_ROWS
@@ -20,7 +22,8 @@ class BenchError(ValueError):
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=DESCRIPTION,
+    prog = "python -m gem.bench" if os.path.basename(sys.argv[0]) == "__main__.py" else None
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                 epilog="Remaining arguments are Hydra overrides, e.g. experiment=gpu_base")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, autotune, allocator)")
     p.add_argument("--steps", type=int, default=30, help="timed steps (ignored when train.steps=N is given)")

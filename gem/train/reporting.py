@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem.train.logging import TrainLogger
+from gem.train.metrics_log import TrainLogger
 from gem.train.mfu import CommProbe, device_peak_flops, measure_matmul_peak, mfu_report
 from gem.train.step import PhaseTimer, StepOutput
 

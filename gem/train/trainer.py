@@ -30,7 +30,7 @@ from gem.parallel.dims import validate as validate_parallel
 from gem.train.checkpoint import Checkpointer, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
-from gem.train.logging import TrainLogger
+from gem.train.metrics_log import TrainLogger
 from gem.train.optim import TrainOptimizer
 from gem.train.reporting import MetricsReporter
 from gem.train.state import TrainCheckpointer, restart_count

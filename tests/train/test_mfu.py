@@ -146,7 +146,7 @@ def test_the_probe_runs_after_the_warmup_window_then_every_n_windows_and_not_acr
     import torch
 
     from gem.train.config import TrainConfig
-    from gem.train.logging import TrainLogger
+    from gem.train.metrics_log import TrainLogger
     from gem.train.reporting import MetricsReporter
 
     tc = TrainConfig(steps=60, warmup_steps=8, log_every=5, eval_every=11)
