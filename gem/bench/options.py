@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--baseline", default=None, metavar="CHECKOUT",
                    help="another gem checkout: its scripts/bench_train.py runs the same benchmark in as many fresh "
                         "processes, alternating with this one's, and the summary compares the two")
+    p.add_argument("--write-reference", default=None, metavar="PATH",
+                   help="write the measured step (one GPU; with --processes, the median of the process means) as "
+                        "gem plan's reference step to PATH (the shipped one: gem/plan/reference.json); the only "
+                        "override allowed is experiment=NAME")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if a.startswith("-")]
     if unknown:
@@ -89,6 +93,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error("--profile-dir with --processes/--baseline: each process would overwrite the traces; profile one")
     if args.single_gpu_tflops is not None and not args.single_gpu_tflops > 0:
         p.error(f"--single-gpu-tflops must be > 0, got {args.single_gpu_tflops}")
+    if args.write_reference is not None and (len(rest) != 1 or not rest[0].startswith("experiment=")):
+        p.error("--write-reference: gem plan composes the reference experiment as shipped, so the only override "
+                f"allowed is experiment=NAME (got {rest or 'none'})")
     for o in rest:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in OWNED:

@@ -14,9 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 import gem
 from gem.bench.options import BenchError
 from gem.bench.report import fmt_value
+from gem.bench.tuned import save_reference
 
 
 def strip_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
@@ -51,7 +54,7 @@ def checkout_tree(checkout: str) -> tuple[list[str], Path]:
     return [sys.executable, str(root / "scripts" / "bench_train.py")], root
 
 
-_PARENT_OPTIONS = ("--processes", "--baseline", "--json")
+_PARENT_OPTIONS = ("--processes", "--baseline", "--json", "--write-reference")
 # per-process figures the summary gathers: (label, aggregate key, scale, format)
 _PROCESS_FIGURES = (("step ms mean", "step_ms", 1.0, "{:.1f}"), ("step ms median", "step_ms_median", 1.0, "{:.1f}"),
                     ("TFLOP/s per GPU", "tflops_per_device", 1.0, "{:.1f}"),
@@ -78,7 +81,9 @@ def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"# bench_train in {n} fresh process(es) per tree, one after another"
           f"{', alternating with ' + str(trees[1][1][1]) if args.baseline else ''}: "
           f"{' '.join(forwarded) or '(defaults)'}", flush=True)
-    record, figures = [], {name: [] for name, _ in trees}
+    if args.write_reference and not torch.cuda.is_available():
+        raise BenchError("--write-reference: the reference step is a GPU's; there is no CUDA device here")
+    record, figures, confs = [], {name: [] for name, _ in trees}, {name: [] for name, _ in trees}
     with tempfile.TemporaryDirectory(prefix="bench_train.") as tmp:
         for i in range(1, n + 1):
             for name, (cmd, root) in trees:
@@ -92,8 +97,10 @@ def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
                 took = time.time() - t0
                 summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("bench_train summary:")]
                 if proc.returncode == 0 and os.path.exists(out):
-                    agg = json.loads(Path(out).read_text())["aggregate"]
+                    body = json.loads(Path(out).read_text())
+                    agg = body["aggregate"]
                     figures[name].append(agg)
+                    confs[name].append(body.get("config"))
                     record.append({"process": i, "tree": name, "status": "ok", "aggregate": agg})
                     print(f"process {i}/{n} ({name}, {took:.0f} s): {summary[-1] if summary else 'no summary'}",
                           flush=True)
@@ -132,5 +139,9 @@ def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"bench_train: error: every process of {', '.join(k for k, v in figures.items() if not v)} failed",
               file=sys.stderr)
         return 2
+    if args.write_reference:
+        steps = summary["this"]["step_ms"]
+        save_reference(args.write_reference, statistics.median(steps), confs["this"][0], len(steps),
+                       "median over the processes of each process's mean step", argv)
     return 0
 

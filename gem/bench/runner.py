@@ -21,6 +21,7 @@ from gem.bench.processes import run_processes
 from gem.bench.profiler import StepProfiler
 from gem.bench.recorder import StepRecorder, replay_batches
 from gem.bench.report import aggregate, print_profile, print_report, rank_result, single_gpu_reference
+from gem.bench.tuned import save_reference
 
 
 def _setup_logging(rank: int) -> None:
@@ -29,7 +30,7 @@ def _setup_logging(rank: int) -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
 
-def run(args: argparse.Namespace, overrides: list[str]) -> int:
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str] | None = None) -> int:
     from gem.parallel.dims import ParallelConfig, init_distributed
     from gem.train.mfu import device_peak_flops, measure_matmul_peak
     from gem.train.trainer import Trainer, build_configs
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         build_configs(cfg, world)  # every validator, before any process group or GPU work
     except (ValueError, TypeError, KeyError) as e:
         raise BenchError(str(e).splitlines()[0]) from None
+    if args.write_reference and world > 1:
+        raise BenchError(f"--write-reference: the reference step is of one GPU; this run has {world} ranks")
     probe_steps = args.comm_probe_steps if world > 1 else 0
     if probe_steps and probe_steps >= args.warmup:
         raise BenchError(f"--comm-probe-steps {probe_steps} needs --warmup > {probe_steps} (got {args.warmup}); "
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
               f"every {log_every} step(s), which can cost throughput", flush=True)
 
     device = init_distributed(ParallelConfig.from_any(cfg.parallel).timeout_s)
+    if args.write_reference and device.type != "cuda":
+        raise BenchError("--write-reference: the reference step is a GPU's; this run is on the CPU")
     measured = None
     if device.type == "cuda" and not args.no_matmul:
         measured = measure_matmul_peak(device, n=args.matmul_n)
@@ -135,6 +140,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"results written to {args.json}")
+    if args.write_reference:
+        save_reference(args.write_reference, agg["step_ms"], conf, 1, "mean step of one process",
+                       list(sys.argv[1:] if argv is None else argv))
     return 0
 
 
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("GEM_DUMP_STACKS_AFTER"):  # a hung run shows where each rank waits before it is killed
         faulthandler.dump_traceback_later(float(os.environ["GEM_DUMP_STACKS_AFTER"]), exit=False)
     try:
-        code = run(args, overrides)
+        code = run(args, overrides, argv)
     except BenchError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"bench_train: error: {e}", file=sys.stderr, flush=True)

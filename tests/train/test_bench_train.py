@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.train._util import ROOT, env
 
@@ -110,7 +111,9 @@ args = sys.argv[1:]
 out = args[args.index("--json") + 1]
 step = {"fast": 50.0, "slow": 80.0}[gem.MARK]
 json.dump({"aggregate": {"step_ms": step, "step_ms_median": step - 1, "tflops_per_device": 1000 / step,
-                         "mfu_local": 0.5, "peak_allocated_gib_max": 3.0, "argv": args}}, open(out, "w"))
+                         "mfu_local": 0.5, "peak_allocated_gib_max": 3.0, "argv": args},
+           "config": {"overrides": [a for a in args if "=" in a and not a.startswith("-")], "device": "fake GPU",
+                      "torch": "2.11.0", "triton": "3.6.0"}}, open(out, "w"))
 print(f"bench_train summary: fake {gem.MARK} {step} ms/step")
 '''
 
@@ -184,3 +187,37 @@ def test_processes_bad_arguments_name_the_option(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             parse_args([*argv, "experiment=tiny_cpu"])
         assert exc.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_write_reference_from_processes_feeds_gem_plan(tmp_path, monkeypatch):
+    """--processes 3 --write-reference PATH: the median of the process means, with the device, versions and command,
+    in the file gem plan reads its reference step from; the children never write it."""
+    from gem.bench import processes
+    from gem.bench.runner import main
+    from gem.plan.estimate import PlanOptions, reference_step
+
+    _this_tree(monkeypatch, _fake_checkout(tmp_path / "this", "fast"))
+    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: True)
+    ref = tmp_path / "reference.json"
+    assert main(["--processes", "3", "--write-reference", str(ref), "--warmup", "3", "experiment=gpu_base"]) == 0
+    body = reference_step(ref)
+    assert body["experiment"] == "gpu_base" and body["step_ms"] == 50.0 and body["processes"] == 3
+    assert body["device"] == "fake GPU" and body["versions"] == {"torch": "2.11.0", "triton": "3.6.0"}
+    assert body["command"].startswith("python scripts/bench_train.py --processes 3 --write-reference ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference.json", "this"]  # no temp file left
+    shipped = reference_step()
+    assert PlanOptions().ref_step_ms == shipped["step_ms"] > 0 and PlanOptions().ref_experiment == shipped["experiment"]
+
+
+def test_write_reference_needs_the_experiment_alone_and_a_gpu(tmp_path, capsys):
+    from gem.bench.options import parse_args
+    from gem.bench.runner import main
+
+    for extra in ([], ["experiment=gpu_base", "data.batch_size=64"], ["data.batch_size=64"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--write-reference", str(tmp_path / "r.json"), *extra])
+        assert exc.value.code == 2 and "the only override allowed is experiment=NAME" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--write-reference", str(tmp_path / "r.json"), "experiment=tiny_cpu"]) == 2
+        assert "--write-reference: the reference step is a GPU's" in capsys.readouterr().err
+        assert not (tmp_path / "r.json").exists()
