@@ -1,11 +1,11 @@
-"""scripts/bench_dispatch.py off the GPU: its argument checks and the crossover table it prints."""
+"""gem.bench.dispatch (scripts/bench_dispatch.py) off the GPU: its argument checks and the crossover table it prints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scripts import bench_dispatch
+from gem.bench import dispatch as bench_dispatch
 
 
 def test_write_needs_three_processes():
