@@ -13,15 +13,12 @@ Every function runs once before it is timed, so Triton's compile and torch.compi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.nn.functional as F
 
-from scripts.bench.common import bench_ms, compile_static
+from gem.bench.kernels import bench_ms, compile_static
 
 
 def _torch_quant(y, scaling):

@@ -113,7 +113,7 @@ def _cases():
                 if form == "base" and left >= 0:
                     continue  # the base backward runs without a left window only
                 def jfa(patch=patch, d=d, dtype=dtype, left=left, right=right):
-                    from scripts.bench.common import patched
+                    from gem.bench.kernels import patched
 
                     with patched(triton_jfa, patch):
                         q, k, v = qkv(lens, lens, 4, 2, d, dtype)
@@ -126,7 +126,7 @@ def _cases():
     targets = torch.tensor([40, 1, 0, 77, 3])
     for form in ("auto", "base"):
         def jfa_hstu(patch=forms[form]):
-            from scripts.bench.common import patched
+            from gem.bench.kernels import patched
 
             with patched(triton_jfa, patch):
                 q, k, v = qkv(lens, lens, 4, 2, 128, torch.bfloat16)
@@ -256,7 +256,6 @@ def main() -> int:
         print("compile_check: unset TRITON_INTERPRET (the GPU config lists are used only without it)")
         return 2
     os.environ["GEM_AUTOTUNE"] = "0"  # first config: no timing (nothing runs)
-    sys.path.insert(0, str(ROOT))
     _install(a.resources)
     failed = []
     cases = _cases()

@@ -17,10 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton

@@ -21,15 +21,12 @@ import pstats
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
 import triton.language as tl
 
-from scripts.bench.common import jagged_lengths, offsets_of
+from gem.bench.kernels import jagged_lengths, offsets_of
 
 H, D = 4, 128
 

@@ -52,7 +52,6 @@ _FORMS = {"tma": lambda d: {"_TMA_BWD_HEAD_DIMS": (d,), "_BWD_DELTA_PRE_MIN_LEN"
 def run_case(i: int) -> None:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import gem.ops.triton_jfa as tj
     from gem.ops import jagged_attention
     from tests.ops.test_jfa import _check, _inputs, _offsets, _run

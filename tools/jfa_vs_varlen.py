@@ -15,34 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from gem.bench.kernels import attn_flops, device_ms, disagreement, jagged_lengths, offsets_of
 from gem.ops.triton_jfa import jfa_triton
-from scripts.bench.common import attn_flops, device_ms, jagged_lengths, offsets_of
 
 CASES = ("full/1024,full/2048,full/4096,full/8192,causal/1024,causal/2048,causal/4096,causal/8192,gpu_base/1024")
-
-
-def disagreement(got, want, names=("out", "dq", "dk", "dv"), tol=(5e-2, 1e-1, 1e-1, 1e-1)) -> str:
-    """"" when gem's tensors match the reference's (finite, max error within tol x max(1, max |reference|)), else
-    what differs: a speed of a wrong result is not a speed. Looser than the kernel tests' bf16 tolerances against
-    fp64 (3e-2 to 6e-2), since both sides round: this catches NaN and broken tiles, the tests catch precision."""
-    bad = []
-    for name, a, b, t in zip(names, got, want, tol):
-        if not torch.isfinite(a).all():
-            bad.append(f"{name} non-finite")
-            continue
-        if a.numel() == 0:
-            continue
-        err = (a.double() - b.double()).abs().max().item()
-        scale = max(1.0, b.double().abs().max().item())
-        if err > t * scale:
-            bad.append(f"{name} max error {err:.3g} > {t * scale:.3g}")
-    return "; ".join(bad)
 
 
 def _case(name: str, n: int, iters: int) -> str:

@@ -6,7 +6,7 @@
 For each case it times the eager call (forward, and forward + backward) with CUDA events, then records the same
 calls under torch.profiler and prints each kernel's mean device time per call, so a slow case shows whether one
 kernel, the host (launch gaps) or small helper kernels (work tables, offsets checks) dominate. Bench shapes as in
-scripts/bench (bf16, H 4, D 128, ~64K tokens). Needs CUDA.
+gem.bench.attention (bf16, H 4, D 128, ~64K tokens). Needs CUDA.
 --host adds the host time per call (the calls are queued behind a GPU sleep, so the host never waits for the
 device) and the top Python functions by own time under cProfile: a call whose host time exceeds its device time
 is launch-bound.
@@ -22,13 +22,10 @@ import pstats
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from scripts.bench.common import bench_ms, jagged_lengths, offsets_of
+from gem.bench.kernels import bench_ms, jagged_lengths, offsets_of
 
 H, D = 4, 128
 

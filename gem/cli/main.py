@@ -7,7 +7,7 @@ import sys
 USAGE = """usage: gem {train,plan,bench} [ARGS ...]
   train   train a model (python -m gem.train; KEY=VALUE Hydra overrides, --check, --help)
   plan    memory, communication and step time of a config on a cluster (python -m gem.plan; --search, --help)
-  bench   training throughput and MFU through the real trainer (scripts/bench_train.py; --help)
+  bench   training throughput and MFU through the real trainer (python -m gem.bench; --help)
 """
 
 

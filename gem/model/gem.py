@@ -153,10 +153,6 @@ class GEMModel(nn.Module):
         emb = {id(p) for p in self.ec.parameters()} | {id(p) for p in self.ebc.parameters()}
         return [p for p in self.parameters() if id(p) not in emb]
 
-    def encode_history(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tower output [T, d_model] over the jagged histories, and the summed MoE aux loss."""
-        return self._tower(self.ec(batch.sequence), batch)
-
     def _tower(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
         x = history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine)

@@ -107,7 +107,8 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         # True / None: grouped GEMM when on CUDA in bf16; False: the per-expert loop (model.moe.grouped_mm).
         self.use_grouped_mm: bool | None = None
-        self.fp8_experts = False  # set by gem.model.precision for train.precision=fp8: row-wise fp8 grouped GEMMs
+        # row-wise fp8 grouped GEMMs; apply_precision turns it on (train.precision=fp8) and knows MoE layers by it
+        self.fp8_experts = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -247,10 +247,6 @@ class ParallelDims:
 
     # ---- process groups ----
     @property
-    def world_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
-
-    @property
     def emb_shard_pg(self) -> dist.ProcessGroup:
         if self.emb_mesh is None:
             return dist.group.WORLD

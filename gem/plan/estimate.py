@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,16 +20,31 @@ from gem.plan.topology import ClusterSpec, PlanError
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SEARCH_SYNC_EVERY = (1, 2, 4, 8, 16)
+# The measured step that compute estimates scale from; the training benchmark writes it (--write-reference).
+REFERENCE_FILE = Path(__file__).with_name("reference.json")
+
+
+@functools.cache
+def reference_step(path: Path = REFERENCE_FILE) -> dict[str, Any]:
+    """The shipped reference: {"experiment": name, "step_ms": ms of one step on one GPU, ...how it was measured}."""
+    try:
+        body = json.loads(Path(path).read_text())
+        ok = isinstance(body["experiment"], str) and float(body["step_ms"]) > 0
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"{path}: not a reference step file ({type(e).__name__}: {e})") from None
+    if not ok:
+        raise PlanError(f"{path}: step_ms must be > 0 and experiment a name")
+    return body
 
 
 @dataclass
 class PlanOptions:
     """`plan.*` keys of `gem plan`."""
 
-    # measured: the gpu_base step takes 132.7 ms on one H200 at batch 128 (~65K history tokens; docs/PERF.md);
-    # other configs are scaled by their training FLOPs per rank
-    ref_step_ms: float = 132.7
-    ref_experiment: str = "gpu_base"
+    # measured step of the reference experiment on one GPU (gem/plan/reference.json, docs/PERF.md); other configs
+    # are scaled by their training FLOPs per rank
+    ref_step_ms: float = field(default_factory=lambda: float(reference_step()["step_ms"]))
+    ref_experiment: str = field(default_factory=lambda: reference_step()["experiment"])
     top: int = 5  # --search: layouts printed
     sync_every: tuple[int, ...] = SEARCH_SYNC_EVERY  # --search: emb_sync_every choices
     emb_groups: tuple[int, ...] | None = None  # --search: emb_shard_group choices (default: powers of 2 >= a host)

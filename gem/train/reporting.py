@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem.train.logging import TrainLogger
+from gem.train.metrics_log import TrainLogger
 from gem.train.mfu import CommProbe, device_peak_flops, measure_matmul_peak, mfu_report
 from gem.train.step import PhaseTimer, StepOutput
 
@@ -101,8 +101,9 @@ class MetricsReporter:
         """Training throughput since `start()`: evaluation and checkpoint time left out."""
         return self.run_steps * self.global_batch / self.train_time if self.train_time > 0 else 0.0
 
-    def log_window(self, step: int, out: StepOutput, last_eval: dict[str, float]) -> None:
-        """The window of steps since the last one ended; `out`: its last step's losses."""
+    def log_window(self, step: int, out: StepOutput, last_eval: dict[str, float]) -> dict[str, float]:
+        """The window of steps since the last one ended; `out`: its last step's losses. Returns the window's
+        scalars (as logged)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
         dt = max(time.perf_counter() - self.window_t0, 1e-9)
@@ -164,6 +165,7 @@ class MetricsReporter:
         self.window_steps, self.window_flops = 0, 0.0
         self.restart_window()
         self._schedule_probe(step)
+        return scalars
 
     def _schedule_probe(self, step: int) -> None:
         """After the first log window past the LR warmup, then every `comm_probe_every` windows."""

@@ -3,7 +3,9 @@
 Components: `train_step` and the loop that drives it (gem/train/step.py: plain, or torchrec's
 TrainPipelineSparseDist, chosen once at start-up from `train.pipeline` and the device), the training batches
 (gem/data/loader.py), evaluation (evaluator.py), checkpoints (state.py), metrics and logs (reporting.py).
-`hooks`: callables run after every step with the trainer (tests use one to kill a rank).
+Hooks: `hooks` run after every step (evaluation and checkpoint included) with the trainer (tests use one to kill
+a rank); `on_step_end` run with the step number as soon as the step's work is queued, before the window's host sync
+(the benchmark marks step ends there); `on_window` get each log window's scalars.
 Rank 0 logs (console, TensorBoard, `<run dir>/metrics.jsonl`); every rank takes part in evaluation and
 checkpoints.
 """
@@ -28,15 +30,18 @@ from gem.parallel.dims import validate as validate_parallel
 from gem.train.checkpoint import Checkpointer, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
-from gem.train.logging import TrainLogger
+from gem.train.metrics_log import TrainLogger
 from gem.train.optim import TrainOptimizer
 from gem.train.reporting import MetricsReporter
 from gem.train.state import TrainCheckpointer, restart_count
 from gem.train.step import StepConfig, choose_loop
 
-__all__ = ["BadBatchError", "Configs", "StepHook", "TrainResult", "Trainer", "build_configs", "summary_line"]
+__all__ = ["BadBatchError", "Configs", "StepEndHook", "StepHook", "TrainResult", "Trainer", "WindowHook", "build_configs",
+           "summary_line"]
 
 StepHook = Callable[["Trainer"], None]
+StepEndHook = Callable[[int], None]
+WindowHook = Callable[[int, dict[str, float]], None]
 
 
 @dataclass
@@ -90,7 +95,8 @@ def _rank_world() -> tuple[int, int]:
 class Trainer:
     """Builds everything from the composed config and trains; `fit()` returns a TrainResult."""
 
-    def __init__(self, cfg: Any, run_dir: str | None = None, hooks: Sequence[StepHook] = ()) -> None:
+    def __init__(self, cfg: Any, run_dir: str | None = None, hooks: Sequence[StepHook] = (),
+                 on_step_end: Sequence[StepEndHook] = (), on_window: Sequence[WindowHook] = ()) -> None:
         self.device = init_distributed(ParallelConfig.from_any(cfg.get("parallel")).timeout_s)
         self.rank, self.world_size = _rank_world()
         self.cfgs = build_configs(cfg, self.world_size)
@@ -100,6 +106,7 @@ class Trainer:
         self.tasks = list(self.schema.tasks)
         self.is_cuda = self.device.type == "cuda"
         self.hooks = list(hooks)
+        self.on_step_end, self.on_window = list(on_step_end), list(on_window)
 
         # Same seed on every rank: parallelize needs identically initialised models.
         torch.manual_seed(tc.seed)
@@ -228,10 +235,14 @@ class Trainer:
                 out = loop.step(batches, self.step + 1)
                 self.step += 1
                 self.par.after_step(self.step)
+                for hook in self.on_step_end:
+                    hook(self.step)
                 self.reporter.step_done(out.loss, batches.flops.popleft())
                 do_eval = (tc.eval_every and self.step % tc.eval_every == 0) or self.step == end
                 if self.step % tc.log_every == 0 or self.step == end or do_eval:
-                    self.reporter.log_window(self.step, out, self.last_eval)
+                    scalars = self.reporter.log_window(self.step, out, self.last_eval)
+                    for hook in self.on_window:
+                        hook(self.step, scalars)
                 if do_eval and self.cfgs.data.eval_batches > 0:
                     with loop.paused():
                         self.last_eval = self.evaluate()

@@ -331,9 +331,9 @@ def test_tuning_off_reads_no_cache(monkeypatch, tmp_path):
 
 
 def test_ship_tuned_folds_a_cache_into_the_defaults_a_fresh_process_then_uses(monkeypatch, tmp_path):
-    """tools/ship_tuned.py: a tuned cache dir becomes shipped entries (replacing the same op + env, keeping
-    others); with the user cache emptied, a fresh tuner picks from them without timing."""
-    from tools import ship_tuned
+    """gem.bench.tuned.ship_tuned (tools/ship_tuned.py): a tuned cache dir becomes shipped entries (replacing the
+    same op + env, keeping others); with the user cache emptied, a fresh tuner picks from them without timing."""
+    from gem.bench.tuned import ship_tuned
 
     monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path / "cache"))
     _tuner(monkeypatch, _fake_bench({"a": 2.0, "b": 1.0}, [])).pick("fwd", (7,), ["a", "b"], _ident, CPU)
@@ -342,14 +342,15 @@ def test_ship_tuned_folds_a_cache_into_the_defaults_a_fresh_process_then_uses(mo
     out.write_text(json.dumps({"format": 1, "entries": [
         {"env": env, "op": "test", "configs": {'["fwd",1]': "a"}},  # replaced: same op and env
         {"env": {**env, "device": "other"}, "op": "test", "configs": {'["fwd",3]': "b"}}]}))
-    assert ship_tuned.main([str(tmp_path / "cache"), "--out", str(out)]) == 0
+    assert ship_tuned(tmp_path / "cache", out) == (1, 2)
     body = json.loads(out.read_text())
     assert len(body["entries"]) == 2 and all(_tune._valid(e) for e in body["entries"])
     monkeypatch.setattr(_tune, "SHIPPED", out)
     monkeypatch.setenv("GEM_TUNE_CACHE", str(tmp_path / "empty"))
     fresh = _tuner(monkeypatch, lambda fn: pytest.fail("timed with shipped defaults"))
     assert fresh.pick("fwd", (7,), ["a", "b"], _ident, CPU) == "b"
-    assert ship_tuned.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    with pytest.raises(ValueError, match="nothing: no tuning files"):
+        ship_tuned(tmp_path / "nothing", out)
 
 
 # ---------------------------------------------------------------------------------- outputs checked while tuning

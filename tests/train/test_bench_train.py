@@ -1,4 +1,5 @@
-"""scripts/bench_train.py as a GPU run uses it, on CPU: the op profile of its last steps."""
+"""The training benchmark (gem.bench, run as scripts/bench_train.py) as a GPU run uses it, on CPU: the op profile
+of its last steps, the fresh-process and A/B runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.train._util import ROOT, env
 
@@ -60,7 +62,7 @@ def test_profile_buckets_by_kernel_and_op_name():
     (through the launching op) and collectives land in their buckets."""
     from types import SimpleNamespace
 
-    from scripts.bench_train import _bucket
+    from gem.bench.profiler import _bucket
 
     def op(name, parent=None):
         return SimpleNamespace(name=name, cpu_parent=parent)
@@ -79,7 +81,7 @@ def test_call_sites_outside_gem_name_the_library_frames():
     its inputs by shape and dtype; a stack with no Python frame at all says so."""
     from types import SimpleNamespace as Ev
 
-    from scripts import bench_train as bt
+    from gem.bench import profiler as bt
 
     def chain(*names):
         parent = None
@@ -109,7 +111,9 @@ args = sys.argv[1:]
 out = args[args.index("--json") + 1]
 step = {"fast": 50.0, "slow": 80.0}[gem.MARK]
 json.dump({"aggregate": {"step_ms": step, "step_ms_median": step - 1, "tflops_per_device": 1000 / step,
-                         "mfu_local": 0.5, "peak_allocated_gib_max": 3.0, "argv": args}}, open(out, "w"))
+                         "mfu_local": 0.5, "peak_allocated_gib_max": 3.0, "argv": args},
+           "config": {"overrides": [a for a in args if "=" in a and not a.startswith("-")], "device": "fake GPU",
+                      "torch": "2.11.0", "triton": "3.6.0"}}, open(out, "w"))
 print(f"bench_train summary: fake {gem.MARK} {step} ms/step")
 '''
 
@@ -122,23 +126,24 @@ def _fake_checkout(root, mark, *, fail=False):
     return root
 
 
-def test_processes_alternate_with_a_baseline_and_summarise(tmp_path):
+def _this_tree(monkeypatch, checkout):
+    """The "this" tree of the A/B runs: a fake checkout's script instead of `python -m gem.bench`."""
+    from gem.bench import processes
+
+    monkeypatch.setattr(processes, "this_tree", lambda: processes.checkout_tree(str(checkout)))
+
+
+def test_processes_alternate_with_a_baseline_and_summarise(tmp_path, monkeypatch):
     """--processes N --baseline DIR: N fresh processes of each tree, alternating, each importing its own checkout's
     gem; the parent's options stay with the parent; min / median / max per tree and the speedup of the medians."""
-    from scripts.bench_train import main
+    from gem.bench.runner import main
 
     this = _fake_checkout(tmp_path / "this", "fast")
     base = _fake_checkout(tmp_path / "base", "slow")
     out = tmp_path / "summary.json"
-    import scripts.bench_train as bt
-
-    real_file = bt.__file__
-    bt.__file__ = str(this / "scripts" / "bench_train.py")  # "this" tree: the fake checkout too
-    try:
-        code = main(["--processes", "3", "--baseline", str(base), "--json", str(out), "--warmup", "3",
-                     "experiment=tiny_cpu"])
-    finally:
-        bt.__file__ = real_file
+    _this_tree(monkeypatch, this)
+    code = main(["--processes", "3", "--baseline", str(base), "--json", str(out), "--warmup", "3",
+                 "experiment=tiny_cpu"])
     assert code == 0
     res = json.loads(out.read_text())
     assert [(r["process"], r["tree"]) for r in res["processes"]] == [
@@ -153,24 +158,28 @@ def test_processes_alternate_with_a_baseline_and_summarise(tmp_path):
     assert s["speedup_vs_baseline"] == pytest.approx(80.0 / 50.0)
 
 
-def test_processes_fail_loudly_when_a_tree_never_runs(tmp_path, capsys):
-    from scripts import bench_train as bt
+def test_this_tree_runs_the_imported_gem():
+    """Without a baseline the children run `python -m gem.bench` with this gem's folder first on the path."""
+    import gem
+    from gem.bench.processes import this_tree
+
+    cmd, root = this_tree()
+    assert cmd == [sys.executable, "-m", "gem.bench"] and (root / "gem" / "__init__.py").samefile(gem.__file__)
+
+
+def test_processes_fail_loudly_when_a_tree_never_runs(tmp_path, capsys, monkeypatch):
+    from gem.bench.runner import main
 
     base = _fake_checkout(tmp_path / "base", "slow", fail=True)
-    this = _fake_checkout(tmp_path / "this", "fast")
-    real_file = bt.__file__
-    bt.__file__ = str(this / "scripts" / "bench_train.py")
-    try:
-        code = bt.main(["--baseline", str(base), "experiment=tiny_cpu"])
-    finally:
-        bt.__file__ = real_file
+    _this_tree(monkeypatch, _fake_checkout(tmp_path / "this", "fast"))
+    code = main(["--baseline", str(base), "experiment=tiny_cpu"])
     assert code == 2
     err = capsys.readouterr()
     assert "every process of baseline failed" in err.err and "(baseline): failed (exit status 3" in err.out
 
 
 def test_processes_bad_arguments_name_the_option(tmp_path, capsys):
-    from scripts.bench_train import parse_args
+    from gem.bench.options import parse_args
 
     for argv, msg in ((["--processes", "0"], "--processes must be >= 1"),
                       (["--baseline", str(tmp_path)], "no scripts/bench_train.py there"),
@@ -178,3 +187,37 @@ def test_processes_bad_arguments_name_the_option(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             parse_args([*argv, "experiment=tiny_cpu"])
         assert exc.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_write_reference_from_processes_feeds_gem_plan(tmp_path, monkeypatch):
+    """--processes 3 --write-reference PATH: the median of the process means, with the device, versions and command,
+    in the file gem plan reads its reference step from; the children never write it."""
+    from gem.bench import processes
+    from gem.bench.runner import main
+    from gem.plan.estimate import PlanOptions, reference_step
+
+    _this_tree(monkeypatch, _fake_checkout(tmp_path / "this", "fast"))
+    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: True)
+    ref = tmp_path / "reference.json"
+    assert main(["--processes", "3", "--write-reference", str(ref), "--warmup", "3", "experiment=gpu_base"]) == 0
+    body = reference_step(ref)
+    assert body["experiment"] == "gpu_base" and body["step_ms"] == 50.0 and body["processes"] == 3
+    assert body["device"] == "fake GPU" and body["versions"] == {"torch": "2.11.0", "triton": "3.6.0"}
+    assert body["command"].startswith("python scripts/bench_train.py --processes 3 --write-reference ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference.json", "this"]  # no temp file left
+    shipped = reference_step()
+    assert PlanOptions().ref_step_ms == shipped["step_ms"] > 0 and PlanOptions().ref_experiment == shipped["experiment"]
+
+
+def test_write_reference_needs_the_experiment_alone_and_a_gpu(tmp_path, capsys):
+    from gem.bench.options import parse_args
+    from gem.bench.runner import main
+
+    for extra in ([], ["experiment=gpu_base", "data.batch_size=64"], ["data.batch_size=64"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--write-reference", str(tmp_path / "r.json"), *extra])
+        assert exc.value.code == 2 and "the only override allowed is experiment=NAME" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--write-reference", str(tmp_path / "r.json"), "experiment=tiny_cpu"]) == 2
+        assert "--write-reference: the reference step is a GPU's" in capsys.readouterr().err
+        assert not (tmp_path / "r.json").exists()

@@ -146,7 +146,7 @@ def test_the_probe_runs_after_the_warmup_window_then_every_n_windows_and_not_acr
     import torch
 
     from gem.train.config import TrainConfig
-    from gem.train.logging import TrainLogger
+    from gem.train.metrics_log import TrainLogger
     from gem.train.reporting import MetricsReporter
 
     tc = TrainConfig(steps=60, warmup_steps=8, log_every=5, eval_every=11)
@@ -174,7 +174,7 @@ def test_bench_compare_rows_and_an_older_result(tmp_path):
     against a 1-GPU run under `scaling_ratio`: that lands in the 1-GPU row, not beside the new ratio."""
     import json
 
-    from scripts.bench_compare import _load, compare
+    from gem.bench.compare import _load, compare
 
     new = {"aggregate": {"step_ms": 100.0, "mfu_e2e": 0.3, "mfu_local": 0.4, "scaling_ratio": 0.75,
                          "exposed_comm_ms": 25.0, "phase_ms": {"input": 1.0, "backward": 60.0}}}

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-import scripts.bench_attention as bench
-from scripts.bench.common import Row, Stat, aggregate_rows, dump_json, largest_spread, load_json, print_table
+import gem.bench.attention as bench
+from gem.bench.kernels import Row, Stat, aggregate_rows, dump_json, largest_spread, load_json, print_table
 
 CASE = "full N=1024 H=4 D=128 B=16"
 
@@ -164,7 +164,7 @@ def test_parent_runs_children_in_sequence_and_reports_a_failed_one(monkeypatch, 
     calls = _fake_children(monkeypatch, [runs[0], -9, runs[2]])
     bench.main(["--sections", "jfa", "--processes", "3", "--json", str(tmp_path / "all.json")])
     assert len(calls) == 3
-    assert all(c[1].endswith("bench_attention.py") and c[2:4] == ["--sections", "jfa"] and "--processes" not in c
+    assert all(c[1:3] == ["-m", "gem.bench.attention"] and c[3:5] == ["--sections", "jfa"] and "--processes" not in c
                for c in calls)
     assert len({c[c.index("--json") + 1] for c in calls}) == 3
     out = capsys.readouterr().out

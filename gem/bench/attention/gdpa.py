@@ -29,8 +29,7 @@ import traceback
 
 import torch
 
-from gem.ops import triton_gdpa
-from scripts.bench.common import (
+from gem.bench.kernels import (
     Row,
     attn_flops,
     bench_ms,
@@ -42,6 +41,7 @@ from scripts.bench.common import (
     patched,
     peak_mem_mb,
 )
+from gem.ops import triton_gdpa
 
 SECTION = "gdpa"
 H, D = 4, 128
@@ -247,7 +247,7 @@ def run(args) -> list[Row]:
 if __name__ == "__main__":
     import argparse
 
-    from scripts.bench.common import print_table
+    from gem.bench.kernels import print_table
 
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")

@@ -23,7 +23,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, bench_ms, compile_static, device_ms, jagged_lengths, offsets_of, peak_mem_mb
+from gem.bench.kernels import Row, bench_ms, compile_static, device_ms, jagged_lengths, offsets_of, peak_mem_mb
 
 SECTION = "block"
 H, D = 4, 128
@@ -239,7 +239,7 @@ def run(args) -> list[Row]:
 if __name__ == "__main__":
     import argparse
 
-    from scripts.bench.common import print_table
+    from gem.bench.kernels import print_table
 
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")

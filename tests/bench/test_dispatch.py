@@ -1,11 +1,11 @@
-"""scripts/bench_dispatch.py off the GPU: its argument checks and the crossover table it prints."""
+"""gem.bench.dispatch (scripts/bench_dispatch.py) off the GPU: its argument checks and the crossover table it prints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scripts import bench_dispatch
+from gem.bench import dispatch as bench_dispatch
 
 
 def test_write_needs_three_processes():
@@ -77,3 +77,32 @@ def test_child_times_every_backend_it_can_run(monkeypatch):
     tri = [r for r in rows if r["backend"] == "triton"]
     assert all(isinstance(r["configs"], list) and "device_ms" not in r for r in tri)  # the stand-in timer: no profile
     assert tri[0]["configs"] and all(c.split(":")[0] in ("fwd", "bwd_dq", "bwd_dkdv") for c in tri[0]["configs"])
+
+
+def test_write_dispatch_replaces_one_environment_and_keeps_the_others(tmp_path):
+    """gem.bench.tuned.write_dispatch (--write): this GPU and torch's entry replaced, other environments kept, the
+    file still a dispatch table gem.ops.dispatch reads; a file that is not one is refused and left alone."""
+    import json
+
+    from gem.bench.tuned import write_dispatch
+    from gem.ops import dispatch
+
+    path = tmp_path / "dispatch.json"
+    here, other = {"device": "GPU A", "torch": "2.11"}, {"device": "GPU B", "torch": "2.11"}
+    old = {"format": dispatch.FORMAT, "entries": [
+        {"env": here, "op": "jfa", "classes": {"causal/512/128/bfloat16": {"use": "varlen", "speedup": 1.2}}},
+        {"env": other, "op": "jfa", "classes": {"full/256/64/bfloat16": {"use": "sdpa", "speedup": 1.1}}}]}
+    path.write_text(json.dumps(old))
+    write_dispatch(path, here, "jfa", {"window/32768/128/bfloat16": ("varlen", 1.25, [1.2, 1.25, 1.3])})
+    table = dispatch.parse(json.loads(path.read_text()), str(path))
+    assert table == {("GPU A", "2.11", "jfa"): {"window/32768/128/bfloat16": "varlen"},
+                     ("GPU B", "2.11", "jfa"): {"full/256/64/bfloat16": "sdpa"}}
+    write_dispatch(path, here, "jfa", {})  # nothing won here: the entry goes
+    assert list(dispatch.parse(json.loads(path.read_text()), str(path))) == [("GPU B", "2.11", "jfa")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dispatch.json"]
+
+    bad = tmp_path / "other.json"
+    bad.write_text('{"something": "else"}')
+    with pytest.raises(ValueError, match="not a gem dispatch table"):
+        write_dispatch(bad, here, "jfa", {})
+    assert bad.read_text() == '{"something": "else"}'

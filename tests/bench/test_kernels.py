@@ -3,7 +3,7 @@
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from scripts.bench.common import compile_static
+from gem.bench.kernels import compile_static
 
 
 def _f(a):

@@ -1,8 +1,8 @@
-"""tools/jfa_vs_varlen.py reports no speed for a result that differs from varlen_attn's."""
+"""gem.bench.kernels.disagreement: tools/jfa_vs_varlen.py reports no speed for a result that differs from varlen_attn's."""
 
 import torch
 
-from tools.jfa_vs_varlen import disagreement
+from gem.bench.kernels import disagreement
 
 
 def _four(seed, shape=(33, 4, 8)):

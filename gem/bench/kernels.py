@@ -46,6 +46,24 @@ def attn_flops(lengths: torch.Tensor, heads: int, dim: int, *, causal: bool, len
     return f / 2 if causal else f
 
 
+def disagreement(got, want, names=("out", "dq", "dk", "dv"), tol=(5e-2, 1e-1, 1e-1, 1e-1)) -> str:
+    """"" when gem's tensors match the reference's (finite, max error within tol x max(1, max |reference|)), else
+    what differs: a speed of a wrong result is not a speed. Looser than the kernel tests' bf16 tolerances against
+    fp64 (3e-2 to 6e-2), since both sides round: this catches NaN and broken tiles, the tests catch precision."""
+    bad = []
+    for name, a, b, t in zip(names, got, want, tol):
+        if not torch.isfinite(a).all():
+            bad.append(f"{name} non-finite")
+            continue
+        if a.numel() == 0:
+            continue
+        err = (a.double() - b.double()).abs().max().item()
+        scale = max(1.0, b.double().abs().max().item())
+        if err > t * scale:
+            bad.append(f"{name} max error {err:.3g} > {t * scale:.3g}")
+    return "; ".join(bad)
+
+
 def compile_static(fn, **kwargs):
     """torch.compile for a competitor, specialised to the shapes of its first call.
 

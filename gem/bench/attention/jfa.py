@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from scripts.bench.common import Row, attn_flops, bench_ms, jagged_lengths, offsets_of, peak_mem_mb
+from gem.bench.kernels import Row, attn_flops, bench_ms, jagged_lengths, offsets_of, peak_mem_mb
 
 TOKENS = 65536
 SWA_TOKENS = 49152

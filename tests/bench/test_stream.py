@@ -1,4 +1,4 @@
-"""tools/stream_probe.py's kernels (interpreted on CPU): they must move every row GDPA's kernels move, so their
+"""gem.bench.stream's kernels (timed by tools/stream_probe.py) (interpreted on CPU): they must move every row GDPA's kernels move, so their
 outputs are exact copies of the inputs over jagged batches (empty sequences, lengths across tile edges)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.stream_probe import stream_bwd, stream_fwd, stream_rows
+from gem.bench.stream import stream_bwd, stream_fwd, stream_rows
 
 
 def _batch(lq, lk, h=2, d=16, dtype=torch.bfloat16):

@@ -1,1 +1,0 @@
-../../scripts/bench_train.py
