@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gem._config import Checker, ConfigError, build
+from gem.config import Checker, ConfigError, build
 from gem.model.precision import DEFAULT_FILTER
 
 log = logging.getLogger("gem.train")

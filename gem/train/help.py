@@ -1,6 +1,6 @@
 """`python -m gem.train --help` / `scripts/train.sh --help`: how to run gem, and the config groups it offers.
 
-Standard library only, and runnable as a file (`python gem/train/help.py [CONFIG_DIR]`), so scripts/train.sh can
+Standard library only, and runnable as a file (`python gem/train/help.py CONFIG_DIR`), so scripts/train.sh can
 print it before it sets up the Python environment and without starting any rank.
 """
 
@@ -103,15 +103,5 @@ def help_text(config_dir: str | os.PathLike) -> str:
     return "\n".join(lines) + "\n"
 
 
-def default_config_dir() -> str:
-    """The Hydra config tree: GEM_CONFIG_DIR, else the installed package's gem/configs (the wheel maps the
-    checkout's top-level configs/ there), else the checkout's configs/."""
-    if os.environ.get("GEM_CONFIG_DIR"):
-        return os.environ["GEM_CONFIG_DIR"]
-    package = Path(__file__).resolve().parents[1]
-    installed = package / "configs"
-    return str(installed if (installed / "config.yaml").is_file() else package.parent / "configs")
-
-
 if __name__ == "__main__":
-    sys.stdout.write(help_text(sys.argv[1] if len(sys.argv) > 1 else default_config_dir()))
+    sys.stdout.write(help_text(sys.argv[1]))

@@ -2,7 +2,8 @@
 
 Components: `train_step` and the loop that drives it (gem/train/step.py: plain, or torchrec's
 TrainPipelineSparseDist, chosen once at start-up from `train.pipeline` and the device), the training batches
-(gem/data/loader.py), evaluation (evaluator.py), checkpoints (state.py), metrics and logs (reporting.py).
+(gem/data/loader.py), evaluation (evaluator.py), checkpoints (checkpoint.py), metrics and logs (reporting.py), stopping on a signal
+(stop.py).
 `hooks`: callables run after every step with the trainer (tests use one to kill a rank).
 Rank 0 logs (console, TensorBoard, `<run dir>/metrics.jsonl`); every rank takes part in evaluation and
 checkpoints.
@@ -18,21 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem._config import ConfigError
+from gem.config import ConfigError
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
 from gem.model import GEMModel, ModelConfig, validate_against_schema
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
-from gem.train.checkpoint import Checkpointer, run_config
+from gem.train.checkpoint import Checkpointer, TrainCheckpointer, restart_count, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
 from gem.train.logging import TrainLogger
 from gem.train.optim import TrainOptimizer
 from gem.train.reporting import MetricsReporter
-from gem.train.state import TrainCheckpointer, restart_count
 from gem.train.step import StepConfig, choose_loop
+from gem.train.stop import StopSignals, StopVote
 
 __all__ = ["BadBatchError", "Configs", "StepHook", "TrainResult", "Trainer", "build_configs", "summary_line"]
 
@@ -79,6 +80,7 @@ class TrainResult:
     samples_per_s: float = 0.0
     run_dir: str | None = None
     last_checkpoint: str | None = None
+    stopped_by: str | None = None  # the signal (e.g. 'SIGTERM') that stopped training early at `steps`
 
 
 def _rank_world() -> tuple[int, int]:
@@ -90,10 +92,15 @@ def _rank_world() -> tuple[int, int]:
 class Trainer:
     """Builds everything from the composed config and trains; `fit()` returns a TrainResult."""
 
-    def __init__(self, cfg: Any, run_dir: str | None = None, hooks: Sequence[StepHook] = ()) -> None:
-        self.device = init_distributed(ParallelConfig.from_any(cfg.get("parallel")).timeout_s)
+    def __init__(self, cfg: Configs | Any, run_dir: str | None = None, hooks: Sequence[StepHook] = (),
+                 stop: StopSignals | None = None) -> None:
+        """`cfg`: the typed configs (as gem-train builds them) or a composed config; `stop`: the signals that stop
+        training at a step boundary with a checkpoint (gem.train.stop)."""
+        parallel = cfg.parallel if isinstance(cfg, Configs) else ParallelConfig.from_any(cfg.get("parallel"))
+        self.device = init_distributed(parallel.timeout_s)
         self.rank, self.world_size = _rank_world()
-        self.cfgs = build_configs(cfg, self.world_size)
+        self.cfgs = cfg if isinstance(cfg, Configs) else build_configs(cfg, self.world_size)
+        self.stop = stop
         tc = self.tcfg = self.cfgs.train
         self.run_dir = run_dir
         self.schema = self.cfgs.data.schema
@@ -193,6 +200,21 @@ class Trainer:
         data_state["batch_index"] = self.step + self._data_offset
         return self.checkpointer.save(self.step, data_state)
 
+    def _stop_here(self, vote: StopVote, result: TrainResult, logged: bool) -> bool:
+        """After a step: whether every rank stops here on a signal; if so the window is logged and the checkpoint of
+        this step written (unless it just was)."""
+        name = vote.poll()
+        if name is None:
+            return False
+        self.logger.info(f"stopping at step {self.step} ({name})")
+        result.stopped_by = name
+        if not logged:
+            self.reporter.log_window(self.step, self._last_out, self.last_eval)
+        if self.checkpointer is not None and not (result.last_checkpoint or "").endswith(f"step_{self.step}"):
+            with self.stop.saving(self.step):
+                result.last_checkpoint = self.save_checkpoint()
+        return True
+
     def evaluate(self) -> dict[str, float]:
         return self.evaluator()
 
@@ -222,15 +244,17 @@ class Trainer:
         )
         self.batches = batches = self._train_batches()
         self.reporter.start()
+        vote = StopVote(self.stop, self.world_size)
         try:
             while self.step < end:
                 self.reporter.step_begin(self.step + 1)
-                out = loop.step(batches, self.step + 1)
+                out = self._last_out = loop.step(batches, self.step + 1)
                 self.step += 1
                 self.par.after_step(self.step)
                 self.reporter.step_done(out.loss, batches.flops.popleft())
                 do_eval = (tc.eval_every and self.step % tc.eval_every == 0) or self.step == end
-                if self.step % tc.log_every == 0 or self.step == end or do_eval:
+                logged = self.step % tc.log_every == 0 or self.step == end or do_eval
+                if logged:
                     self.reporter.log_window(self.step, out, self.last_eval)
                 if do_eval and self.cfgs.data.eval_batches > 0:
                     with loop.paused():
@@ -241,6 +265,9 @@ class Trainer:
                     self.reporter.restart_window()
                 for hook in self.hooks:
                     hook(self)
+                if self._stop_here(vote, result, logged):
+                    break
+            vote.close()  # not on an exception: a failed peer would never join the last vote
         finally:
             batches.close()
             self.batches = None
