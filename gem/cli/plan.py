@@ -147,6 +147,9 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gem.cli.quiet import quiet_third_party
+
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage())

@@ -35,6 +35,9 @@ def _err(msg: str) -> None:
 def main(argv: list[str] | None = None, hooks: tuple = ()) -> int:
     """Returns the exit status. `hooks`: run after every training step with the Trainer
     (gem.train.trainer.Trainer)."""
+    from gem.cli.quiet import quiet_third_party
+
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,15 +147,14 @@ def _open_run_dir(cfg, cfgs, rank: int, world_size: int):
     with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
         cfg.hydra.runtime.output_dir = run_dir
     HydraConfig.instance().set_config(cfg)
-    lock, outcome = None, [None]
+    lock, outcome, note = None, [None], None
     if rank == 0:
         try:
             preflight(cfgs, run_dir)
             lock = RunDirLock(run_dir, os.environ.get("GEM_RUN_ID", ""))
             stale = lock.acquire()
             if stale and stale.get("run_id") != lock.run_id:
-                logging.getLogger("gem.train").warning(
-                    f"run dir {run_dir}: took over the stale lock of {RunDirLock.describe(stale)} (no longer running)")
+                note = f"run dir {run_dir}: took over the stale lock of {RunDirLock.describe(stale)} (no longer running)"
         except UserError as e:
             outcome[0] = one_line(e)
     if world_size > 1:
@@ -160,6 +162,8 @@ def _open_run_dir(cfg, cfgs, rank: int, world_size: int):
     if outcome[0] is not None:
         raise UserError(outcome[0])
     configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+    if note:
+        logging.getLogger("gem.train").warning(note)
     if cfg.hydra.output_subdir is not None and rank == 0:
         out = Path(run_dir) / str(cfg.hydra.output_subdir)
         _save_config(_without_hydra(cfg), "config.yaml", out)

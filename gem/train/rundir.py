@@ -77,9 +77,12 @@ class RunDirLock:
         self.run_id = run_id
         self._fd: int | None = None
 
-    def holder(self) -> dict | None:
+    def holder(self, fd: int | None = None) -> dict | None:
+        """The recorded holder; read through `fd` while this process holds the lock (closing any other descriptor
+        of the file would drop a POSIX lock)."""
         try:
-            data = json.loads(self.path.read_text() or "null")
+            text = os.pread(fd, 1 << 16, 0).decode() if fd is not None else self.path.read_text()
+            data = json.loads(text or "null")
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
@@ -104,7 +107,7 @@ class RunDirLock:
             if e.errno == errno.ENOLCK:  # a filesystem without locks: run unguarded rather than not at all
                 return None
             raise
-        previous = self.holder()
+        previous = self.holder(fd)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.time(), "run_id": self.run_id}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
