@@ -223,7 +223,7 @@ def build(cls: type, data: Any, key: str, error: type[ConfigError] = ConfigError
     if not isinstance(data, Mapping):
         raise error(key, "expected a mapping", data)
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {config_key(f.name): f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise error(f"{key}.{unknown[0]}", f"unknown key (expected one of {', '.join(sorted(fields))})")
@@ -233,8 +233,16 @@ def build(cls: type, data: Any, key: str, error: type[ConfigError] = ConfigError
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise error(f"{key}.{name}", "missing required key")
             continue
-        kwargs[name] = _coerce(hints[name], data[name], f"{key}.{name}", error)
+        kwargs[f.name] = _coerce(hints[f.name], data[name], f"{key}.{name}", error)
     return cls(**kwargs)
+
+
+def config_key(field_name: str) -> str:
+    """The config key of a dataclass field: the name, less the `_` that a Python keyword needs (`async_`)."""
+    import keyword
+
+    bare = field_name.removesuffix("_")
+    return bare if bare != field_name and keyword.iskeyword(bare) else field_name
 
 
 def _coerce(tp: Any, value: Any, key: str, error: type[ConfigError]) -> Any:

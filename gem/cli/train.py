@@ -154,7 +154,8 @@ def _open_run_dir(cfg, cfgs, rank: int, world_size: int):
             lock = RunDirLock(run_dir, os.environ.get("GEM_RUN_ID", ""))
             stale = lock.acquire()
             if stale and stale.get("run_id") != lock.run_id:
-                note = f"run dir {run_dir}: took over the stale lock of {RunDirLock.describe(stale)} (no longer running)"
+                note = (f"run dir {run_dir}: took over the stale lock of {RunDirLock.describe(stale)} "
+                        "(no longer running)")
         except UserError as e:
             outcome[0] = one_line(e)
     if world_size > 1:

@@ -34,7 +34,7 @@ Without the script:
   torchrun --standalone --nproc_per_node=N -m gem.train [KEY=VALUE ...]    N ranks on one machine
   Multi-node: run scripts/launch_multinode.sh on every node with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
   NPROC_PER_NODE set (it calls torchrun with a shared rendezvous).
-  Runs write to outputs/<date>/<time>/ (hydra.run.dir=DIR to choose): metrics.jsonl, tb/ (TensorBoard),
+  Runs write to outputs/<date>/<time>.<ms>-<id>/ (hydra.run.dir=DIR to choose): metrics.jsonl, tb/ (TensorBoard),
   checkpoints/ (train.checkpoint.every=N; train.resume=true continues from the newest).
 
 Errors a user can fix (a config value, a data file, a checkpoint) print one line `gem-train: error: ...` and exit

@@ -2,8 +2,8 @@
 
 Components: `train_step` and the loop that drives it (gem/train/step.py: plain, or torchrec's
 TrainPipelineSparseDist, chosen once at start-up from `train.pipeline` and the device), the training batches
-(gem/data/loader.py), evaluation (evaluator.py), checkpoints (checkpoint.py), metrics and logs (reporting.py), stopping on a signal
-(stop.py).
+(gem/data/loader.py), evaluation (evaluator.py), checkpoints (checkpoint.py), metrics and logs (reporting.py),
+stopping on a signal (stop.py).
 `hooks`: callables run after every step with the trainer (tests use one to kill a rank).
 Rank 0 logs (console, TensorBoard, `<run dir>/metrics.jsonl`); every rank takes part in evaluation and
 checkpoints.
@@ -11,6 +11,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -169,14 +170,18 @@ class Trainer:
             raise ConfigError("train.checkpoint.dir", "checkpoints need a directory (no run directory to default to)")
         self.checkpointer = None
         if ckpt_dir:
+            background = tc.checkpoint.async_ is True or (tc.checkpoint.async_ == "auto" and self.is_cuda)
             self.checkpointer = TrainCheckpointer(
-                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, config=run_config(self.cfgs)),
+                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, keep_steps=tc.checkpoint.keep_steps,
+                             config=run_config(self.cfgs), async_save=background),
                 self.par,
                 self.optimizer,
                 rank=self.rank,
                 world_size=self.world_size,
                 device=self.device,
                 info=self.logger.info,
+                warn=self._warn,
+                batch_size=self.cfgs.data.batch_size,
             )
 
         self.step = 0  # optimizer steps done
@@ -185,6 +190,7 @@ class Trainer:
         self._data_offset = 0
         self.batches: TrainBatches | None = None  # the training stream during fit()
         self.last_eval: dict[str, float] = {}
+        self._fit_ended = True  # False while fit() runs, and after it raised
         if tc.resume is True or (tc.resume == "auto" and self.checkpointer is not None):
             resumed = self.checkpointer.resume(
                 self.train_data, report_none=tc.resume is True or restart_count() > 0, require=tc.resume is True
@@ -193,6 +199,10 @@ class Trainer:
                 self.step = resumed
                 self.logger.resume_at(self.step)  # the redone steps are logged once
                 self._data_offset = int(self.train_data.state_dict()["batch_index"]) - self.step
+
+    def _warn(self, msg: str) -> None:
+        if self.rank == 0:
+            logging.getLogger("gem.train").warning(msg)
 
     def save_checkpoint(self) -> str:
         assert self.checkpointer is not None
@@ -210,9 +220,11 @@ class Trainer:
         result.stopped_by = name
         if not logged:
             self.reporter.log_window(self.step, self._last_out, self.last_eval)
-        if self.checkpointer is not None and not (result.last_checkpoint or "").endswith(f"step_{self.step}"):
+        if self.checkpointer is not None:
             with self.stop.saving(self.step):
-                result.last_checkpoint = self.save_checkpoint()
+                if not (result.last_checkpoint or "").endswith(f"step_{self.step}"):
+                    self.save_checkpoint()
+                result.last_checkpoint = self.checkpointer.finish()
         return True
 
     def evaluate(self) -> dict[str, float]:
@@ -243,6 +255,7 @@ class Trainer:
             f"global batch {self.reporter.global_batch} | {self.par.dims.describe()}"
         )
         self.batches = batches = self._train_batches()
+        self._fit_ended = False
         self.reporter.start()
         vote = StopVote(self.stop, self.world_size)
         try:
@@ -263,14 +276,19 @@ class Trainer:
                 if tc.checkpoint.every > 0 and (self.step % tc.checkpoint.every == 0 or self.step == end):
                     result.last_checkpoint = self.save_checkpoint()
                     self.reporter.restart_window()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
                 for hook in self.hooks:
                     hook(self)
                 if self._stop_here(vote, result, logged):
                     break
             vote.close()  # not on an exception: a failed peer would never join the last vote
+            if self.checkpointer is not None and result.stopped_by is None and result.last_checkpoint:
+                result.last_checkpoint = self.checkpointer.finish()  # the background save of the last step
         finally:
             batches.close()
             self.batches = None
+        self._fit_ended = True
         result.steps = self.step
         result.losses = self.reporter.losses()
         result.eval_metrics = dict(self.last_eval)
@@ -279,6 +297,8 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.checkpointer is not None:  # after a failure, a save in flight may wait on a peer that is gone
+            self.checkpointer.checkpointer.close(wait=self._fit_ended)
         if self.batches is not None:
             self.batches.close()
             self.batches = None
@@ -288,6 +308,8 @@ class Trainer:
 
 def summary_line(result: TrainResult, tasks: list[str]) -> str:
     parts = [f"steps {result.steps}"]
+    if "num_samples" in result.eval_metrics:
+        parts.append(f"eval on {int(result.eval_metrics['num_samples']):,} rows")
     for t in tasks:
         if f"{t}/ne" in result.eval_metrics:
             parts.append(f"{t} NE {result.eval_metrics[f'{t}/ne']:.4f} AUC {result.eval_metrics[f'{t}/auc']:.4f}")

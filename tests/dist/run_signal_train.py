@@ -18,7 +18,6 @@ from gem.cli.train import main
 from gem.train import checkpoint
 from gem.train.checkpoint import restart_count
 
-
 _sent = []
 
 

@@ -125,7 +125,8 @@ def test_sigterm_stops_every_rank_at_one_step_and_resumes_the_same_trajectory(tm
     _, stop = _signalled(tmp_path, "SIGTERM", "agent")
     again = _torchrun(tmp_path, ["hydra.run.dir=run"])  # the same command
     assert again.returncode == 0, again.stderr[-4000:]
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / f'step_{stop}'} at step {stop}" in again.stdout + again.stderr
+    resumed = f"resumed from {tmp_path / 'run' / 'checkpoints' / f'step_{stop}'} at step {stop}"
+    assert resumed in again.stdout + again.stderr
     final = {r["step"]: r["train/loss"] for r in _loss_records(tmp_path / "run")}
     assert sorted(final) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
