@@ -37,8 +37,10 @@ Without the script:
   Runs write to outputs/<date>/<time>.<ms>-<id>/ (hydra.run.dir=DIR to choose): metrics.jsonl, tb/ (TensorBoard),
   checkpoints/ (train.checkpoint.every=N; train.resume=true continues from the newest).
 
-Errors a user can fix (a config value, a data file, a checkpoint) print one line `gem-train: error: ...` and exit
-with status 2 (scripts/train.sh and single-process runs; torchrun itself reports a failed worker as 1).
+Errors a user can fix (a config value, a data file, a run dir, a checkpoint) print one line `gem-train: error: ...`
+and exit with status 2 (scripts/train.sh and single-process runs; torchrun itself reports a failed worker as 1).
+SIGTERM, SIGINT and SIGUSR1 stop every rank after one step with a checkpoint of it and one line `gem-train: stopped
+by ...`; status 143 / 130, and 0 for SIGUSR1 (a wrapper requeues). One job at a time per run dir.
 """
 
 

@@ -121,8 +121,9 @@ def _signalled(tmp_path: Path, sig: str, to: str, *args: str) -> tuple[subproces
 
 
 def test_sigterm_stops_every_rank_at_one_step_and_resumes_the_same_trajectory(tmp_path, straight):
-    """SIGTERM to torchrun (what SLURM and Kubernetes send); it forwards the signal to every rank."""
-    _, stop = _signalled(tmp_path, "SIGTERM", "agent")
+    """SIGTERM to torchrun (what SLURM and Kubernetes send); it forwards the signal to every rank. Checkpoints are
+    written in the background: the resumed losses equal those of the uninterrupted run, which saved inline."""
+    _, stop = _signalled(tmp_path, "SIGTERM", "agent", "train.checkpoint.async=true")
     again = _torchrun(tmp_path, ["hydra.run.dir=run"])  # the same command
     assert again.returncode == 0, again.stderr[-4000:]
     resumed = f"resumed from {tmp_path / 'run' / 'checkpoints' / f'step_{stop}'} at step {stop}"
@@ -185,6 +186,28 @@ def test_resume_auto_starts_fresh_in_a_new_run_dir_and_continues_in_an_old_one(t
     trainer(None).close()  # auto needs no run dir
     with pytest.raises(ValueError, match="train.checkpoint.dir"):
         trainer(None, "train.resume=true")
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, own_process_group, caplog):
+    import logging
+
+    from gem.train.trainer import Trainer
+
+    base = [*SMALL, "train.steps=6", "train.eval_every=0", "data.batch_size=8", "train.checkpoint.every=2",
+            "train.checkpoint.keep=3"]
+    t = Trainer(compose([*base, "train.stop_at_step=4"]), run_dir=str(tmp_path))
+    t.fit()
+    t.close()
+    newest = tmp_path / "checkpoints" / "step_4"
+    shard = min(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a save cut short by a full disk, say
+    caplog.set_level(logging.WARNING, logger="gem.train")
+    t = Trainer(compose(base), run_dir=str(tmp_path))
+    t.close()
+    assert t.step == 2
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: skipped")]
+    assert len(said) == 1 and said[0].startswith(f"resume: skipped step_4: {shard.name}: 100 bytes, the metadata "
+                                                 "expects "), said
 
 
 @pytest.mark.parametrize("value", ["maybe", "1", "null"])

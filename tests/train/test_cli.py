@@ -331,3 +331,20 @@ def test_two_launches_in_the_same_second_get_two_run_dirs(tmp_path):
         assert p.returncode == 0, err[-3000:]
     runs = sorted(r.parent for r in (tmp_path / "outputs").rglob("metrics.jsonl"))
     assert len(runs) == 2, runs
+
+
+def test_config_dir_adds_configs(tmp_path, monkeypatch, capsys):
+    """Hydra's --config-dir: a directory searched before the shipped configs (an experiment of one's own)."""
+    from gem.cli.train import main
+
+    (tmp_path / "extra" / "experiment").mkdir(parents=True)
+    (tmp_path / "extra" / "experiment" / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 7\n")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for flag in (["--config-dir", str(tmp_path / "extra")], [f"--config-dir={tmp_path / 'extra'}"]):
+        assert main(["--check", *flag, "experiment=mine"]) == 0
+        assert capsys.readouterr().out.strip() == "gem-train: config ok"
+    assert main(["--check", "experiment=mine"]) == 2
+    assert "experiment=mine: no such config" in capsys.readouterr().err
+    assert main(["--check", "--config-dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("gem-train: error: --config-dir: no such directory")
