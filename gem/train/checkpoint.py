@@ -14,7 +14,6 @@ checkpoint's tensors are matched against the model's, and a mismatch names the c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -22,6 +21,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -309,7 +309,7 @@ class Checkpointer:
         self.config = dict(config) if config is not None else None
         self.ignore = ignore
         self.async_save = async_save
-        self._pending: tuple[int, Any] | None = None  # (step, future) of the save in flight
+        self._pending: tuple[int, Any, threading.Event] | None = None  # (step, future, published) in flight
         self._failure: str | None = None  # set by the background thread, reported by poll / wait
         self._group = None
         self._stager = None
@@ -329,8 +329,9 @@ class Checkpointer:
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._process_group(),
                                     async_stager=self._async_stager())
-            self._pending = (step, future)
-            future.add_done_callback(lambda f: self._finished(step, f))
+            done = threading.Event()
+            self._pending = (step, future, done)
+            future.add_done_callback(lambda f: self._finished(step, f, done))
             return final
         dcp.save(state, checkpoint_id=str(tmp))
         _barrier()
@@ -352,7 +353,7 @@ class Checkpointer:
         for _, p in old:
             shutil.rmtree(p, ignore_errors=True)
 
-    def _finished(self, step: int, future) -> None:
+    def _finished(self, step: int, future, done: threading.Event) -> None:
         """The background save's end (on DCP's thread): publish it, or note why not."""
         try:
             future.result()  # DCP's last collective: every rank's shards and the metadata are written
@@ -360,20 +361,21 @@ class Checkpointer:
                 self._publish(step)
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             self._failure = f"checkpoint step_{step} failed in the background ({_first_error(e)})"
+        finally:
+            done.set()
 
     def poll(self) -> str | None:
         """Without waiting: the failure of a finished background save, once (None: none, or still running)."""
-        if self._pending is not None and self._pending[1].done():
+        if self._pending is not None and self._pending[2].is_set():
             return self.wait()
         return None
 
     def wait(self) -> str | None:
         """Wait for the save in flight; returns its failure (once), else None."""
         if self._pending is not None:
-            _, future = self._pending
+            _, _, done = self._pending
             self._pending = None
-            with contextlib.suppress(BaseException):  # its failure is reported through _failure
-                future.result()
+            done.wait()  # the future's result and the publishing callback after it
             _barrier()  # rank 0's rename is done everywhere before anyone looks for the newest checkpoint
         failure, self._failure = self._failure, None
         return failure
@@ -397,15 +399,13 @@ class Checkpointer:
         return self._group
 
     def _async_stager(self):
-        """Host copies of the state in pinned memory on CUDA (faster copies out of the GPU, kept between saves);
-        None: DCP's default (plain host memory)."""
-        if self._stager is None and torch.cuda.is_available():
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError:
-                return None
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=True))
+        """Copies the state to host memory before `save` returns: on CUDA into pinned buffers made at the first
+        save and reused (faster copies out of the GPU). DCP's blocking stager: it copies torchrec's ShardedTensors,
+        which the default stager of torch 2.13 refuses."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
         return self._stager
 
     def load(self, path: str | os.PathLike, state: dict[str, Any]) -> None:

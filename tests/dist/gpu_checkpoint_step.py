@@ -37,7 +37,7 @@ def measure(overrides: list[str], background: bool, steps: int, every: int) -> d
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
             pending = trainer.checkpointer.checkpointer._pending
-            in_flight.append(pending is not None and not pending[1].done())
+            in_flight.append(pending is not None and not pending[2].is_set())
 
         trainer = Trainer(cfg, run_dir=run_dir, hooks=(hook,))
         try:
