@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=10)
     a, overrides = ap.parse_known_args()
+    from gem.cli.quiet import quiet_third_party
+
+    quiet_third_party()
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "overrides": overrides,
               "steps": a.steps, "every": a.every}
     for mode, background in (("inline", False), ("async", True)):
