@@ -4,8 +4,8 @@ SIGUSR1 (SLURM's `--signal=USR1@SECONDS`, sent ahead of the time limit so the jo
 `StopSignals` records the first such signal; the training loop asks `StopVote.poll()` after every step whether any
 rank has one, and every rank stops after the same step, writes the checkpoint of that step and leaves with
 `exit_status` (0 for SIGUSR1, so a wrapper requeues; 128 + the signal's number otherwise, as a shell reports it).
-A further signal while that checkpoint is written aborts at once (the previous complete checkpoint stays the newest:
-saves are atomic).
+A further signal aborts at once, also while that checkpoint is written (the previous complete checkpoint stays the
+newest: saves are atomic).
 
 The signal is noted by the C-level handler through a wake-up pipe and read by a thread, so it is seen even while the
 main thread sits in a long collective or a file write. The vote is an all-reduce of one integer on a CPU (gloo)
@@ -85,19 +85,20 @@ class StopSignals:
                 self.note(signal.Signals(num))
 
     def note(self, sig: signal.Signals) -> None:
-        """One delivered signal: the first requests the stop; another while the stop's checkpoint is written aborts
-        (an immediate repeat of the first is one event delivered twice, and ignored)."""
+        """One delivered signal: the first requests the stop; another aborts at once, also while the stop's
+        checkpoint is written (an immediate repeat of the first is one event delivered twice, and ignored)."""
         now = time.monotonic()
         if self.requested is None:
             self.requested, self._first_at = sig.name, now
             return
         if sig.name == self.requested and now - self._first_at < _REPEAT_S:
             return
-        if self._saving_step is not None:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"gem-train: aborted by {sig.name} while writing the checkpoint of step {self._saving_step}; "
-                      "the newest complete checkpoint before it is kept", file=sys.stderr, flush=True)
-            os._exit(128 + int(sig))
+        if os.environ.get("RANK", "0") == "0":
+            where = (f"while writing the checkpoint of step {self._saving_step}" if self._saving_step is not None
+                     else "before the next step boundary")
+            print(f"gem-train: aborted by {sig.name} {where}; the newest complete checkpoint before it is kept",
+                  file=sys.stderr, flush=True)
+        os._exit(128 + int(sig))
 
     @contextmanager
     def saving(self, step: int):
