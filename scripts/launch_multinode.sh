@@ -82,7 +82,9 @@ WORKER=("$PY" -u)
 if [ "${GEM_LOG_ALL_RANKS:-0}" != 1 ]; then
     export RANK_LOG_DIR=${RANK_LOG_DIR:-outputs/rank_logs}
     case $RANK_LOG_DIR in /*) ;; *) RANK_LOG_DIR=$PWD/$RANK_LOG_DIR ;; esac
+    # the wrapping shell outlives a stop signal (a no-op trap), so its worker can write the stop checkpoint
     QUIET='[ "$RANK" = 0 ] && exec "$@"
+trap : TERM INT USR1
 log="$RANK_LOG_DIR/rank$RANK.log"
 "$@" > "$log" 2>&1 && exit 0
 code=$?

@@ -6,7 +6,8 @@
 #   scripts/train.sh --help                                       how to run it, the config groups
 for a in "$@"; do  # help before any setup, in one process
     case "$a" in
-        -h|--help) exec "${PYTHON:-python3}" "$(dirname "${BASH_SOURCE[0]}")/../gem/train/help.py" ;;
+        -h|--help) exec "${PYTHON:-python3}" "$(dirname "${BASH_SOURCE[0]}")/../gem/train/help.py" \
+                       "${GEM_CONFIG_DIR:-$(dirname "${BASH_SOURCE[0]}")/../configs}" ;;
     esac
 done
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"

@@ -1,30 +1,22 @@
-"""The config a benchmark run trains: composed as gem-train composes it, with the benchmark's own settings.
-
-The one module of gem.bench that reaches into gem-train's entry point (its config dir and its one-line wording of
-composition errors)."""
+"""The config a benchmark run trains: composed as gem-train composes it (gem.config), with the benchmark's own
+settings."""
 
 from __future__ import annotations
 
 import math
 
 from gem.bench.options import BenchError
-from gem.train.__main__ import CONFIG_DIR, preflight
 
 
 def compose(overrides: list[str], world_size: int):
-    """The composed config (as `python -m gem.train` composes it), or BenchError with gem.train's one-line message."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The composed config (as gem-train composes it), or BenchError with gem-train's one-line message."""
+    from gem.config import UserError
+    from gem.config import compose as compose_config
 
     try:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR, job_name="gem_bench"):
-            return hydra_compose(config_name="config", overrides=overrides)
-    except Exception as e:  # noqa: BLE001 - preflight words composition errors the way the CLI does
-        raise BenchError(preflight(overrides, world_size) or f"{type(e).__name__}: {e}") from None
-    finally:
-        GlobalHydra.instance().clear()
+        return compose_config(overrides, job_name="gem_bench")
+    except UserError as e:
+        raise BenchError(str(e)) from None
 
 
 def plan_steps(cfg, overrides: list[str], warmup: int, steps: int, window: int) -> tuple[int, int, int]:

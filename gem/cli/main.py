@@ -18,13 +18,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if args else 2)
     command, rest = args[0], args[1:]
     if command == "train":
-        from gem.cli.train import main as run
+        from gem.cli.train import run
     elif command == "bench":
         from gem.cli.bench import main as run
     elif command == "plan":
-        from gem.plan.cli import main as plan
-
-        sys.exit(plan(rest))
+        from gem.cli.plan import run
     else:
         print(f"gem: error: unknown command {command!r} (expected train, plan or bench)", file=sys.stderr)
         sys.exit(2)

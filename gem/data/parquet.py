@@ -357,6 +357,29 @@ class ParquetDataset(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         return stream_batches(self, None if self.cycle else self.batches_per_pass)
 
+    def last_rows(self) -> tuple[Batch, int] | None:
+        """This rank's share of the rows past the last whole round of a pass over all the files, as (batch, real
+        rows): every rank gets a batch of the same size (collectives of sharded models need every rank's forward),
+        its first `real rows` its own share in order, the rest repeats rows of the round (to be ignored). None on
+        every rank when there are no such rows, or the pass stops earlier."""
+        whole = self.batches_per_pass * self.world_size * self.batch_size
+        if self.batches_per_pass < (self.num_rows // self.batch_size) // self.world_size or whole == self.num_rows:
+            return None
+        share = -(-(self.num_rows - whole) // self.world_size)
+        start = min(whole + self.rank * share, self.num_rows)
+        stop = min(start + share, self.num_rows)
+        spans = [(start, stop)] if stop > start else []
+        if stop - start < share:
+            spans.append((whole, whole + share - (stop - start)))
+        tables, wheres = zip(*(self._rows(a, b) for a, b in spans))
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        first = tables[0].num_rows
+
+        def where(r: int) -> str:
+            return wheres[0](r) if r < first else wheres[-1](r - first)
+
+        return table_to_batch(table, self.schema, where), stop - start
+
     def __len__(self) -> int:
         if self.cycle:
             raise TypeError("a cycling ParquetDataset has no length")

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gem._config import Checker, build, to_plain
-from gem._config import ConfigError as _ConfigError
+from gem.config import Checker, ConfigError, build, to_plain
 
 Kernel = Literal["auto", "triton", "reference"]
 AttentionKind = Literal["jfa", "swa", "block"]
@@ -31,10 +30,6 @@ FFN_KINDS = ("swiglu", "moe")
 NORMS = typing.get_args(Norm)
 SEQ_COMBINE = typing.get_args(SeqCombine)
 GDPA_ACTIVATIONS = typing.get_args(GDPAActivation)
-
-
-class ConfigError(_ConfigError):
-    """A model config problem; the message starts with the dotted key at fault."""
 
 
 @dataclass

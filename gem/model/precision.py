@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem._config import ConfigError
+from gem.config import ConfigError
 from gem.ops import mx
 
 __all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",

@@ -1,5 +1,5 @@
-import sys
+"""`python -m gem.plan`: the same as `gem-plan` (gem/cli/plan.py)."""
 
-from gem.plan.cli import main
+from gem.cli.plan import run
 
-sys.exit(main())
+run()

@@ -7,10 +7,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gem.config import UserError
+
 GB = 10**9
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A `gem plan` input or layout problem; the message is one line naming the key, rank or bytes."""
 
 

@@ -1,6 +1,6 @@
 """Training: the trainer loop, optimizers, metrics, MFU, TensorBoard logging and DCP checkpoints.
 
-`python -m gem.train [hydra overrides]` runs it (see gem/train/__main__.py).
+`gem-train` / `python -m gem.train [hydra overrides]` runs it (see gem/cli/train.py).
 """
 
 from gem.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, list_checkpoints

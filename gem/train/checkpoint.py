@@ -1,4 +1,6 @@
-"""Atomic distributed checkpoints (torch.distributed.checkpoint), read as untrusted input.
+"""Atomic distributed checkpoints (torch.distributed.checkpoint), read as untrusted input, and what a run's
+checkpoint holds (model, optimizer, progress, data position, per-rank RNG): `Checkpointer` writes and reads the files,
+`TrainCheckpointer` saves and resumes one rank's training state through it.
 
 Every rank writes its shards into `<dir>/.tmp-step_N`; after a barrier rank 0 writes the run's config beside them
 (`gem_config.json`) and renames the directory to `<dir>/step_N`, so a `step_N` directory is always complete (a crash
@@ -19,7 +21,8 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gem._config import UserError, show
+from gem.config import UserError, show
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -267,6 +270,17 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def _first_error(e: BaseException) -> str:
+    """The first line of the first rank's error inside DCP's CheckpointException (or of `e` itself)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, Mapping):
+        first = next((exc for exc, _ in failures.values() if isinstance(exc, BaseException)), None)
+        if first is not None:
+            e = first
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def no_checkpoint_error(ckpt_dir: str | os.PathLike) -> CheckpointError:
     """`train.resume=true` where there is nothing to resume (a typo in the run dir must not restart training)."""
     return CheckpointError(
@@ -275,21 +289,35 @@ def no_checkpoint_error(ckpt_dir: str | os.PathLike) -> CheckpointError:
 
 
 class Checkpointer:
-    """Saves and loads training state under `ckpt_dir` (the same path on every rank); keeps the newest `keep`.
+    """Saves and loads training state under `ckpt_dir` (the same path on every rank); keeps the newest `keep`
+    complete checkpoints and those of `keep_steps`.
 
-    `config`: flat config values saved beside each checkpoint and compared on load (see `check_fits`)."""
+    `config`: flat config values saved beside each checkpoint and compared on load (see `check_fits`).
+    `async_save`: `save` copies the state to host memory (pinned on CUDA) and returns; DCP writes it from a
+    background thread over a CPU (gloo) group of its own, and rank 0 renames the directory once every rank's shards
+    and the metadata are written. At most one save is in flight: the next `save` (or `wait`) waits for it. A
+    background save that fails leaves only its `.tmp-` directory; `poll` / `wait` report it once."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, keep: int = 2, config: Mapping[str, Any] | None = None,
-                 ignore: tuple[str, ...] = FREE_KEYS) -> None:
+                 ignore: tuple[str, ...] = FREE_KEYS, keep_steps: tuple[int, ...] | list[int] = (),
+                 async_save: bool = False) -> None:
         if keep < 1:
             raise ValueError(f"train.checkpoint.keep must be >= 1, got {keep}")
         self.dir = Path(ckpt_dir)
         self.keep = keep
+        self.keep_steps = frozenset(keep_steps)
         self.config = dict(config) if config is not None else None
         self.ignore = ignore
+        self.async_save = async_save
+        self._pending: tuple[int, Any, threading.Event] | None = None  # (step, future, published) in flight
+        self._failure: str | None = None  # set by the background thread, reported by poll / wait
+        self._group = None
+        self._stager = None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write the checkpoint of `step` (in the background with `async_save`); returns its final path."""
         check_tensor_leaves(state)
+        self.wait()
         final = self.dir / f"step_{step}"
         tmp = self.dir / f"{_TMP_PREFIX}step_{step}"
         if _rank() == 0:
@@ -298,18 +326,87 @@ class Checkpointer:
                 if p.name.startswith(_TMP_PREFIX):
                     shutil.rmtree(p, ignore_errors=True)
         _barrier()
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._process_group(),
+                                    async_stager=self._async_stager())
+            done = threading.Event()
+            self._pending = (step, future, done)
+            future.add_done_callback(lambda f: self._finished(step, f, done))
+            return final
         dcp.save(state, checkpoint_id=str(tmp))
         _barrier()
         if _rank() == 0:
-            if self.config is not None:
-                (tmp / CONFIG_FILE).write_text(json.dumps(self.config, indent=1, sort_keys=True) + "\n")
-            if final.exists():  # a save of the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for _, old in list_checkpoints(self.dir)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._publish(step)
         _barrier()
         return final
+
+    def _publish(self, step: int) -> None:
+        """Rank 0, once every shard and the metadata of `step` are written: config file, atomic rename, pruning."""
+        final = self.dir / f"step_{step}"
+        tmp = self.dir / f"{_TMP_PREFIX}step_{step}"
+        if self.config is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps(self.config, indent=1, sort_keys=True) + "\n")
+        if final.exists():  # a save of the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        old = [(s, p) for s, p in list_checkpoints(self.dir)[: -self.keep] if s not in self.keep_steps]
+        for _, p in old:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _finished(self, step: int, future, done: threading.Event) -> None:
+        """The background save's end (on DCP's thread): publish it, or note why not."""
+        try:
+            future.result()  # DCP's last collective: every rank's shards and the metadata are written
+            if _rank() == 0:
+                self._publish(step)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            self._failure = f"checkpoint step_{step} failed in the background ({_first_error(e)})"
+        finally:
+            done.set()
+
+    def poll(self) -> str | None:
+        """Without waiting: the failure of a finished background save, once (None: none, or still running)."""
+        if self._pending is not None and self._pending[2].is_set():
+            return self.wait()
+        return None
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight; returns its failure (once), else None."""
+        if self._pending is not None:
+            _, _, done = self._pending
+            self._pending = None
+            done.wait()  # the future's result and the publishing callback after it
+            _barrier()  # rank 0's rename is done everywhere before anyone looks for the newest checkpoint
+        failure, self._failure = self._failure, None
+        return failure
+
+    def close(self, wait: bool = True) -> None:
+        """Release the staging memory and the group (`wait`: for the save in flight first)."""
+        if wait:
+            self.wait()
+        elif self._pending is not None:
+            return  # its thread still uses the staging memory and the group
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _process_group(self):
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")  # DCP's background collectives stay off the training group
+        return self._group
+
+    def _async_stager(self):
+        """Copies the state to host memory before `save` returns: on CUDA into pinned buffers made at the first
+        save and reused (faster copies out of the GPU). DCP's blocking stager: it copies torchrec's ShardedTensors,
+        which the default stager of torch 2.13 refuses."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
+        return self._stager
 
     def load(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
         """Load in place into `state` (its tensors / shards give the layout to read into); the metadata is read
@@ -327,3 +424,158 @@ class Checkpointer:
                 raise first from None
             text = str(first).strip().splitlines()[0] if first is not None and str(first).strip() else repr(e)
             raise mismatch_error(path, self.config, self.ignore, f"cannot load it ({text})") from None
+
+
+# ---- a run's training state ------------------------------------------------------------------------------------
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (0: the first attempt, or not under torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class TrainCheckpointer:
+    """Saves and resumes one rank's training state. `info` / `warn`: rank 0's log line writers; `batch_size`: per
+    rank (for the line a resume at another world size prints)."""
+
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        par,
+        optimizer,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        info: Callable[[str], None],
+        warn: Callable[[str], None] | None = None,
+        batch_size: int = 0,
+    ) -> None:
+        self.checkpointer, self.par, self.optimizer = checkpointer, par, optimizer
+        self.rank, self.world_size, self.device, self.info = rank, world_size, device, info
+        self.warn = warn or info
+        self.batch_size = batch_size
+
+    def state(self, step: int, data_state: Mapping[str, int]) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": self.par.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "progress": {
+                "step": torch.tensor(step, dtype=torch.int64),
+                "world_size": torch.tensor(self.world_size),
+                "batch_size": torch.tensor(self.batch_size, dtype=torch.int64),
+            },
+            "data": {k: torch.tensor(int(v), dtype=torch.int64) for k, v in data_state.items()},
+            f"rng_rank{self.rank}": rng,
+        }
+
+    def save(self, step: int, data_state: Mapping[str, int]) -> str:
+        if self.par.embeddings is not None and self.par.embeddings.n_replicas > 1:
+            self.par.sync_embeddings()  # every replica holds the same tables in the checkpoint
+        self.report(self.checkpointer.wait())  # at most one save in flight
+        path = self.checkpointer.save(step, self.state(step, data_state))
+        self.info(f"checkpoint: {path}" + (" (writing in the background)" if self.checkpointer.async_save else ""))
+        return str(path)
+
+    def report(self, failure: str | None) -> bool:
+        """One line for a failed background save, naming the checkpoint that stays the newest; True if it failed."""
+        if failure is None:
+            return False
+        found = latest_checkpoint(self.checkpointer.dir)
+        self.warn(f"{failure}; the newest complete checkpoint stays {found[1].name if found else 'none'}")
+        return True
+
+    def poll(self) -> None:
+        """After a step: report a background save that failed meanwhile (never waits)."""
+        self.report(self.checkpointer.poll())
+
+    def finish(self) -> str | None:
+        """Wait for the save in flight; the newest complete checkpoint's path afterwards (None: none)."""
+        self.report(self.checkpointer.wait())
+        found = latest_checkpoint(self.checkpointer.dir)
+        return str(found[1]) if found else None
+
+    def _newest_intact(self) -> tuple[int, list[str]]:
+        """Rank 0: the newest checkpoint whose metadata reads and whose storage files are all there and long
+        enough (-1: none), and a line for each newer one skipped."""
+        skipped = []
+        for step, path in reversed(list_checkpoints(self.checkpointer.dir)):
+            why = damage(path)
+            if why is None:
+                return step, skipped
+            skipped.append(f"resume: skipped {path.name}: {why}")
+        return -1, skipped
+
+    def resume(self, train_data, report_none: bool = True, require: bool = False) -> int | None:
+        """Load the newest intact checkpoint (the same on every rank) into the model, optimizer, RNG and
+        `train_data`'s position; returns its step, or None when there is none (an error when `require`)."""
+        choice = [self._newest_intact() if self.rank == 0 else None]
+        if self.world_size > 1:  # every rank must pick the same checkpoint
+            dist.broadcast_object_list(choice, src=0)
+        step0, skipped = choice[0]
+        for line in skipped:
+            self.warn(line)
+        if step0 < 0:
+            if require:
+                raise no_checkpoint_error(self.checkpointer.dir)
+            if report_none:
+                self.info(f"resume: no checkpoint in {self.checkpointer.dir}, starting from step 0")
+            return None
+        path = self.checkpointer.dir / f"step_{step0}"
+        self.optimizer.init_state()
+        meta = {"progress": {"step": torch.tensor(0, dtype=torch.int64), "world_size": torch.tensor(0)}}
+        has_batch = "progress.batch_size" in load_metadata(path).state_dict_metadata
+        if has_batch:
+            meta["progress"]["batch_size"] = torch.tensor(0, dtype=torch.int64)
+        self.checkpointer.load(path, meta)
+        old_world = int(meta["progress"]["world_size"])
+        same_world = old_world == self.world_size
+        state = self.state(0, train_data.state_dict())
+        if not has_batch:
+            state["progress"].pop("batch_size")
+        if not same_world:  # per-rank RNG streams only carry over to the same world size
+            state.pop(f"rng_rank{self.rank}")
+        self.checkpointer.load(path, state)
+        self.par.model.load_state_dict(state["model"])
+        step = int(state["progress"]["step"])
+        self.optimizer.load_state_dict(state["optim"], step_count=step)
+        saved_position = {k: int(v) for k, v in state["data"].items()}
+        train_data.load_state_dict(saved_position)
+        if same_world:
+            rng = state[f"rng_rank{self.rank}"]
+            torch.set_rng_state(rng["torch"])
+            if self.device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+        else:
+            old_batch = int(meta["progress"]["batch_size"]) if has_batch else self.batch_size
+            now = int(train_data.state_dict().get("batch_index", -1))
+            read = saved_position.get("batch_index", 0) * old_world * old_batch
+            self.warn(f"resume: world size {old_world} -> {self.world_size}: global batch {old_world * old_batch} -> "
+                      f"{self.world_size * self.batch_size}; data position {read} examples (each rank continues at "
+                      f"its batch {now})")
+        restart = f" (torchrun restart {restart_count()})" if restart_count() else ""
+        self.info(f"resumed from {path} at step {step}{restart}")
+        return step
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at `path` cannot be read (None: it looks intact): unreadable metadata, a storage file
+    missing or shorter than the metadata says."""
+    try:
+        md = load_metadata(path)
+    except CheckpointError as e:
+        return str(e)
+    ends: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = info.relative_path
+        ends[rel] = max(ends.get(rel, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for rel, end in sorted(ends.items()):
+        f = Path(path) / rel
+        if not f.is_file():
+            return f"{rel}: missing"
+        if f.stat().st_size < end:
+            return f"{rel}: {f.stat().st_size} bytes, the metadata expects {end}"
+    return None

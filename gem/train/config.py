@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gem._config import Checker, ConfigError, build
+from gem.config import Checker, ConfigError, build
 from gem.model.precision import DEFAULT_FILTER
 
 log = logging.getLogger("gem.train")
@@ -34,7 +34,10 @@ class SparseOptimizerConfig:
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0: none (a final one is written when every > 0)
     dir: str | None = None  # None: <run dir>/checkpoints
-    keep: int = 2
+    keep: int = 2  # newest complete checkpoints kept
+    keep_steps: list[int] = field(default_factory=list)  # and these steps' checkpoints, always
+    # write in the background (DCP async_save: the state is copied to host memory, training goes on); auto: on CUDA
+    async_: Literal[True, False, "auto"] = "auto"
 
 
 @dataclass
@@ -117,6 +120,8 @@ class TrainConfig:
                  self.stop_at_step)
         need(self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)", self.checkpoint.every)
         need(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", self.checkpoint.keep)
+        need(all(s >= 1 for s in self.checkpoint.keep_steps), "checkpoint.keep_steps", "steps must be >= 1",
+             self.checkpoint.keep_steps)
         if self.mfu.measured_peak_flops is not None:
             need(self.mfu.measured_peak_flops > 0, "mfu.measured_peak_flops", "must be > 0",
                  self.mfu.measured_peak_flops)

@@ -1,4 +1,5 @@
-"""Evaluation: every rank runs its evaluation batches; the metrics are aggregated over all ranks."""
+"""Evaluation: every rank runs its evaluation batches, then its share of the rows past the last whole round of
+batches (eval files: every row counts); the metrics are aggregated over all ranks (a rank with no rows adds none)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,22 @@ class Evaluator:
         self.metrics.reset()
         if self.par.embeddings is not None and self.par.embeddings.n_replicas > 1:
             self.par.sync_embeddings()  # every replica evaluates the same tables
-        for batch in self.dataset:
+        for batch, real in self._batches():
             validate_batch(batch, self.schema)
             batch = batch.to(self.device, non_blocking=True)
             with autocast(self.cfg):
                 out = model(batch)
-            self.metrics.update(out.logits.float(), batch.labels)
+            if real:
+                self.metrics.update(out.logits.float()[:real], batch.labels[:real])
         model.train()
-        return self.metrics.compute()
+        return self.metrics.compute()  # `num_samples`: the rows evaluated on all ranks
+
+    def _batches(self):
+        """(batch, rows that count): the whole batches, then the last, partial round (padded to one size on every
+        rank; the padding does not count)."""
+        for batch in self.dataset:
+            yield batch, batch.labels.shape[0]
+        last = getattr(self.dataset, "last_rows", None)
+        tail = last() if callable(last) else None
+        if tail is not None:
+            yield tail

@@ -1,6 +1,6 @@
 """`python -m gem.train --help` / `scripts/train.sh --help`: how to run gem, and the config groups it offers.
 
-Standard library only, and runnable as a file (`python gem/train/help.py [CONFIG_DIR]`), so scripts/train.sh can
+Standard library only, and runnable as a file (`python gem/train/help.py CONFIG_DIR`), so scripts/train.sh can
 print it before it sets up the Python environment and without starting any rank.
 """
 
@@ -34,11 +34,13 @@ Without the script:
   torchrun --standalone --nproc_per_node=N -m gem.train [KEY=VALUE ...]    N ranks on one machine
   Multi-node: run scripts/launch_multinode.sh on every node with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
   NPROC_PER_NODE set (it calls torchrun with a shared rendezvous).
-  Runs write to outputs/<date>/<time>/ (hydra.run.dir=DIR to choose): metrics.jsonl, tb/ (TensorBoard),
+  Runs write to outputs/<date>/<time>.<ms>-<id>/ (hydra.run.dir=DIR to choose): metrics.jsonl, tb/ (TensorBoard),
   checkpoints/ (train.checkpoint.every=N; train.resume=true continues from the newest).
 
-Errors a user can fix (a config value, a data file, a checkpoint) print one line `gem-train: error: ...` and exit
-with status 2 (scripts/train.sh and single-process runs; torchrun itself reports a failed worker as 1).
+Errors a user can fix (a config value, a data file, a run dir, a checkpoint) print one line `gem-train: error: ...`
+and exit with status 2 (scripts/train.sh and single-process runs; torchrun itself reports a failed worker as 1).
+SIGTERM, SIGINT and SIGUSR1 stop every rank after one step with a checkpoint of it and one line `gem-train: stopped
+by ...`; status 143 / 130, and 0 for SIGUSR1 (a wrapper requeues). One job at a time per run dir.
 """
 
 
@@ -103,15 +105,5 @@ def help_text(config_dir: str | os.PathLike) -> str:
     return "\n".join(lines) + "\n"
 
 
-def default_config_dir() -> str:
-    """The Hydra config tree: GEM_CONFIG_DIR, else the installed package's gem/configs (the wheel maps the
-    checkout's top-level configs/ there), else the checkout's configs/."""
-    if os.environ.get("GEM_CONFIG_DIR"):
-        return os.environ["GEM_CONFIG_DIR"]
-    package = Path(__file__).resolve().parents[1]
-    installed = package / "configs"
-    return str(installed if (installed / "config.yaml").is_file() else package.parent / "configs")
-
-
 if __name__ == "__main__":
-    sys.stdout.write(help_text(sys.argv[1] if len(sys.argv) > 1 else default_config_dir()))
+    sys.stdout.write(help_text(sys.argv[1]))

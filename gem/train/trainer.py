@@ -2,7 +2,8 @@
 
 Components: `train_step` and the loop that drives it (gem/train/step.py: plain, or torchrec's
 TrainPipelineSparseDist, chosen once at start-up from `train.pipeline` and the device), the training batches
-(gem/data/loader.py), evaluation (evaluator.py), checkpoints (state.py), metrics and logs (reporting.py).
+(gem/data/loader.py), evaluation (evaluator.py), checkpoints (checkpoint.py), metrics and logs (reporting.py),
+stopping on a signal (stop.py).
 Hooks: `hooks` run after every step (evaluation and checkpoint included) with the trainer (tests use one to kill
 a rank); `on_step_end` run with the step number as soon as the step's work is queued, before the window's host sync
 (the benchmark marks step ends there); `on_window` get each log window's scalars.
@@ -12,6 +13,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,21 +22,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem._config import ConfigError
+from gem.config import ConfigError
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
 from gem.model import GEMModel, ModelConfig, validate_against_schema
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
-from gem.train.checkpoint import Checkpointer, run_config
+from gem.train.checkpoint import Checkpointer, TrainCheckpointer, restart_count, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
 from gem.train.metrics_log import TrainLogger
 from gem.train.optim import TrainOptimizer
 from gem.train.reporting import MetricsReporter
-from gem.train.state import TrainCheckpointer, restart_count
 from gem.train.step import StepConfig, choose_loop
+from gem.train.stop import StopSignals, StopVote
 
 __all__ = ["BadBatchError", "Configs", "StepEndHook", "StepHook", "TrainResult", "Trainer", "WindowHook", "build_configs",
            "summary_line"]
@@ -84,6 +86,7 @@ class TrainResult:
     samples_per_s: float = 0.0
     run_dir: str | None = None
     last_checkpoint: str | None = None
+    stopped_by: str | None = None  # the signal (e.g. 'SIGTERM') that stopped training early at `steps`
 
 
 def _rank_world() -> tuple[int, int]:
@@ -95,11 +98,16 @@ def _rank_world() -> tuple[int, int]:
 class Trainer:
     """Builds everything from the composed config and trains; `fit()` returns a TrainResult."""
 
-    def __init__(self, cfg: Any, run_dir: str | None = None, hooks: Sequence[StepHook] = (),
-                 on_step_end: Sequence[StepEndHook] = (), on_window: Sequence[WindowHook] = ()) -> None:
-        self.device = init_distributed(ParallelConfig.from_any(cfg.get("parallel")).timeout_s)
+    def __init__(self, cfg: Configs | Any, run_dir: str | None = None, hooks: Sequence[StepHook] = (),
+                 stop: StopSignals | None = None, on_step_end: Sequence[StepEndHook] = (),
+                 on_window: Sequence[WindowHook] = ()) -> None:
+        """`cfg`: the typed configs (as gem-train builds them) or a composed config; `stop`: the signals that stop
+        training at a step boundary with a checkpoint (gem.train.stop)."""
+        parallel = cfg.parallel if isinstance(cfg, Configs) else ParallelConfig.from_any(cfg.get("parallel"))
+        self.device = init_distributed(parallel.timeout_s)
         self.rank, self.world_size = _rank_world()
-        self.cfgs = build_configs(cfg, self.world_size)
+        self.cfgs = cfg if isinstance(cfg, Configs) else build_configs(cfg, self.world_size)
+        self.stop = stop
         tc = self.tcfg = self.cfgs.train
         self.run_dir = run_dir
         self.schema = self.cfgs.data.schema
@@ -169,14 +177,18 @@ class Trainer:
             raise ConfigError("train.checkpoint.dir", "checkpoints need a directory (no run directory to default to)")
         self.checkpointer = None
         if ckpt_dir:
+            background = tc.checkpoint.async_ is True or (tc.checkpoint.async_ == "auto" and self.is_cuda)
             self.checkpointer = TrainCheckpointer(
-                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, config=run_config(self.cfgs)),
+                Checkpointer(ckpt_dir, keep=tc.checkpoint.keep, keep_steps=tc.checkpoint.keep_steps,
+                             config=run_config(self.cfgs), async_save=background),
                 self.par,
                 self.optimizer,
                 rank=self.rank,
                 world_size=self.world_size,
                 device=self.device,
                 info=self.logger.info,
+                warn=self._warn,
+                batch_size=self.cfgs.data.batch_size,
             )
 
         self.step = 0  # optimizer steps done
@@ -185,6 +197,7 @@ class Trainer:
         self._data_offset = 0
         self.batches: TrainBatches | None = None  # the training stream during fit()
         self.last_eval: dict[str, float] = {}
+        self._fit_ended = True  # False while fit() runs, and after it raised
         if tc.resume is True or (tc.resume == "auto" and self.checkpointer is not None):
             resumed = self.checkpointer.resume(
                 self.train_data, report_none=tc.resume is True or restart_count() > 0, require=tc.resume is True
@@ -194,11 +207,32 @@ class Trainer:
                 self.logger.resume_at(self.step)  # the redone steps are logged once
                 self._data_offset = int(self.train_data.state_dict()["batch_index"]) - self.step
 
+    def _warn(self, msg: str) -> None:
+        if self.rank == 0:
+            logging.getLogger("gem.train").warning(msg)
+
     def save_checkpoint(self) -> str:
         assert self.checkpointer is not None
         data_state = dict(self.train_data.state_dict())
         data_state["batch_index"] = self.step + self._data_offset
         return self.checkpointer.save(self.step, data_state)
+
+    def _stop_here(self, vote: StopVote, result: TrainResult, logged: bool) -> bool:
+        """After a step: whether every rank stops here on a signal; if so the window is logged and the checkpoint of
+        this step written (unless it just was)."""
+        name = vote.poll()
+        if name is None:
+            return False
+        self.logger.info(f"stopping at step {self.step} ({name})")
+        result.stopped_by = name
+        if not logged:
+            self.reporter.log_window(self.step, self._last_out, self.last_eval)
+        if self.checkpointer is not None:
+            with self.stop.saving(self.step):
+                if not (result.last_checkpoint or "").endswith(f"step_{self.step}"):
+                    self.save_checkpoint()
+                result.last_checkpoint = self.checkpointer.finish()
+        return True
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator()
@@ -228,18 +262,21 @@ class Trainer:
             f"global batch {self.reporter.global_batch} | {self.par.dims.describe()}"
         )
         self.batches = batches = self._train_batches()
+        self._fit_ended = False
         self.reporter.start()
+        vote = StopVote(self.stop, self.world_size)
         try:
             while self.step < end:
                 self.reporter.step_begin(self.step + 1)
-                out = loop.step(batches, self.step + 1)
+                out = self._last_out = loop.step(batches, self.step + 1)
                 self.step += 1
                 self.par.after_step(self.step)
                 for hook in self.on_step_end:
                     hook(self.step)
                 self.reporter.step_done(out.loss, batches.flops.popleft())
                 do_eval = (tc.eval_every and self.step % tc.eval_every == 0) or self.step == end
-                if self.step % tc.log_every == 0 or self.step == end or do_eval:
+                logged = self.step % tc.log_every == 0 or self.step == end or do_eval
+                if logged:
                     scalars = self.reporter.log_window(self.step, out, self.last_eval)
                     for hook in self.on_window:
                         hook(self.step, scalars)
@@ -250,11 +287,19 @@ class Trainer:
                 if tc.checkpoint.every > 0 and (self.step % tc.checkpoint.every == 0 or self.step == end):
                     result.last_checkpoint = self.save_checkpoint()
                     self.reporter.restart_window()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
                 for hook in self.hooks:
                     hook(self)
+                if self._stop_here(vote, result, logged):
+                    break
+            vote.close()  # not on an exception: a failed peer would never join the last vote
+            if self.checkpointer is not None and result.stopped_by is None and result.last_checkpoint:
+                result.last_checkpoint = self.checkpointer.finish()  # the background save of the last step
         finally:
             batches.close()
             self.batches = None
+        self._fit_ended = True
         result.steps = self.step
         result.losses = self.reporter.losses()
         result.eval_metrics = dict(self.last_eval)
@@ -263,6 +308,8 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.checkpointer is not None:  # after a failure, a save in flight may wait on a peer that is gone
+            self.checkpointer.checkpointer.close(wait=self._fit_ended)
         if self.batches is not None:
             self.batches.close()
             self.batches = None
@@ -272,6 +319,8 @@ class Trainer:
 
 def summary_line(result: TrainResult, tasks: list[str]) -> str:
     parts = [f"steps {result.steps}"]
+    if "num_samples" in result.eval_metrics:
+        parts.append(f"eval on {int(result.eval_metrics['num_samples']):,} rows")
     for t in tasks:
         if f"{t}/ne" in result.eval_metrics:
             parts.append(f"{t} NE {result.eval_metrics[f'{t}/ne']:.4f} AUC {result.eval_metrics[f'{t}/auc']:.4f}")

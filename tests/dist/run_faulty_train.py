@@ -10,7 +10,7 @@ import sys
 import torch.distributed as dist
 
 from gem.train.__main__ import main
-from gem.train.state import restart_count
+from gem.train.checkpoint import restart_count
 
 
 def exit_after(step: int, rank: int):

@@ -108,7 +108,7 @@ def test_moe_grouped_mm_reaches_every_moe_block(value):
 ])
 def test_one_message_format(mutate, line):
     """`<key>: <what> (got <value>)`, the format of every config group."""
-    from gem._config import ConfigError as AnyConfigError
+    from gem.config import ConfigError as AnyConfigError
 
     with pytest.raises(AnyConfigError) as e:
         ModelConfig.from_dict(_cfg(mutate))

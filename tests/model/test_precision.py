@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gem._config import ConfigError
+from gem.config import ConfigError
 from gem.model import GEMModel
 from gem.model import precision as prec
 from gem.model.moe import MoE
@@ -203,14 +203,16 @@ def test_precision_config_errors_are_one_line():
     assert str(e.value) == "train.precision_filter: matches no nn.Linear of the model (got ['tower.*'])"
 
 
-def test_fp8_is_refused_at_the_preflight_check():
-    from gem.train.__main__ import preflight
+def test_fp8_is_refused_at_the_preflight_check(capsys, monkeypatch):
+    from gem.cli.train import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine may have FP8 tensor cores")
-    msg = preflight(["train.precision=fp8"], world_size=1)
-    assert msg is not None and "train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+)" in msg
-    assert "\n" not in msg
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--check", "train.precision=fp8"]) == 2
+    msg = capsys.readouterr().err
+    assert "gem-train: error: train.precision: fp8 needs a GPU with FP8 tensor cores (sm_89+)" in msg
+    assert msg.count("\n") == 1
 
 
 def _rows_dq(t: torch.Tensor) -> torch.Tensor:

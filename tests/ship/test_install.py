@@ -50,7 +50,7 @@ def _run(cmd: list[str], target: Path, cwd: Path) -> subprocess.CompletedProcess
 
 @pytest.mark.slow
 def test_installed_gem_runs_outside_the_checkout(installed, tmp_path):
-    where = _run([sys.executable, "-c", "import gem, gem.train.__main__ as m; print(gem.__file__); print(m.CONFIG_DIR)"],
+    where = _run([sys.executable, "-c", "import gem, gem.config as c; print(gem.__file__); print(c.default_config_dir())"],
                  installed, tmp_path)
     assert where.returncode == 0, where.stderr
     module, config_dir = where.stdout.split()

@@ -25,19 +25,9 @@ SMALL = [
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from gem.config import compose as compose_config
 
-    from gem.train.__main__ import _register_resolvers
-
-    _register_resolvers()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
-            return hydra_compose(config_name="config", overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_config(overrides, config_dir=CONFIG_DIR)
 
 
 def env(tmp_path: Path) -> dict:

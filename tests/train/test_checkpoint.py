@@ -200,3 +200,94 @@ def test_load_failure_past_the_model_check_names_the_config_values(tmp_path):
     with pytest.raises(CheckpointError) as e:
         Checkpointer(tmp_path).load(path, into)
     assert "\n" not in str(e.value) and "cannot load it (" in str(e.value) and "optim.momentum" in str(e.value)
+
+
+# ---- background saves, retention, damaged checkpoints ---------------------------------------------------------------
+
+
+def _random_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g)},
+            "optim": {"m": torch.randn(64, 33, generator=g).to(torch.bfloat16)},
+            "progress": {"step": torch.tensor(seed)}}
+
+
+def _zeros_like(state: dict) -> dict:
+    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) for k, v in state.items()}
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in state.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_background_save_equals_the_inline_save_bit_for_bit(tmp_path):
+    """The state is copied when `save` returns: training may change it at once, the checkpoint keeps the values
+    of the step; what loads back equals an inline save of the same state, bit for bit."""
+    state = _random_state(3)
+    expect = {k: v.clone() for k, v in _flat(state).items()}
+    background = Checkpointer(tmp_path / "bg", async_save=True)
+    path = background.save(3, state)
+    for v in _flat(state).values():  # the next optimizer step
+        v.add_(1)
+    assert background.wait() is None
+    assert path.is_dir() and latest_checkpoint(tmp_path / "bg")[0] == 3
+    inline = Checkpointer(tmp_path / "inline")
+    inline.save(3, {k: v if not isinstance(v, dict) else {n: expect[f"{k}.{n}"] for n in v} for k, v in state.items()})
+    a, b = _zeros_like(state), _zeros_like(state)
+    background.load(path, a)
+    inline.load(tmp_path / "inline" / "step_3", b)
+    for k, v in _flat(a).items():
+        assert v.dtype == expect[k].dtype and torch.equal(v, expect[k]) and torch.equal(v, _flat(b)[k]), k
+    background.close()
+
+
+def test_failing_background_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    c = Checkpointer(tmp_path, async_save=True)
+    c.save(1, _random_state(1))
+    assert c.wait() is None
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    c.save(2, _random_state(2))
+    failure = c.wait()
+    assert failure is not None and failure.startswith("checkpoint step_2 failed in the background (") and \
+        "No space left on device" in failure, failure
+    assert "\n" not in failure and c.wait() is None  # reported once
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    into = _zeros_like(_random_state(1))
+    c.load(tmp_path / "step_1", into)
+    assert torch.equal(into["model"]["w"], _random_state(1)["model"]["w"])
+    monkeypatch.undo()
+    c.save(3, _random_state(3))  # the next save works and clears the failed one's leftovers
+    assert c.wait() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_3"]
+    c.close()
+
+
+def test_keep_and_keep_steps(tmp_path):
+    c = Checkpointer(tmp_path, keep=2, keep_steps=[2])
+    for step in range(1, 6):
+        c.save(step, _random_state(step))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 5]
+
+
+def test_damage_names_what_is_wrong(tmp_path):
+    from gem.train.checkpoint import damage
+
+    c = Checkpointer(tmp_path)
+    path = c.save(1, _random_state(1))
+    assert damage(path) is None
+    data = min(p for p in path.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:10])
+    assert damage(path).startswith(f"{data.name}: 10 bytes, the metadata expects "), damage(path)
+    data.unlink()
+    assert damage(path) == f"{data.name}: missing"
+    (path / ".metadata").write_bytes(b"garbage")
+    assert damage(path).startswith(f"{path / '.metadata'}: unreadable DCP metadata")

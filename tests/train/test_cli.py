@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train._util import SMALL, env, read_jsonl, step_losses, train_cmd
+from tests.train._util import SMALL, compose, env, read_jsonl, step_losses, train_cmd
 
 
 def _run(tmp_path: Path, args, nproc: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -222,3 +222,129 @@ def test_run_time_user_error_one_line_exit_2(tmp_path):
     want = f"gem-train: error: train.resume: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}"
     assert len(lines) == 1 and lines[0].startswith(want) and lines[0].endswith("(got true)"), p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout
+
+
+# ---- checks before the first step, one job per run dir, unique run dirs ------------------------------------------
+
+
+def _check_line(monkeypatch, capsys, tmp_path, *args) -> str:
+    from gem.cli.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()  # what the test itself printed
+    code = main(["--check", *SMALL, *args])
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("gem-train: error: "), (code, captured)
+    return lines[0][len("gem-train: error: "):]
+
+
+def test_check_finds_data_paths_that_match_no_file(tmp_path, monkeypatch, capsys):
+    line = _check_line(monkeypatch, capsys, tmp_path, "data=parquet", f"data.paths=[{tmp_path}/none/*.parquet]")
+    assert line.startswith("data.paths: no file matches") and "none/*.parquet" in line, line
+    from gem.data import DataConfig, SyntheticDataset
+    from gem.data.parquet import write_parquet
+
+    schema = DataConfig.from_dict(compose([*SMALL, "data=parquet"]).data).schema
+    (tmp_path / "train").mkdir()
+    write_parquet(SyntheticDataset(schema, 0, 32), str(tmp_path / "train" / "a.parquet"), 2)
+    line = _check_line(monkeypatch, capsys, tmp_path, "data=parquet", f"data.paths=[{tmp_path}/train/*.parquet]",
+                       f"data.eval_paths=[{tmp_path}/eval/*.parquet]")
+    assert line.startswith("data.eval_paths: no file matches"), line
+
+
+@pytest.mark.parametrize("where,key,what", [
+    ("/proc/gem-x", "hydra.run.dir", "cannot create /proc/gem-x"),
+    ("FILE/run", "hydra.run.dir", "is not a directory"),
+])
+def test_check_finds_a_run_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys, where, key, what):
+    (tmp_path / "FILE").write_text("a file\n")
+    where = where.replace("FILE", str(tmp_path / "FILE"))
+    line = _check_line(monkeypatch, capsys, tmp_path, f"hydra.run.dir={where}")
+    assert line.startswith(f"{key}: ") and what in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing made
+
+
+def test_check_finds_a_checkpoint_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys):
+    line = _check_line(monkeypatch, capsys, tmp_path, "hydra.run.dir=run", "train.checkpoint.dir=/proc/gem-ckpt")
+    assert line.startswith("train.checkpoint.dir: cannot create /proc/gem-ckpt"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_finds_a_checkpoint_that_does_not_fit_the_model(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from gem.train.checkpoint import Checkpointer, run_config
+    from gem.train.trainer import build_configs
+
+    other = build_configs(compose([*SMALL, "model.tower.num_blocks=3"]), world_size=1)
+    Checkpointer(tmp_path / "run" / "checkpoints", config=run_config(other)).save(4, {"w": torch.ones(2)})
+    line = _check_line(monkeypatch, capsys, tmp_path, "hydra.run.dir=run")
+    assert line.startswith(f"{tmp_path / 'run' / 'checkpoints' / 'step_4'}: saved with other config values: "
+                           "model.tower.num_blocks=3 (got 2)"), line
+    # the same config passes
+    from gem.cli.train import main
+
+    assert main(["--check", *SMALL, "model.tower.num_blocks=3", "hydra.run.dir=run"]) == 0
+
+
+def test_second_job_in_a_live_run_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    import os
+    import socket
+
+    from gem.train.rundir import LOCK_FILE, RunDirLock
+
+    held = RunDirLock(tmp_path / "run", "first")
+    held.acquire()
+    try:
+        p = _run(tmp_path, [*SMALL, "train.steps=2", "hydra.run.dir=run"], timeout=120)
+    finally:
+        held.release()
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = _error_lines(p.stderr)
+    want = f"gem-train: error: {tmp_path / 'run'}: in use by the job on host {socket.gethostname()} pid {os.getpid()}"
+    assert len(lines) == 1 and lines[0].startswith(want), p.stderr[-3000:]
+    assert sorted(x.name for x in (tmp_path / "run").iterdir()) == [LOCK_FILE]  # nothing written into it
+
+    # a holder that died without releasing: its record stays, its lock went with it
+    (tmp_path / "run" / LOCK_FILE).write_text('{"host": "gone", "pid": 999999, "start": 0, "run_id": "old"}\n')
+    p = _run(tmp_path, [*SMALL, "train.steps=2", "train.eval_every=0", "hydra.run.dir=run"], timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "took over the stale lock of the job on host gone pid 999999" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert (tmp_path / "run" / LOCK_FILE).read_text() == ""  # released at the end
+
+
+def test_two_launches_in_the_same_second_get_two_run_dirs(tmp_path):
+    import time
+
+    from gem.train.rundir import new_run_id
+
+    now = time.time()
+    assert new_run_id(now) != new_run_id(now)
+    args = train_cmd(1) + [*SMALL, "train.steps=1", "train.eval_every=0"]
+    procs = [subprocess.Popen(args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    runs = sorted(r.parent for r in (tmp_path / "outputs").rglob("metrics.jsonl"))
+    assert len(runs) == 2, runs
+
+
+def test_config_dir_adds_configs(tmp_path, monkeypatch, capsys):
+    """Hydra's --config-dir: a directory searched before the shipped configs (an experiment of one's own)."""
+    from gem.cli.train import main
+
+    (tmp_path / "extra" / "experiment").mkdir(parents=True)
+    (tmp_path / "extra" / "experiment" / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 7\n")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for flag in (["--config-dir", str(tmp_path / "extra")], [f"--config-dir={tmp_path / 'extra'}"]):
+        assert main(["--check", *flag, "experiment=mine"]) == 0
+        assert capsys.readouterr().out.strip() == "gem-train: config ok"
+    assert main(["--check", "experiment=mine"]) == 2
+    assert "experiment=mine: no such config" in capsys.readouterr().err
+    assert main(["--check", "--config-dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("gem-train: error: --config-dir: no such directory")

@@ -53,29 +53,44 @@ def raw_file(raw: Path, *names: str) -> Path:
     raise RawError(f"{raw}: no {' or '.join(names)} (see docs/DATASETS.md for the download)")
 
 
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark
+
+
+def text_lines(path: Path, encoding: str = "utf-8") -> Iterator[tuple[int, str]]:
+    """(line number, line without its end) of a text file, decoded line by line: a UTF-8 byte-order mark at the
+    start is skipped, and a line that is not `encoding` text raises RawError naming the file and line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n == 1:
+                raw = raw.removeprefix(_BOM)
+            try:
+                line = raw.decode(encoding)
+            except UnicodeDecodeError as e:
+                raise RawError(f"{path}:{n}: not {encoding} text ({e.reason} at column {e.start + 1})") from None
+            yield n, line.rstrip("\r\n")
+
+
 def read_rows(path: Path, sep: str, fields: int, bad: BadRows, header: Sequence[str] | None = None,
               encoding: str = "utf-8") -> Iterator[tuple[str, list[str]]]:
     """(where, fields) per row of a delimited file without quoting. `header`: the first line must name these
     columns (in any order, others allowed) and rows come back in `header`'s order."""
-    with open(path, encoding=encoding, newline="") as f:
-        index = None
-        for n, line in enumerate(f, 1):
-            where = f"{path}:{n}"
-            line = line.rstrip("\r\n")
-            if header is not None and index is None:
-                cols = [c.strip() for c in line.split(sep)]
-                missing = [c for c in header if c not in cols]
-                if missing:
-                    raise RawError(f"{where}: header lacks column(s) {missing} (got {cols})")
-                index, fields = [cols.index(c) for c in header], len(cols)
-                continue
-            if not line.strip():
-                continue
-            parts = line.split(sep)
-            if len(parts) != fields:
-                bad(where, f"expected {fields} fields separated by {sep!r}, got {len(parts)} ({line[:80]!r})")
-                continue
-            yield where, parts if index is None else [parts[i] for i in index]
+    index = None
+    for n, line in text_lines(path, encoding):
+        where = f"{path}:{n}"
+        if header is not None and index is None:
+            cols = [c.strip() for c in line.split(sep)]
+            missing = [c for c in header if c not in cols]
+            if missing:
+                raise RawError(f"{where}: header lacks column(s) {missing} (got {cols})")
+            index, fields = [cols.index(c) for c in header], len(cols)
+            continue
+        if not line.strip():
+            continue
+        parts = line.split(sep)
+        if len(parts) != fields:
+            bad(where, f"expected {fields} fields separated by {sep!r}, got {len(parts)} ({line[:80]!r})")
+            continue
+        yield where, parts if index is None else [parts[i] for i in index]
 
 
 def parse_int(text: str, what: str) -> int:

@@ -22,30 +22,40 @@ from gem.data.datasets._events import (
     parse_int,
     raw_file,
     read_rows,
+    text_lines,
 )
 
 TASKS = ["like", "love"]
 
 
+NO_GENRES = "(no genres listed)"  # MovieLens' entry for a movie without genres
+
+
+def genre_names(text: str) -> list[str]:
+    """The genres of a movies-file entry: `A|B`; none for MovieLens' '(no genres listed)' or an empty field."""
+    text = text.strip()
+    return [] if text in ("", NO_GENRES) else text.split("|")
+
+
 def _movies_1m(path: Path, bad: BadRows) -> dict[str, list[str]]:
     genres = {}
     for where, (movie, _title, names) in read_rows(path, "::", 3, bad, encoding="latin-1"):
-        genres[movie] = names.split("|")
+        genres[movie] = genre_names(names)
     return genres
 
 
 def _movies_csv(path: Path, bad: BadRows) -> dict[str, list[str]]:
     genres = {}
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:3]] != ["movieId", "title", "genres"]:
-            raise RawError(f"{path}:1: expected the header movieId,title,genres (got {header})")
-        for row in reader:
-            if len(row) != 3:
-                bad(f"{path}:{reader.line_num}", f"expected 3 fields (movieId,title,genres), got {len(row)}")
-                continue
-            genres[row[0]] = row[2].split("|")
+    lines = text_lines(path)
+    reader = csv.reader(line for _, line in lines)
+    header = next(reader, None)
+    if header is None or [h.strip() for h in header[:3]] != ["movieId", "title", "genres"]:
+        raise RawError(f"{path}:1: expected the header movieId,title,genres (got {header})")
+    for row in reader:
+        if len(row) != 3:
+            bad(f"{path}:{reader.line_num}", f"expected 3 fields (movieId,title,genres), got {len(row)}")
+            continue
+        genres[row[0]] = genre_names(row[2])
     return genres
 
 

@@ -10,56 +10,30 @@ from __future__ import annotations
 import sys
 import time
 
+from gem.config import EXIT_USER, UserError, error_line, parse_args
 from gem.plan.topology import GB, PlanError
 
 USAGE = __doc__.strip().splitlines()[0]
-EXIT_CONFIG = 2
+TOOL = "gem-plan"
+SECTIONS = ("topology", "plan")
 
 
 def _err(msg: str) -> None:
-    print(f"gem-plan: error: {msg}", file=sys.stderr, flush=True)
+    print(error_line(TOOL, msg), file=sys.stderr, flush=True)
 
 
-def split_args(argv: list[str]) -> tuple[dict, dict, list[str], bool]:
-    """(topology keys, plan keys, training overrides, search?)."""
-    topo, opts, rest, search = {}, {}, [], False
-    for a in argv:
-        if a == "--search":
-            search = True
-            continue
-        if a.startswith("-"):
-            raise PlanError(f"{a}: unknown option (usage: {USAGE})")
-        key, eq, value = a.partition("=")
-        if key.startswith("topology.") and eq:
-            topo[key[len("topology."):]] = value
-        elif key.startswith("plan.") and eq:
-            v = value.strip()
-            opts[key[len("plan."):]] = [x for x in v.strip("[]").split(",") if x] if v.startswith("[") else v
-        else:
-            rest.append(a)
-    return topo, opts, rest, search
+def compose(overrides: list[str], config_dir: str | None = None):
+    """The typed training configs for these overrides (a UserError with gem-train's one-line message)."""
+    return compose_all(overrides, config_dir)[0]
 
 
-def compose(overrides: list[str]):
-    """The composed training config for these overrides (raises PlanError with gem-train's one-line message)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from gem.train.__main__ import CONFIG_DIR, _one_line, _register_resolvers
+def compose_all(overrides: list[str], config_dir: str | None = None):
+    """(typed training configs, {"topology": {...}, "plan": {...}}) from one composition of `overrides`."""
+    from gem.config import compose as compose_config
     from gem.train.trainer import build_configs
 
-    _register_resolvers()
-    try:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR, job_name="gem_plan"):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
-        cfgs = build_configs(cfg)
-    except Exception as e:  # noqa: BLE001 - any composition problem is a config error
-        raise PlanError(_one_line(e)) from None
-    finally:
-        GlobalHydra.instance().clear()
-    return cfgs
+    cfg, sections = compose_config(overrides, extra_dir=config_dir, job_name="gem_plan", sections=SECTIONS)
+    return build_configs(cfg), sections
 
 
 def _gb(b: float) -> str:
@@ -121,7 +95,7 @@ def format_report(est, cfgs) -> str:
     return "\n".join(lines)
 
 
-def run(argv: list[str]) -> int:
+def plan(argv: list[str]) -> int:
     from gem.parallel.dims import ParallelConfigError
     from gem.parallel.dims import validate as validate_parallel
     from gem.plan.estimate import LAYOUT_KEYS, PlanOptions, estimate, ref_rate
@@ -129,16 +103,21 @@ def run(argv: list[str]) -> int:
     from gem.plan.topology import ClusterSpec
 
     t0 = time.perf_counter()
-    topo, opts, overrides, do_search = split_args(argv)
-    cluster = ClusterSpec.from_dict(topo)
-    options = PlanOptions.from_dict(opts)
-    cfgs = compose(overrides)
-    ref = compose([f"experiment={options.ref_experiment}"])
+    args = parse_args(argv)
+    unknown = [f for f in args.flags if f != "--search"]
+    if unknown:
+        raise PlanError(f"{unknown[0]}: unknown option (usage: {USAGE})")
+    do_search, overrides = "--search" in args.flags, args.overrides
+    cfgs, sections = compose_all(overrides, args.config_dir)
+    cluster = ClusterSpec.from_dict(sections["topology"])
+    options = PlanOptions.from_dict(sections["plan"])
+    ref = compose([f"experiment={options.ref_experiment}"], args.config_dir)
     rate = ref_rate(ref, options.ref_step_ms, options.seed)
     if do_search:
         ranked = search(cfgs, cluster, rate, options)
         layout_keys = {f"parallel.{k}" for k in LAYOUT_KEYS}
-        ranked.user_overrides = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in layout_keys]
+        ranked.user_overrides = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in layout_keys
+                                 and o.split(".", 1)[0].lstrip("+~") not in SECTIONS]
         print(format_search(ranked, cfgs, cluster, options), flush=True)
     else:
         try:
@@ -168,12 +147,24 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gem.cli.quiet import quiet_third_party
+
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
     try:
-        return run(argv)
-    except PlanError as e:
-        _err(str(e))
-        return EXIT_CONFIG
+        return plan(argv)
+    except UserError as e:  # PlanError, config errors
+        _err(str(e).splitlines()[0])
+        return EXIT_USER
+
+
+def run(argv: list[str] | None = None) -> None:
+    """The console script: main's status as the process's."""
+    sys.exit(main(argv))
+
+
+if __name__ == "__main__":
+    run()
