@@ -332,7 +332,7 @@ def single_gpu_reference(args, model_name: str, data_cfg) -> tuple[float | None,
         raise BenchError(f"--single-gpu-json {args.single_gpu_json}: not a bench_train result ({e})") from None
     if int(conf.get("world_size", 0)) != 1:
         raise BenchError(f"--single-gpu-json {args.single_gpu_json}: a run on {conf.get('world_size')} ranks, not 1")
-    mine = {"model": model_name, "batch_size": data_cfg.batch_size, "max_len": data_cfg.schema.history.max_len}
+    mine = {"model": model_name, "batch_size": data_cfg.batch_size, "max_len": data_cfg.schema.max_history_len}
     theirs = {k: conf.get(k) for k in mine}
     if mine != theirs:
         print(f"warning: the 1-GPU reference ran {theirs}, this run {mine}: the scaling ratio compares different work",
@@ -822,7 +822,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world_size)),
         "parallel": trainer.par.dims.describe(),
         "batch_size": trainer.cfgs.data.batch_size,
-        "max_len": trainer.cfgs.data.schema.history.max_len,
+        "max_len": trainer.cfgs.data.schema.max_history_len,
         "kernel": trainer.cfgs.model.kernel,
         "autocast": str(trainer.autocast_dtype),
         "warmup": args.warmup,

@@ -75,11 +75,16 @@ def workload(cfgs, seed: int = 0) -> Workload:
     from gem.model.flops import train_flops
 
     b = cfgs.data.batch_size
-    lengths = sample_lengths(cfgs.data.schema, b, torch.Generator().manual_seed(seed))
-    offsets = torch.zeros(b + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    tokens = int(offsets[-1])
-    ids = comm.expected_ids_per_example(cfgs.data.schema, cfgs.model, tokens / b)
+    gen = torch.Generator().manual_seed(seed)
+    offsets, means = [], {}
+    for h in cfgs.data.schema.histories:
+        lengths = sample_lengths(h, b, gen)
+        off = torch.zeros(b + 1, dtype=torch.int64)
+        off[1:] = torch.cumsum(lengths, 0)
+        offsets.append(off)
+        means[h.name] = int(off[-1]) / b
+    tokens = sum(int(o[-1]) for o in offsets)
+    ids = comm.expected_ids_per_example(cfgs.data.schema, means)
     return Workload(batch=b, tokens=tokens, flops=train_flops(cfgs.model, offsets), ids_per_example=ids)
 
 

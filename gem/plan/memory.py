@@ -55,7 +55,7 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
 
     with torch.device("meta"):
         model = GEMModel(cfg, embedding_device="meta")
-    tables = {id(p) for m in (model.ec, model.ebc) for p in m.parameters()}
+    tables = {id(p) for m in (model.ec, model.ebc) if m is not None for p in m.parameters()}
     blocks = model.blocks
     units: list[FsdpUnit] = []
     taken: set[int] = set(tables)
@@ -111,7 +111,7 @@ def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str
         kept += d if ckpt else b
     if checkpoint != "none" and per_block:
         kept += max(per_block)
-    seq_in = sum(tb.embedding_dim for tb in cfg.sequence_tables for _ in tb.features)
+    seq_in = max(sum(cfg.embedding_dim(f) for f in cfg.history_features(h)) for h in cfg.histories)
     return act_bytes * (kept + d) + 4 * seq_in  # + input projection output; embeddings arrive in fp32
 
 

@@ -63,14 +63,22 @@ def _split_args(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def _overrides(argv: list[str]) -> list[str]:
-    """The config overrides among the arguments (Hydra's own flags and their values left out)."""
-    out, skip = [], False
+    """The config overrides among the arguments (Hydra's own flags and their values left out; `--config-dir DIR`
+    becomes the search-path entry Hydra gives it, so the pre-flight composition sees the user's configs too)."""
+    out, skip = [], None
     for a in argv:
-        if skip:
-            skip = False
+        if skip is not None:
+            if skip in ("--config-dir", "-cd"):
+                out.append(f"hydra.searchpath=[file://{os.path.abspath(a)}]")
+            skip = None
             continue
         if a.startswith("-"):
-            skip = a in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+            flag, eq, value = a.partition("=")
+            if flag in ("--config-dir", "-cd") and eq:
+                out.append(f"hydra.searchpath=[file://{os.path.abspath(value)}]")
+            elif flag in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                          "--experimental-rerun") and not eq:
+                skip = flag
             continue
         out.append(a)
     return out
@@ -102,6 +110,9 @@ def _checked(overrides: list[str], world_size: int | None):
 
         cfgs = build_configs(cfg, world_size)
         check_device(cfgs)
+        from gem.data.parquet import check_files
+
+        check_files(cfgs.data)
     except Exception as e:  # noqa: BLE001 - config errors, omegaconf interpolation / missing-value errors
         return _one_line(e), None
     return None, cfgs
