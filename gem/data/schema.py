@@ -44,6 +44,7 @@ share their row with another is 1 - (m / n) * (1 - exp(-n / m)) (n = m: 37%; n =
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 from collections.abc import Mapping
@@ -170,15 +171,15 @@ class Schema:
     def of_kind(self, kind: str) -> list[FeatureSpec]:
         return [f for f in self.features if f.kind == kind]
 
-    @property
+    @functools.cached_property
     def feature(self) -> dict[str, FeatureSpec]:
         return {f.name: f for f in self.features}
 
-    @property
+    @functools.cached_property
     def table(self) -> dict[str, TableSpec]:
         return {t.name: t for t in self.tables}
 
-    @property
+    @functools.cached_property
     def history(self) -> dict[str, HistorySpec]:
         return {h.name: h for h in self.histories}
 

@@ -106,6 +106,18 @@ def test_own_columns_two_histories_shared_table_dense_list_two_labels(tmp_path):
     for name, p in model.named_parameters():
         if not name.startswith("ebc"):  # bag rows not looked up stay without gradient
             assert p.grad is not None, name
+    # FLOPs: each tower on its own history's lengths (watch: 2 causal blocks; search: 1 block, window 2)
+    from gem.model import flops as F
+
+    w, s = (torch.tensor(x, dtype=torch.float64) for x in (watch, search))
+    pairs_search = torch.where(s <= 3, s * s / 2, 6 + (s - 3) * 3 - s / 2)
+    want = 6 * F.tower_weights_per_token(cfg, "watch") * sum(watch)
+    want += 6 * F.tower_weights_per_token(cfg, "search") * sum(search)
+    want += 6 * F.weights_per_example(cfg) * 4
+    want += 3 * 4 * 2 * 16 * (float((w * w / 2).sum()) * 2 + float(pairs_search.sum()) * 1)
+    want += 3 * 4 * 2 * 16 * cfg.num_query_tokens * (sum(watch) + sum(search))
+    assert model.flops(batch) == round(want)
+    assert F.tower_weights_per_token(cfg, "search") < F.tower_weights_per_token(cfg, "watch")  # one block fewer
 
 
 def test_each_history_tower_sees_only_its_own_history(tmp_path):
