@@ -384,8 +384,8 @@ def _validate(s: Schema) -> None:
                               f"({s.feature[unpooled[0]].kind}) is not pooled", tables[t.name].pooling)
     used = {f.table for f in s.features if f.table is not None}
     for t in s.tables:
-        need(t.name in used, f"tables.{t.name}", "no feature uses this table (delete it, or name it in a feature's "
-             "table)")
+        need(t.name in used, f"tables.{t.name}", f"no feature uses this table (delete it too: ~data.tables.{t.name}, "
+             "or name it in a feature's table)")
     dims = {t.name: t.embedding_dim for t in s.embedding_tables if t.kind == "sequence"}
     need(len(set(dims.values())) <= 1, "tables", "the tables of sequence and candidate features must share one "
          "embedding_dim (one TorchRec EmbeddingCollection holds them)", dims)

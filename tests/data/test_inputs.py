@@ -229,7 +229,8 @@ def test_one_override_adds_or_deletes_a_feature():
     gone = build_configs(compose(["~data.features.hist_action", "~data.tables.action", "data.synthetic.action=null"]))
     assert gone.model.sequence_features == ["hist_item"]
     # deleting a feature alone leaves its table unused: one line says what to delete too
-    with pytest.raises(ValueError, match=r"^data.tables.context: no feature uses this table"):
+    with pytest.raises(ValueError, match=r"^data.tables.context: no feature uses this table \(delete it too: "
+                                         r"~data.tables.context, or"):
         build_configs(compose(["~data.features.context"]))
 
 
