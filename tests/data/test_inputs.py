@@ -363,3 +363,22 @@ def test_merging_needs_every_timestamp_and_timestamps_oldest_first(tmp_path):
     with pytest.raises(DataFileError, match=f"^{re.escape(p)}:{k}: history 'watch': timestamps in 'ts_watch' must be "
                                             "finite and oldest first"):
         ParquetDataset(Schema.from_dict(_timed()), p, batch_size=4).batch(k // 4)
+
+
+def test_plan_counts_each_history_on_its_own_tower():
+    """gem plan's workload and memory from the same declaration: tokens and ids per history, activations of each
+    history's tokens through its own tower."""
+    from gem.parallel.dims import ParallelConfig
+    from gem.plan import comm
+    from gem.plan.memory import activation_bytes_per_token, dense_memory, fsdp_units
+
+    schema = Schema.from_dict(OURS)
+    cfg = ModelConfig.from_dict({**tiny_dict(), "towers": {"search": {"num_blocks": 0}}}, schema)
+    assert activation_bytes_per_token(cfg, 4, history="search") < activation_bytes_per_token(cfg, 4, history="watch")
+    par = ParallelConfig.from_any({"dense": "ddp"})
+    units = fsdp_units(cfg)
+    both = dense_memory(units, cfg, par, {"watch": 100, "search": 40}, 4).activations
+    assert both == int(100 * activation_bytes_per_token(cfg, 4, history="watch")
+                       + 40 * activation_bytes_per_token(cfg, 4, history="search"))
+    ids = comm.expected_ids_per_example(schema, {"watch": 3.0, "search": 1.5})
+    assert ids == {"watched": 3.0, "watch_secs": 3.0, "searched": 1.5, "target": 1.0, "country": 1.0, "topics": 1.5}
