@@ -82,7 +82,7 @@ def single_gpu_reference(args, model_name: str, data_cfg) -> tuple[float | None,
         raise BenchError(f"--single-gpu-json {args.single_gpu_json}: not a bench_train result ({e})") from None
     if int(conf.get("world_size", 0)) != 1:
         raise BenchError(f"--single-gpu-json {args.single_gpu_json}: a run on {conf.get('world_size')} ranks, not 1")
-    mine = {"model": model_name, "batch_size": data_cfg.batch_size, "max_len": data_cfg.schema.history.max_len}
+    mine = {"model": model_name, "batch_size": data_cfg.batch_size, "max_len": data_cfg.schema.max_history_len}
     theirs = {k: conf.get(k) for k in mine}
     if mine != theirs:
         print(f"warning: the 1-GPU reference ran {theirs}, this run {mine}: the scaling ratio compares different work",

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str] | None =
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world_size)),
         "parallel": trainer.par.dims.describe(),
         "batch_size": trainer.cfgs.data.batch_size,
-        "max_len": trainer.cfgs.data.schema.history.max_len,
+        "max_len": trainer.cfgs.data.schema.max_history_len,
         "kernel": trainer.cfgs.model.kernel,
         "autocast": str(trainer.autocast_dtype),
         "warmup": args.warmup,

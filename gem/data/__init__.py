@@ -2,7 +2,7 @@
 
 from gem.data.batch import Batch
 from gem.data.loader import BadBatchError, TrainBatches
-from gem.data.schema import DataConfig, DataSchema, FeatureSpec, HistoryConfig, SparseFeatureSpec
+from gem.data.schema import DataConfig, EmbeddingTable, FeatureSpec, HistorySpec, Schema, TableSpec
 from gem.data.synthetic import SyntheticDataset
 from gem.data.validate import validate_batch
 
@@ -10,11 +10,12 @@ __all__ = [
     "BadBatchError",
     "Batch",
     "DataConfig",
-    "DataSchema",
+    "EmbeddingTable",
     "FeatureSpec",
-    "HistoryConfig",
-    "SparseFeatureSpec",
+    "HistorySpec",
+    "Schema",
     "SyntheticDataset",
+    "TableSpec",
     "TrainBatches",
     "build_dataset",
     "validate_batch",
@@ -38,7 +39,7 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
     paths = cfg.paths if split == "train" else cfg.eval_paths
     key = "data.paths" if split == "train" else "data.eval_paths"
     if not paths:
-        from gem._config import ConfigError
+        from gem.config import ConfigError
 
         raise ConfigError(key, f"no Parquet files for split '{split}'", [])
     return ParquetDataset(

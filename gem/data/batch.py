@@ -1,4 +1,4 @@
-"""The training batch: jagged histories + multi-hot sparse features + dense + labels (see docs/DATA.md)."""
+"""The training batch: jagged histories + candidate + multi-hot sparse features + dense + labels (docs/DATA.md)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ from torchrec.streamable import Pipelineable
 class Batch(Pipelineable):
     """One batch of user-candidate examples.
 
-    `sequence`: KJT, keys = sequence feature names; every key has the same lengths (the history lengths [B]),
-    values per user ordered oldest to newest. `sparse`: KJT of multi-hot sparse features. `dense`: float32
-    [B, num_dense]. `labels`: float32 [B, num_tasks] in `tasks` order. `seq_offsets`: int64 [B+1] history offsets
-    starting at 0. `max_seq_len`: host int, the longest history in the batch (0 when all are empty).
+    `sequence`: KJT, the EmbeddingCollection's input (Schema.unpooled_names): every history's sequence features
+    (the features of one history share its lengths, values per user oldest to newest), then the candidate
+    features (one id per example). `sparse`: KJT of the multi-hot sparse features (the EmbeddingBagCollection's
+    input). `dense`: float32 [B, num_dense] (the dense features concatenated). `labels`: float32 [B, num_tasks] in
+    task order. `history_offsets`: per history (schema order) int64 [B+1] offsets starting at 0;
+    `history_max_lens`: host ints, each history's longest (0 when all are empty). `seq_offsets` / `max_seq_len`:
+    the same over all histories of an example together (what the target interaction attends to; with one history
+    they are that history's). `history_times`: per history with a declared timestamp column, float64 [T_h] event
+    times (empty otherwise; a model that merges histories by time needs them).
     """
 
     sequence: KeyedJaggedTensor
@@ -27,42 +32,81 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     seq_offsets: torch.Tensor
     max_seq_len: int
+    history_offsets: tuple[torch.Tensor, ...] = ()
+    history_max_lens: tuple[int, ...] = ()
+    history_times: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.history_offsets:  # one history: the example's history is all of it
+            self.history_offsets, self.history_max_lens = (self.seq_offsets,), (self.max_seq_len,)
 
     @property
     def batch_size(self) -> int:
         return int(self.dense.shape[0])
 
+    def _offsets_map(self, fn) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(seq_offsets, history_offsets) through `fn`, one call per distinct tensor (one history: one copy)."""
+        seq = fn(self.seq_offsets)
+        return seq, tuple(seq if h is self.seq_offsets else fn(h) for h in self.history_offsets)
+
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        seq, hist = self._offsets_map(lambda t: t.to(device=device, non_blocking=non_blocking))
         return Batch(
             sequence=self.sequence.to(device=device, non_blocking=non_blocking),
             sparse=self.sparse.to(device=device, non_blocking=non_blocking),
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             labels=self.labels.to(device=device, non_blocking=non_blocking),
-            seq_offsets=self.seq_offsets.to(device=device, non_blocking=non_blocking),
+            seq_offsets=seq,
             max_seq_len=self.max_seq_len,
+            history_offsets=hist,
+            history_max_lens=self.history_max_lens,
+            history_times=tuple(t.to(device=device, non_blocking=non_blocking) for t in self.history_times),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         # Tells the caching allocator these tensors are used on `stream` (pipelined host-to-device copies).
         self.sequence.record_stream(stream)
         self.sparse.record_stream(stream)
-        for t in (self.dense, self.labels, self.seq_offsets):
+        for t in (self.dense, self.labels, self.seq_offsets, *self.history_offsets, *self.history_times):
             t.record_stream(stream)
 
     def pin_memory(self) -> Batch:
+        seq, hist = self._offsets_map(lambda t: t.pin_memory())
         return Batch(
             sequence=self.sequence.pin_memory(),
             sparse=self.sparse.pin_memory(),
             dense=self.dense.pin_memory(),
             labels=self.labels.pin_memory(),
-            seq_offsets=self.seq_offsets.pin_memory(),
+            seq_offsets=seq,
             max_seq_len=self.max_seq_len,
+            history_offsets=hist,
+            history_max_lens=self.history_max_lens,
+            history_times=tuple(t.pin_memory() for t in self.history_times),
         )
 
     @property
     def seq_lengths(self) -> torch.Tensor:
-        """History lengths [B] (int64), from the offsets."""
+        """History tokens per example over all histories [B] (int64), from the offsets."""
         return self.seq_offsets[1:] - self.seq_offsets[:-1]
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 offsets [B+1] starting at 0 from lengths [B]."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
+    return offsets
+
+
+def history_fields(lengths: list[torch.Tensor]) -> dict:
+    """Batch's offset fields from each history's lengths [B] (host tensors)."""
+    offs = [lengths_to_offsets(n) for n in lengths]
+    maxes = [int(n.max()) if n.numel() else 0 for n in lengths]
+    if len(offs) == 1:
+        return {"seq_offsets": offs[0], "max_seq_len": maxes[0], "history_offsets": (offs[0],),
+                "history_max_lens": (maxes[0],)}
+    total = torch.stack(lengths).sum(0)
+    return {"seq_offsets": lengths_to_offsets(total), "max_seq_len": int(total.max()) if total.numel() else 0,
+            "history_offsets": tuple(offs), "history_max_lens": tuple(maxes)}
 
 
 def stream_batches(dataset, end: int | None) -> Iterator[Batch]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from gem._config import UserError
+from gem.config import UserError
 from gem.data.batch import Batch
 from gem.data.validate import validate_batch
 

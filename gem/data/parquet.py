@@ -1,19 +1,22 @@
 """Parquet examples -> Batch.
 
-File layout: one row = one user-candidate example.
-    <sequence feature>   list<int64>   the user's history for that feature, oldest first; all sequence columns of
-                                       a row have the same length (e.g. hist_item, hist_action)
-    <sparse feature>     list<int64>   multi-hot ids (e.g. cand_item: one id)
-    dense_0 .. dense_{n-1}  float32    dense features
-    <task name>          float32 or integer, 0/1 (e.g. click, conversion)
-Other columns are an error unless `data.allow_extra_columns=true` (then they are not read). `write_parquet` writes
-this layout from any Batch source.
+File layout: one row = one user-candidate example; every column is named by the schema (gem/data/schema.py):
+    sequence feature   list<integer>   the user's history, oldest first; the sequence columns of one history are
+                                       equally long in a row (each history has its own length)
+    candidate feature  integer, or list<integer> of exactly one id
+    sparse feature     list<integer> of min_hot..max_hot ids, or integer (one id)
+    dense feature      number (size 1), or a (fixed-size) list of `size` numbers
+    label column       number or boolean, 0/1
+    history timestamp  list<number> as long as the history's sequence columns (only where declared)
+Several features may read one column. Other columns are an error unless `data.allow_extra_columns=true` (then they
+are not read). `write_parquet` writes this layout from any Batch source.
 
-Checks, each failing with one line `<file>:<row>: <what> (got <value>)` (row: 0-based, in the file): on opening,
-every file's column names and types (from its metadata) and a sample of its row groups (the first and the last;
-`check_rows="all"`: every row a pass reads, as for evaluation); then every batch as it is read: no nulls, the
-sequence columns of a row equally long and at most history.max_len, ids inside their table, dense values finite,
-labels 0 or 1.
+Checks, each failing with one line `<file>:<row>: <feature>: <what> (got <value>)` (row: 0-based, in the file): on
+opening, every file's column names and types (from its metadata) and a sample of its row groups (the first and the
+last; `check_rows="all"`: every row a pass reads, as for evaluation); then every batch as it is read: no nulls, the
+sequence columns of a history equally long and at most its max_len, candidates one id, sparse ids per row within
+[min_hot, max_hot], ids inside their table (raw-id tables: hashed instead), dense lists of their size with finite
+values, labels 0 or 1.
 
 Reading: the files (in the given order) form one stream of rows cut into global batches of `batch_size` rows;
 rank r of W takes global batches r, r + W, ... (the same convention as the synthetic stream, so a world of W
@@ -34,44 +37,53 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem._config import UserError
-from gem.data.batch import Batch, stream_batches
-from gem.data.schema import DataSchema, expand_paths
+from gem.config import UserError
+from gem.data.batch import Batch, history_fields, stream_batches
+from gem.data.schema import Schema, expand_paths
 
 
-def _columns(schema: DataSchema) -> list[str]:
-    return [
-        *schema.sequence_names,
-        *schema.sparse_names,
-        *(f"dense_{i}" for i in range(schema.num_dense)),
-        *schema.tasks,
-    ]
+def columns(schema: Schema) -> list[str]:
+    """The columns the schema reads, each once, in declaration order (features, timestamps, labels)."""
+    out = [f.column for f in schema.features]
+    out += [h.timestamp for h in schema.histories if h.timestamp]
+    out += [c for _, c in schema.labels]
+    return list(dict.fromkeys(out))
 
 
-def _list_column(kjt: KeyedJaggedTensor, key: str) -> pa.ListArray:
-    jt = kjt[key]
-    lengths = jt.lengths().to(torch.int64)
+def _list_array(lengths: torch.Tensor, values: torch.Tensor) -> pa.ListArray:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets.numpy()), pa.array(jt.values().to(torch.int64).numpy()))
+    torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets.numpy()), pa.array(values.to(torch.int64).numpy()))
 
 
-def batch_to_table(batch: Batch, schema: DataSchema) -> pa.Table:
+def batch_to_table(batch: Batch, schema: Schema) -> pa.Table:
+    """A Batch as rows of the layout above (candidates as integer columns, dense lists fixed-size)."""
     cols: dict[str, Any] = {}
-    for name in schema.sequence_names:
-        cols[name] = _list_column(batch.sequence, name)
-    for name in schema.sparse_names:
-        cols[name] = _list_column(batch.sparse, name)
     dense = batch.dense.to(torch.float32).numpy()
-    for i in range(schema.num_dense):
-        cols[f"dense_{i}"] = pa.array(np.ascontiguousarray(dense[:, i]))
+    d0 = 0
+    for f in schema.features:
+        if f.kind == "dense":
+            block = np.ascontiguousarray(dense[:, d0:d0 + f.size])
+            d0 += f.size
+            cols[f.column] = pa.array(block[:, 0]) if f.size == 1 else pa.FixedSizeListArray.from_arrays(
+                pa.array(block.reshape(-1)), f.size)
+            continue
+        jt = (batch.sequence if f.kind != "sparse" else batch.sparse)[f.name]
+        if f.kind == "candidate":
+            cols[f.column] = pa.array(jt.values().to(torch.int64).numpy())
+        else:
+            cols[f.column] = _list_array(jt.lengths(), jt.values())
+    if schema.has_times:
+        for h, off, t in zip(schema.histories, batch.history_offsets, batch.history_times):
+            cols[h.timestamp] = pa.ListArray.from_arrays(pa.array(off.to(torch.int32).numpy()),
+                                                         pa.array(t.to(torch.float64).numpy()))
     labels = batch.labels.to(torch.float32).numpy()
-    for t, task in enumerate(schema.tasks):
-        cols[task] = pa.array(np.ascontiguousarray(labels[:, t]))
+    for t, (_, col) in enumerate(schema.labels):
+        cols[col] = pa.array(np.ascontiguousarray(labels[:, t]))
     return pa.table(cols)
 
 
-def write_parquet(dataset_or_batches: Iterable[Batch], path: str, num_batches: int, schema: DataSchema | None = None):
+def write_parquet(dataset_or_batches: Iterable[Batch], path: str, num_batches: int, schema: Schema | None = None):
     """Writes the first `num_batches` batches of a dataset (or any iterable of Batch) to one Parquet file, one row
     group per batch. `schema` defaults to the dataset's `.schema`. Returns the number of rows written."""
     schema = schema if schema is not None else getattr(dataset_or_batches, "schema", None)
@@ -105,133 +117,236 @@ def _ints(arr: pa.Array) -> torch.Tensor:
     return torch.from_numpy(np.array(arr.to_numpy(zero_copy_only=False), dtype=np.int64))  # writable copy
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
 def _is_int_list(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+    return _is_list(t) and pa.types.is_integer(t.value_type)
 
 
 def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_floating(t) or pa.types.is_integer(t)
 
 
-def check_columns(names: list[str], types: list[pa.DataType], schema: DataSchema, where: str,
+def _type_problem(f, t: pa.DataType) -> str | None:
+    """Why column type `t` cannot hold feature `f` (None: it can)."""
+    if f.kind == "sequence":
+        return None if _is_int_list(t) else "must be a list of integers"
+    if f.kind == "candidate" or (f.kind == "sparse" and f.max_hot == 1):
+        return None if (pa.types.is_integer(t) or _is_int_list(t)) else "must be an integer or a list of integers"
+    if f.kind == "sparse":
+        return None if _is_int_list(t) else f"must be a list of integers (max_hot={f.max_hot})"
+    if f.size == 1:
+        return None if (_is_number(t) or (_is_list(t) and _is_number(t.value_type))) else "must be numbers"
+    if _is_list(t) and _is_number(t.value_type):
+        if pa.types.is_fixed_size_list(t) and t.list_size != f.size:
+            return f"must hold lists of size {f.size}"
+        return None
+    return f"must be a list of {f.size} numbers"
+
+
+def check_columns(names: list[str], types: list[pa.DataType], schema: Schema, where: str,
                   allow_extra: bool = False) -> None:
     """Column names and types (a file's metadata or a table's schema) against the layout above."""
     have = dict(zip(names, types))
-    for c in _columns(schema):
+    for c in columns(schema):
         if c not in have:
-            raise DataFileError(where, f"missing column '{c}'", sorted(have))
+            users = [f.name for f in schema.features if f.column == c] or [t for t, col in schema.labels if col == c]
+            raise DataFileError(where, f"missing column '{c}' (of {', '.join(users) or 'a history timestamp'})",
+                                sorted(have))
     if not allow_extra:
-        extra = [c for c in names if c not in set(_columns(schema))]
+        extra = [c for c in names if c not in set(columns(schema))]
         if extra:
-            raise DataFileError(
-                where, f"column '{extra[0]}' is not in the schema (data.allow_extra_columns=true ignores it)", extra
-            )
-    for c in (*schema.sequence_names, *schema.sparse_names):
-        if not _is_int_list(have[c]):
-            raise DataFileError(where, f"column '{c}' must be a list of integers", have[c])
-    for c in (f"dense_{i}" for i in range(schema.num_dense)):
-        if not _is_number(have[c]):
-            raise DataFileError(where, f"dense column '{c}' must be numbers", have[c])
-    for c in schema.tasks:
+            raise DataFileError(where, f"column '{extra[0]}' is not in the schema (data.allow_extra_columns=true "
+                                "ignores it)", extra)
+    for f in schema.features:
+        why = _type_problem(f, have[f.column])
+        if why:
+            raise DataFileError(where, f"feature '{f.name}': column '{f.column}' {why}", have[f.column])
+    for h in schema.histories:
+        if h.timestamp and not (_is_list(have[h.timestamp]) and _is_number(have[h.timestamp].value_type)):
+            raise DataFileError(where, f"history '{h.name}': timestamp column '{h.timestamp}' must be a list of "
+                                "numbers", have[h.timestamp])
+    for task, c in schema.labels:
         if not (_is_number(have[c]) or pa.types.is_boolean(have[c])):
-            raise DataFileError(where, f"label column '{c}' must be numbers 0 or 1", have[c])
+            raise DataFileError(where, f"label '{task}': column '{c}' must be numbers 0 or 1", have[c])
 
 
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def check_rows(table: pa.Table, schema: DataSchema, where: Callable[[int], str]) -> None:
-    """The values of rows in the layout above; `where(i)` names row i of `table` (e.g. 'file.parquet:17')."""
-    check_columns(table.column_names, [f.type for f in table.schema], schema, where(0), allow_extra=True)
-    cards = schema.cardinalities()
-    hist = None
-    for c in (*schema.sequence_names, *schema.sparse_names):
-        col = table.column(c).combine_chunks()
-        if col.null_count:
-            i = _first(col.is_null().to_numpy(zero_copy_only=False))
-            raise DataFileError(where(i), f"column '{c}' is null", None)
-        lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+def _row_of(lengths: np.ndarray, k: int) -> int:
+    """The row holding flattened value k of a list column with these row lengths."""
+    return int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+
+
+def _ids(col: pa.Array, name: str, where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, ids) of an integer or list<integer> column, nulls refused."""
+    if col.null_count:
+        raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"feature '{name}': null",
+                            None)
+    if not _is_list(col.type):
+        return np.ones(len(col), dtype=np.int64), col.to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+    values = col.flatten()
+    if values.null_count:
+        k = _first(values.is_null().to_numpy(zero_copy_only=False))
+        raise DataFileError(where(_row_of(lengths, k)), f"feature '{name}': null id", None)
+    return lengths, values.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _floats(col: pa.Array, name: str, size: int, where: Callable[[int], str]) -> np.ndarray:
+    """[rows, size] float32 of a number or list<number> column: nulls, sizes and finiteness checked."""
+    if col.null_count:
+        raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"'{name}' is null", None)
+    if _is_list(col.type):
+        lengths = col.value_lengths().to_numpy(zero_copy_only=False) if not pa.types.is_fixed_size_list(col.type) \
+            else np.full(len(col), col.type.list_size)
+        bad = lengths != size
+        if bad.any():
+            i = _first(bad)
+            raise DataFileError(where(i), f"dense feature '{name}': a list of {size} numbers is needed",
+                                int(lengths[i]))
         values = col.flatten()
         if values.null_count:
             k = _first(values.is_null().to_numpy(zero_copy_only=False))
-            i = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-            raise DataFileError(where(i), f"column '{c}' holds a null id", None)
-        if c in schema.sequence_names:
-            if hist is None:
-                hist, first = lengths, c
-                over = lengths > schema.history.max_len
-                if over.any():
-                    i = _first(over)
-                    raise DataFileError(where(i), f"history '{c}' is longer than data.schema.history.max_len="
-                                        f"{schema.history.max_len}", int(lengths[i]))
-            elif not np.array_equal(lengths, hist):
-                i = _first(lengths != hist)
-                raise DataFileError(where(i), f"sequence column '{c}' must be as long as '{first}' "
-                                    f"({int(hist[i])}) in each row", int(lengths[i]))
-        ids = values.to_numpy(zero_copy_only=False)
-        bad = (ids < 0) | (ids >= cards[c])
-        if bad.any():
-            k = _first(bad)
-            i = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-            raise DataFileError(where(i), f"column '{c}': id outside its table's range [0, {cards[c]})", int(ids[k]))
-    for c in (f"dense_{i}" for i in range(schema.num_dense)):
-        col = table.column(c).combine_chunks()
+            raise DataFileError(where(k // size), f"dense feature '{name}': null value", None)
+        v = values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(col), size)
+    else:
+        v = col.to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(col), 1)
+    if not np.isfinite(v).all():
+        i = _first(~np.isfinite(v).all(1))
+        raise DataFileError(where(i), f"dense feature '{name}': values must be finite",
+                            v[i].tolist() if size > 1 else float(v[i, 0]))
+    return v
+
+
+def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> dict[str, Any]:
+    """The rows of `table` checked and decoded: feature -> (lengths, ids) / float block, label block, and each
+    history's lengths. `where(i)` names row i (e.g. 'file.parquet:17')."""
+    check_columns(table.column_names, [f.type for f in table.schema], schema, where(0), allow_extra=True)
+    cards, hashed = schema.cardinalities(), schema.hashed()
+    cols = {c: table.column(c).combine_chunks() for c in columns(schema)}
+    out: dict[str, Any] = {}
+    for f in schema.features:
+        if f.kind == "dense":
+            out[f.name] = _floats(cols[f.column], f.name, f.size, where)
+            continue
+        lengths, ids = _ids(cols[f.column], f.name, where)
+        lo, hi = (1, 1) if f.kind == "candidate" else (f.min_hot, f.max_hot)
+        if f.kind != "sequence":
+            bad = (lengths < lo) | (lengths > hi)
+            if bad.any():
+                i = _first(bad)
+                what = "a candidate has exactly one id" if f.kind == "candidate" else \
+                    f"{'more' if lengths[i] > hi else 'fewer'} ids than {'max_hot' if lengths[i] > hi else 'min_hot'}" \
+                    f"={hi if lengths[i] > hi else lo}"
+                raise DataFileError(where(i), f"feature '{f.name}': {what}", int(lengths[i]))
+        if f.name in hashed:
+            ids = np.mod(ids, hashed[f.name])
+        else:
+            bad = (ids < 0) | (ids >= cards[f.name])
+            if bad.any():
+                k = _first(bad)
+                raise DataFileError(where(_row_of(lengths, k)), f"feature '{f.name}': id outside its table "
+                                    f"'{f.table}' range [0, {cards[f.name]})", int(ids[k]))
+        out[f.name] = (lengths, ids)
+    hist, times = {}, {}
+    for h in schema.histories:
+        names = schema.history_features(h.name)
+        first = out[names[0]][0]
+        for n in names[1:]:
+            lengths = out[n][0]
+            if not np.array_equal(lengths, first):
+                i = _first(lengths != first)
+                raise DataFileError(where(i), f"feature '{n}': history '{h.name}' has {int(first[i])} events in "
+                                    f"'{names[0]}' but {int(lengths[i])} here (one history, one length per row)",
+                                    int(lengths[i]))
+        if h.timestamp:
+            col = cols[h.timestamp]
+            lengths = col.value_lengths().to_numpy(zero_copy_only=False) if col.null_count == 0 else None
+            if lengths is None or not np.array_equal(lengths, first):
+                i = _first(col.is_null().to_numpy(zero_copy_only=False)) if lengths is None else \
+                    _first(lengths != first)
+                raise DataFileError(where(i), f"history '{h.name}': timestamp column '{h.timestamp}' must be as long "
+                                    f"as '{names[0]}'", None if lengths is None else int(lengths[i]))
+            values = col.flatten()
+            t = values.to_numpy(zero_copy_only=False).astype(np.float64)
+            bad = ~np.isfinite(t)
+            row = np.repeat(np.arange(len(first)), first)
+            step = (np.diff(t) < 0) & (row[1:] == row[:-1])  # earlier than the event before it, in one row
+            if bad.any() or step.any():
+                k = _first(bad) if bad.any() else _first(step) + 1
+                raise DataFileError(where(_row_of(first, k)), f"history '{h.name}': timestamps in '{h.timestamp}' "
+                                    "must be finite and oldest first", float(t[k]))
+            times[h.name] = t
+        over = first > h.max_len
+        if over.any():
+            i = _first(over)
+            raise DataFileError(where(i), f"feature '{names[0]}': history '{h.name}' is longer than "
+                                f"data.histories.{h.name}.max_len={h.max_len}", int(first[i]))
+        hist[h.name] = first
+    labels = []
+    for task, c in schema.labels:
+        col = cols[c]
         if col.null_count:
-            raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"'{c}' is null", None)
-        v = col.to_numpy(zero_copy_only=False).astype(np.float64)
-        if not np.isfinite(v).all():
-            i = _first(~np.isfinite(v))
-            raise DataFileError(where(i), f"dense value '{c}' must be finite", float(v[i]))
-    for c in schema.tasks:
-        col = table.column(c).combine_chunks()
-        if col.null_count:
-            raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"label '{c}' is null",
-                                None)
-        v = col.to_numpy(zero_copy_only=False).astype(np.float64)
+            raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"label '{task}' is "
+                                "null", None)
+        v = col.to_numpy(zero_copy_only=False).astype(np.float32)
         bad = (v != 0) & (v != 1)
         if bad.any():
             i = _first(bad)
-            raise DataFileError(where(i), f"label '{c}' must be 0 or 1", float(v[i]))
+            raise DataFileError(where(i), f"label '{task}' must be 0 or 1", float(v[i]))
+        labels.append(v)
+    out["__labels__"] = np.stack(labels, 1) if labels else np.zeros((table.num_rows, 0), np.float32)
+    out["__histories__"] = hist
+    out["__times__"] = times
+    return out
 
 
-def table_to_batch(table: pa.Table, schema: DataSchema, where: Callable[[int], str] | None = None) -> Batch:
+def check_rows(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> None:
+    """The values of rows in the layout above; raises DataFileError naming file:row and feature."""
+    read_table(table, schema, where)
+
+
+def table_to_batch(table: pa.Table, schema: Schema, where: Callable[[int], str] | None = None) -> Batch:
     """A Batch from rows in the layout above (columns by name), checked first; `where(i)` names row i in errors."""
-    check_rows(table, schema, where or (lambda i: f"parquet row {i}"))
+    r = read_table(table, schema, where or (lambda i: f"parquet row {i}"))
     bsz = table.num_rows
 
-    def jagged(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        col = table.column(name).combine_chunks()
-        return _ints(col.value_lengths()), _ints(col.flatten())
-
-    seq = [jagged(n) for n in schema.sequence_names]
-    sparse = [jagged(n) for n in schema.sparse_names]
-    hist = seq[0][0] if seq else torch.zeros(bsz, dtype=torch.int64)
-
-    def floats(names: list[str]) -> torch.Tensor:
+    def kjt(names: list[str]) -> KeyedJaggedTensor:
         if not names:
-            return torch.zeros(bsz, 0, dtype=torch.float32)
-        cols = [table.column(n).to_numpy().astype(np.float32, copy=False) for n in names]
-        return torch.from_numpy(np.stack(cols, axis=1))
+            return KeyedJaggedTensor(keys=[], values=torch.zeros(0, dtype=torch.int64),
+                                     lengths=torch.zeros(0, dtype=torch.int64))
+        return KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate([r[n][1] for n in names])),
+                                 lengths=torch.from_numpy(np.concatenate([r[n][0] for n in names])))
 
-    offsets = torch.zeros(bsz + 1, dtype=torch.int64)
-    torch.cumsum(hist, 0, out=offsets[1:])
+    dense = [r[n] for n in schema.dense_names]
     return Batch(
-        sequence=KeyedJaggedTensor(
-            keys=schema.sequence_names,
-            values=torch.cat([v for _, v in seq]),
-            lengths=torch.cat([l for l, _ in seq]),
-        ),
-        sparse=KeyedJaggedTensor(
-            keys=schema.sparse_names,
-            values=torch.cat([v for _, v in sparse]),
-            lengths=torch.cat([l for l, _ in sparse]),
-        ),
-        dense=floats([f"dense_{i}" for i in range(schema.num_dense)]),
-        labels=floats(list(schema.tasks)),
-        seq_offsets=offsets,
-        max_seq_len=int(hist.max()) if bsz else 0,
+        sequence=kjt(schema.unpooled_names),
+        sparse=kjt(schema.sparse_names),
+        dense=torch.from_numpy(np.concatenate(dense, 1)) if dense else torch.zeros(bsz, 0),
+        labels=torch.from_numpy(np.ascontiguousarray(r["__labels__"])),
+        **history_fields([torch.from_numpy(r["__histories__"][h]) for h in schema.history_names]),
+        history_times=tuple(torch.from_numpy(r["__times__"][h]) for h in schema.history_names)
+        if schema.has_times else (),
     )
+
+
+def check_files(cfg) -> None:
+    """The files a parquet `data:` group (a DataConfig) names: every path or glob matches a file, and each file's
+    columns and types (its metadata, no rows read) fit the declaration. Raises the one-line error; for `--check`."""
+    if cfg.source != "parquet":
+        return
+    for key, paths in (("data.paths", cfg.paths), ("data.eval_paths", cfg.eval_paths)):
+        for path in expand_paths(paths, key) if paths else []:
+            try:
+                arrow = pq.ParquetFile(path).metadata.schema.to_arrow_schema()
+            except (OSError, pa.ArrowException) as e:
+                raise DataFileError(path, "not a readable Parquet file", str(e).splitlines()[0]) from None
+            check_columns(arrow.names, arrow.types, cfg.schema, path, cfg.allow_extra_columns)
 
 
 class ParquetDataset(IterableDataset):
@@ -245,7 +360,7 @@ class ParquetDataset(IterableDataset):
 
     def __init__(
         self,
-        schema: DataSchema,
+        schema: Schema,
         paths: Any,
         batch_size: int,
         rank: int = 0,
@@ -264,7 +379,7 @@ class ParquetDataset(IterableDataset):
         self.schema, self.batch_size, self.rank, self.world_size = schema, batch_size, rank, world_size
         self.paths = expand_paths(paths, key)
         self.cycle = cycle
-        self._columns = _columns(schema)
+        self._columns = columns(schema)
         # Row-group index over all files: global row start of each (file, row group), and its start in its file.
         self._groups: list[tuple[int, int]] = []
         self._starts: list[int] = []

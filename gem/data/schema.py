@@ -1,48 +1,68 @@
-"""Feature schema and data config, built from the `data:` config group (plain dict or OmegaConf DictConfig).
+"""The inputs of a run, declared once in the `data:` config group, and the data config around them.
 
-Layout of the `data:` group (configs/data/*.yaml)::
+Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
 
     source: synthetic | parquet
-    seed: int                 # synthetic: the hidden world and the sample streams derive from it
-    batch_size: int           # examples per rank per step
-    eval_batches: int         # batches per rank in one evaluation pass
-    paths: [..]               # parquet only: training files (globs allowed)
-    eval_paths: [..]          # parquet only: held-out files
-    allow_extra_columns: bool # parquet only: columns the schema does not name are not read (default: an error)
-    schema:
-      num_items: int          # item vocabulary shared by `hist_item` and `cand_item`
-      zipf_alpha: float       # item popularity: P(popularity rank k) ~ (k+1)^-alpha (0 = uniform)
-      num_dense: int
-      tasks: [click, conversion]
-      sequence_features: [{name, num_embeddings}]            # must include hist_item
-      sparse_features: [{name, num_embeddings, max_hot, min_hot}]  # must include cand_item (one-hot)
-      history: {max_len, min_len, distribution: uniform | lognormal, sparsity, mu, sigma}
+    seed: int                   # synthetic: the hidden world and the sample streams derive from it
+    batch_size: int             # examples per rank per step
+    eval_batches: int           # batches per rank in one evaluation pass
+    paths: [..]                 # parquet only: training files (globs allowed)
+    eval_paths: [..]            # parquet only: held-out files
+    allow_extra_columns: bool   # parquet only: columns no feature names are not read (default: an error)
+    features:                   # key = the feature's name inside gem
+      <name>:
+        kind: sequence | candidate | sparse | dense
+        column: <column>        # default: the name
+        table: <tables key>     # sequence / candidate / sparse; several features may share one table
+        history: <histories key>  # sequence only (may be left out when there is one history)
+        max_hot: 1              # sparse: ids per example in [min_hot, max_hot]; a candidate has exactly one
+        min_hot: 1
+        size: 1                 # dense: a number column (1) or a fixed-size list of numbers (n)
+    histories:                  # each with its own length per example, oldest event first
+      <name>: {max_len, min_len, distribution, sparsity, mu, sigma, timestamp}
+    labels:                     # task -> 0/1 column, in head order
+      <task>: <column>
+    tables:                     # TorchRec EmbeddingConfig / EmbeddingBagConfig fields
+      <name>: {num_embeddings, embedding_dim, pooling: sum | mean, init_range, ids: dense | raw, hash: modulo | zch}
+    synthetic: {zipf_alpha, action}  # synthetic only: item popularity law; the sequence feature holding event types
 
-`num_embeddings` may be omitted for `hist_item` / `cand_item` (it is `num_items`).
+Embedding collections: a table that a sequence or candidate feature uses is unpooled (TorchRec's
+EmbeddingCollection, which needs one embedding_dim for all its tables); a table only sparse features use is pooled
+(EmbeddingBagCollection, `pooling`). So the candidate may share the history's item table; a sparse feature cannot
+share a table with a sequence feature (they need different pooling).
 
-History lengths. Sparsity follows the jagged-attention literature: s = 1 - E[L] / max_len, the fraction of a
-padded [B, max_len] buffer that would be padding. `uniform`: L ~ U{lo..hi}, the widest integer range inside
+History lengths (synthetic). Sparsity follows the jagged-attention literature: s = 1 - E[L] / max_len, the fraction
+of a padded [B, max_len] buffer that would be padding. `uniform`: L ~ U{lo..hi}, the widest integer range inside
 [min_len, max_len] whose mean is (1 - s) * max_len (s = 0.5, min_len = 0 gives U{0..max_len}; with min_len = 1,
 U{1..max_len - 1}). `lognormal`: L = round(exp(mu + sigma * N(0, 1))) clipped to [min_len, max_len].
+
+Raw ids: `ids: raw` tables take any 64-bit id; `hash: modulo` maps id -> id mod num_embeddings (Python's modulo, so
+negative ids land in range too). With n distinct ids spread evenly over m rows, the expected fraction of ids that
+share their row with another is 1 - (m / n) * (1 - exp(-n / m)) (n = m: 37%; n = m / 10: 4.8%).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from gem._config import Checker, ConfigError, build, to_plain
+from gem.config import Checker, ConfigError, build, to_plain
 
-HIST_ITEM = "hist_item"
-HIST_ACTION = "hist_action"
-CAND_ITEM = "cand_item"
+FEATURE_KINDS = ("sequence", "candidate", "sparse", "dense")
+POOLINGS = ("sum", "mean")
+
+# What the old form's keys became (one line each, raised as a ConfigError).
+OLD_DATA_KEYS = {
+    "schema": "replaced by data.features, data.histories, data.labels and data.tables (docs/DATA.md)",
+}
 
 
-def _check_keys(where: str, d: Mapping[str, Any], allowed: set[str], required: set[str] = frozenset()) -> None:
+def _check_keys(where: str, d: Any, allowed: set[str], required: set[str] = frozenset()) -> None:
     if not isinstance(d, Mapping):
         raise ConfigError(where, "expected a mapping", d)
     for key in d:
@@ -53,49 +73,51 @@ def _check_keys(where: str, d: Mapping[str, Any], allowed: set[str], required: s
             raise ConfigError(f"{where}.{key}", "missing required key")
 
 
-def _int(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(where, "expected an integer", value)
-    return value
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table (`data.tables.<name>`)."""
 
-
-def _num(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(where, "expected a number", value)
-    return float(value)
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: Literal["sum", "mean"] | None = None  # pooled tables only; default sum
+    init_range: float | None = None  # uniform(-r, r); None: torchrec's default sqrt(1 / num_embeddings)
+    ids: Literal["dense", "raw"] = "dense"  # dense: ids in [0, num_embeddings), checked; raw: any int64, hashed
+    hash: Literal["modulo", "zch"] | None = None  # raw ids only
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """A categorical feature; ids are in [0, num_embeddings)."""
+    """One input (`data.features.<name>`)."""
 
     name: str
-    num_embeddings: int
-
-
-@dataclass(frozen=True)
-class SparseFeatureSpec(FeatureSpec):
-    """A multi-hot feature: each example has between min_hot and max_hot ids."""
-
+    kind: Literal["sequence", "candidate", "sparse", "dense"]
+    column: str
+    table: str | None = None
+    history: str | None = None
     max_hot: int = 1
     min_hot: int = 1
+    size: int = 1
 
 
 @dataclass(frozen=True)
-class HistoryConfig:
+class HistorySpec:
+    """One history (`data.histories.<name>`): its own length per example; length law for the synthetic source.
+    `timestamp`: a list column of event times beside the history's sequence columns (merged towers need it)."""
+
+    name: str = "events"
     max_len: int = 64
     min_len: int = 0
-    distribution: str = "uniform"
+    distribution: Literal["uniform", "lognormal"] = "uniform"
     sparsity: float = 0.5
     mu: float = 3.0
     sigma: float = 1.0
+    timestamp: str | None = None
 
     def __post_init__(self) -> None:
-        need = Checker("data.schema.history").need
+        need = Checker(f"data.histories.{self.name}").need
         need(self.max_len >= 1, "max_len", "must be >= 1", self.max_len)
         need(0 <= self.min_len <= self.max_len, "min_len", f"must be in [0, max_len={self.max_len}]", self.min_len)
-        need(self.distribution in ("uniform", "lognormal"), "distribution", "must be uniform or lognormal",
-             self.distribution)
         need(0.0 <= self.sparsity < 1.0, "sparsity", "must be in [0, 1)", self.sparsity)
         need(self.sigma >= 0, "sigma", "must be >= 0", self.sigma)
 
@@ -109,112 +131,275 @@ class HistoryConfig:
 
 
 @dataclass(frozen=True)
-class DataSchema:
-    num_items: int
-    sequence_features: tuple[FeatureSpec, ...]
-    sparse_features: tuple[SparseFeatureSpec, ...]
-    num_dense: int
-    tasks: tuple[str, ...]
-    history: HistoryConfig = field(default_factory=HistoryConfig)
+class SyntheticSpec:
+    """Synthetic source only: P(popularity rank k) ~ (k+1)^-zipf_alpha; `action`: a sequence feature whose ids are
+    event types (drawn with P(a) ~ 2^-a, weighting the taste of the hidden user model)."""
+
     zipf_alpha: float = 1.05
+    action: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """A table as the model builds it: TorchRec's config fields plus which features look it up and how."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...]
+    kind: Literal["sequence", "bag"]  # sequence: EmbeddingCollection (unpooled); bag: EmbeddingBagCollection
+    pooling: Literal["sum", "mean"] = "sum"
+    init_range: float | None = None
+    ids: Literal["dense", "raw"] = "dense"
+    hash: str | None = None
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Every input of a run, from `data.features / histories / labels / tables`; see the module docstring."""
+
+    features: tuple[FeatureSpec, ...]
+    histories: tuple[HistorySpec, ...]
+    labels: tuple[tuple[str, str], ...]  # (task, column), in head order
+    tables: tuple[TableSpec, ...]
+    synthetic: SyntheticSpec = SyntheticSpec()
 
     def __post_init__(self) -> None:
-        need = Checker("data.schema").need
-        need(self.num_items >= 1, "num_items", "must be >= 1", self.num_items)
-        need(self.num_dense >= 0, "num_dense", "must be >= 0", self.num_dense)
-        need(len(self.tasks) >= 2 and len(set(self.tasks)) == len(self.tasks), "tasks",
-             "must list >= 2 distinct task names", self.tasks)
-        need(self.zipf_alpha >= 0, "zipf_alpha", "must be >= 0", self.zipf_alpha)
-        names = [f.name for f in self.sequence_features] + [f.name for f in self.sparse_features]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        need(not dup, "sequence_features", "a feature name is declared twice", dup[0] if dup else None)
-        seq = {f.name: f for f in self.sequence_features}
-        sp = {f.name: f for f in self.sparse_features}
-        need(HIST_ITEM in seq, "sequence_features", f"must include '{HIST_ITEM}'", sorted(seq))
-        need(CAND_ITEM in sp, "sparse_features", f"must include '{CAND_ITEM}'", sorted(sp))
-        for kind, name, spec in (("sequence", HIST_ITEM, seq[HIST_ITEM]), ("sparse", CAND_ITEM, sp[CAND_ITEM])):
-            need(spec.num_embeddings == self.num_items, f"{kind}_features",
-                 f"'{name}' num_embeddings must equal num_items={self.num_items}", spec.num_embeddings)
-        need(sp[CAND_ITEM].max_hot == 1 and sp[CAND_ITEM].min_hot == 1, "sparse_features",
-             f"'{CAND_ITEM}' must be one-hot (min_hot = max_hot = 1)", [sp[CAND_ITEM].min_hot, sp[CAND_ITEM].max_hot])
-        for kind, feats in (("sequence", self.sequence_features), ("sparse", self.sparse_features)):
-            for f in feats:
-                need(f.num_embeddings >= 1, f"{kind}_features", f"'{f.name}' num_embeddings must be >= 1",
-                     f.num_embeddings)
-        for f in self.sparse_features:
-            need(0 <= f.min_hot <= f.max_hot and f.max_hot >= 1, "sparse_features",
-                 f"'{f.name}' needs 0 <= min_hot <= max_hot and max_hot >= 1", [f.min_hot, f.max_hot])
+        _validate(self)
+
+    # -- views ---------------------------------------------------------------------------------------------------
+    def of_kind(self, kind: str) -> list[FeatureSpec]:
+        return [f for f in self.features if f.kind == kind]
+
+    @functools.cached_property
+    def feature(self) -> dict[str, FeatureSpec]:
+        return {f.name: f for f in self.features}
+
+    @functools.cached_property
+    def table(self) -> dict[str, TableSpec]:
+        return {t.name: t for t in self.tables}
+
+    @functools.cached_property
+    def history(self) -> dict[str, HistorySpec]:
+        return {h.name: h for h in self.histories}
+
+    @property
+    def history_names(self) -> list[str]:
+        return [h.name for h in self.histories]
+
+    def history_features(self, history: str) -> list[str]:
+        """The sequence features of one history, in declaration order."""
+        return [f.name for f in self.features if f.kind == "sequence" and f.history == history]
 
     @property
     def sequence_names(self) -> list[str]:
-        return [f.name for f in self.sequence_features]
+        """Every sequence feature, history by history (the order of their keys in Batch.sequence)."""
+        return [n for h in self.histories for n in self.history_features(h.name)]
+
+    @property
+    def candidate_names(self) -> list[str]:
+        return [f.name for f in self.of_kind("candidate")]
+
+    @property
+    def unpooled_names(self) -> list[str]:
+        """Batch.sequence's keys (the EmbeddingCollection's input): sequence features, then candidate features."""
+        return self.sequence_names + self.candidate_names
 
     @property
     def sparse_names(self) -> list[str]:
-        return [f.name for f in self.sparse_features]
+        """Batch.sparse's keys (the EmbeddingBagCollection's input)."""
+        return [f.name for f in self.of_kind("sparse")]
+
+    @property
+    def query_names(self) -> list[str]:
+        """Candidate and sparse features in declaration order: one query token each in the target interaction."""
+        return [f.name for f in self.features if f.kind in ("candidate", "sparse")]
+
+    @property
+    def dense_names(self) -> list[str]:
+        return [f.name for f in self.of_kind("dense")]
+
+    @property
+    def num_dense(self) -> int:
+        """Width of Batch.dense: the dense features' sizes, concatenated in declaration order."""
+        return sum(f.size for f in self.of_kind("dense"))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(t for t, _ in self.labels)
 
     @property
     def num_tasks(self) -> int:
-        return len(self.tasks)
+        return len(self.labels)
+
+    @property
+    def has_times(self) -> bool:
+        """Every history declares a timestamp column (Batch.history_times is filled)."""
+        return all(h.timestamp for h in self.histories)
+
+    @property
+    def max_history_len(self) -> int:
+        return max(h.max_len for h in self.histories)
 
     def cardinalities(self) -> dict[str, int]:
-        """Feature name -> num_embeddings, for every sequence and sparse feature."""
-        return {f.name: f.num_embeddings for f in (*self.sequence_features, *self.sparse_features)}
+        """Feature name -> its table's num_embeddings (ids a batch may hold are in [0, that))."""
+        rows = {t.name: t.num_embeddings for t in self.tables}
+        return {f.name: rows[f.table] for f in self.features if f.table is not None}
 
+    def hashed(self) -> dict[str, int]:
+        """Feature -> num_embeddings for features whose table takes raw ids (`hash: modulo`)."""
+        tables = self.table
+        return {f.name: tables[f.table].num_embeddings for f in self.features
+                if f.table is not None and tables[f.table].ids == "raw"}
+
+    @property
+    def embedding_tables(self) -> list[EmbeddingTable]:
+        """The tables with their features and collection (see the module docstring), in declaration order."""
+        out = []
+        for t in self.tables:
+            users = [f for f in self.features if f.table == t.name]
+            unpooled = any(f.kind in ("sequence", "candidate") for f in users)
+            out.append(EmbeddingTable(
+                name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                features=tuple(f.name for f in users), kind="sequence" if unpooled else "bag",
+                pooling=t.pooling or "sum", init_range=t.init_range, ids=t.ids, hash=t.hash))
+        return out
+
+    def embedding_dim(self, feature: str) -> int:
+        return self.table[self.feature[feature].table].embedding_dim
+
+    # -- construction --------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> DataSchema:
+    def from_dict(cls, cfg: Mapping[str, Any]) -> Schema:
+        """From the `data:` group (only features / histories / labels / tables / synthetic are read)."""
         d = dict(to_plain(cfg))
-        _check_keys(
-            "data.schema",
-            d,
-            {"num_items", "zipf_alpha", "num_dense", "tasks", "sequence_features", "sparse_features", "history"},
-            {"num_items", "num_dense", "tasks", "sequence_features", "sparse_features"},
-        )
-        num_items = _int("data.schema.num_items", d["num_items"])
+        for key, what in OLD_DATA_KEYS.items():
+            if key in d:
+                raise ConfigError(f"data.{key}", what)
+        for key in ("features", "histories", "labels", "tables"):
+            if not isinstance(d.get(key), Mapping) or not d.get(key):
+                if key == "histories" and d.get(key) is None:
+                    continue
+                raise ConfigError(f"data.{key}", "expected a non-empty mapping", d.get(key))
+        hist_raw = d.get("histories") or {}
+        histories = []
+        allowed = {f.name for f in dataclasses.fields(HistorySpec)} - {"name"}
+        for name, h in hist_raw.items():
+            where = f"data.histories.{name}"
+            _check_keys(where, h if h is not None else {}, allowed)
+            histories.append(build(HistorySpec, {**(h or {}), "name": str(name)}, where))
+        features = []
+        allowed = {f.name for f in dataclasses.fields(FeatureSpec)} - {"name"}
+        for name, f in d["features"].items():
+            where = f"data.features.{name}"
+            if f is None:  # `~data.features.x` deletes; `data.features.x=null` also drops it
+                continue
+            _check_keys(where, f, allowed, {"kind"})
+            f = dict(f)
+            if f.get("kind") not in FEATURE_KINDS:
+                raise ConfigError(f"{where}.kind", f"must be one of {', '.join(FEATURE_KINDS)}", f.get("kind"))
+            if f["kind"] == "sequence" and f.get("history") is None and len(histories) == 1:
+                f["history"] = histories[0].name
+            f.setdefault("column", str(name))
+            features.append(build(FeatureSpec, {**f, "name": str(name)}, where))
+        labels = []
+        for task, col in d["labels"].items():
+            if not isinstance(col, str) or not col:
+                raise ConfigError(f"data.labels.{task}", "expected a column name", col)
+            labels.append((str(task), col))
+        tables = []
+        allowed = {f.name for f in dataclasses.fields(TableSpec)} - {"name"}
+        for name, t in d["tables"].items():
+            where = f"data.tables.{name}"
+            if t is None:
+                continue
+            _check_keys(where, t, allowed, {"num_embeddings", "embedding_dim"})
+            tables.append(build(TableSpec, {**t, "name": str(name)}, where))
+        syn = build(SyntheticSpec, d.get("synthetic") or {}, "data.synthetic")
+        return cls(features=tuple(features), histories=tuple(histories), labels=tuple(labels), tables=tuple(tables),
+                   synthetic=syn)
 
-        def card(where: str, f: Mapping[str, Any]) -> int:
-            if "num_embeddings" in f and f["num_embeddings"] is not None:
-                return _int(f"{where}.num_embeddings", f["num_embeddings"])
-            if f.get("name") in (HIST_ITEM, CAND_ITEM):
-                return num_items
-            raise ConfigError(f"{where}.num_embeddings", "missing required key", f.get("name"))
 
-        seq = []
-        for i, f in enumerate(d["sequence_features"]):
-            where = f"data.schema.sequence_features[{i}]"
-            _check_keys(where, f, {"name", "num_embeddings"}, {"name"})
-            seq.append(FeatureSpec(name=str(f["name"]), num_embeddings=card(where, f)))
-        sparse = []
-        for i, f in enumerate(d["sparse_features"]):
-            where = f"data.schema.sparse_features[{i}]"
-            _check_keys(where, f, {"name", "num_embeddings", "max_hot", "min_hot"}, {"name"})
-            sparse.append(
-                SparseFeatureSpec(
-                    name=str(f["name"]),
-                    num_embeddings=card(where, f),
-                    max_hot=_int(f"{where}.max_hot", f.get("max_hot", 1)),
-                    min_hot=_int(f"{where}.min_hot", f.get("min_hot", 1)),
-                )
-            )
-        hist = d.get("history") or {}
-        allowed = {f.name for f in dataclasses.fields(HistoryConfig)}
-        _check_keys("data.schema.history", hist, allowed)
-        return cls(
-            num_items=num_items,
-            sequence_features=tuple(seq),
-            sparse_features=tuple(sparse),
-            num_dense=_int("data.schema.num_dense", d["num_dense"]),
-            tasks=tuple(str(t) for t in d["tasks"]),
-            history=build(HistoryConfig, hist, "data.schema.history"),
-            zipf_alpha=_num("data.schema.zipf_alpha", d.get("zipf_alpha", 1.05)),
-        )
+def _validate(s: Schema) -> None:
+    """Config-level checks of a declaration; each failure is one ConfigError naming the key."""
+    need = Checker("data").need
+    tables = {t.name: t for t in s.tables}
+    hists = {h.name for h in s.histories}
+    need(bool(s.histories), "histories", "at least one history is needed", [])
+    need(bool(s.of_kind("sequence")), "features", "at least one feature of kind 'sequence' is needed",
+         sorted(f.name for f in s.features))
+    need(bool(s.of_kind("candidate")), "features", "at least one feature of kind 'candidate' is needed",
+         sorted(f.name for f in s.features))
+    need(bool(s.labels), "labels", "at least one task is needed", [])
+    for t in s.tables:
+        k = f"tables.{t.name}"
+        need(t.num_embeddings >= 1, f"{k}.num_embeddings", "must be >= 1", t.num_embeddings)
+        need(t.embedding_dim >= 1, f"{k}.embedding_dim", "must be >= 1", t.embedding_dim)
+        need(t.init_range is None or t.init_range > 0, f"{k}.init_range", "must be > 0 or null", t.init_range)
+        if t.ids == "raw":
+            need(t.hash is not None, f"{k}.hash", "raw ids need a hash: modulo (or zch)", t.hash)
+            need(t.hash != "zch", f"{k}.hash", "zch (TorchRec managed collisions) is not supported: use hash: modulo "
+                 "and size num_embeddings for the collision rate you accept (docs/DATA.md)", t.hash)
+        else:
+            need(t.hash is None, f"{k}.hash", "only ids: raw tables are hashed (set ids: raw)", t.hash)
+    for f in s.features:
+        k = f"features.{f.name}"
+        if f.kind == "dense":
+            need(f.table is None, f"{k}.table", "a dense feature has no table", f.table)
+            need(f.size >= 1, f"{k}.size", "must be >= 1", f.size)
+            continue
+        need(f.size == 1, f"{k}.size", "only dense features have a size", f.size)
+        need(f.table is not None, f"{k}.table", f"a {f.kind} feature needs a table", None)
+        need(f.table in tables, f"{k}.table", f"no such table in data.tables ({', '.join(sorted(tables))})", f.table)
+        if f.kind == "sequence":
+            need(f.history in hists, f"{k}.history",
+                 f"must name one of data.histories ({', '.join(sorted(hists))})", f.history)
+        else:
+            need(f.history is None, f"{k}.history", "only sequence features belong to a history", f.history)
+        if f.kind == "candidate":
+            need(f.max_hot == 1 and f.min_hot == 1, f"{k}.max_hot", "a candidate has exactly one id",
+                 [f.min_hot, f.max_hot])
+        if f.kind == "sparse":
+            need(f.max_hot >= 1, f"{k}.max_hot", "must be >= 1", f.max_hot)
+            need(0 <= f.min_hot <= f.max_hot, f"{k}.min_hot", f"must be in [0, max_hot={f.max_hot}]", f.min_hot)
+    for h in s.histories:
+        need(bool(s.history_features(h.name)), f"histories.{h.name}", "no sequence feature belongs to it")
+    stamped = [h.name for h in s.histories if h.timestamp]
+    need(not stamped or len(stamped) == len(s.histories), f"histories.{stamped[0] if stamped else ''}.timestamp",
+         "give every history a timestamp column, or none", [h.name for h in s.histories if not h.timestamp])
+    columns = [f.column for f in s.features if f.kind != "dense"]
+    labels = [c for _, c in s.labels]
+    clash = sorted(set(labels) & set(columns) | {c for c in labels if labels.count(c) > 1})
+    need(not clash, "labels", "a label column is also a feature's or another task's column", clash[0] if clash else 0)
+    for t in s.embedding_tables:
+        users = [s.feature[n] for n in t.features]
+        pooled = [f.name for f in users if f.kind == "sparse"]
+        unpooled = [f.name for f in users if f.kind != "sparse"]
+        if pooled and unpooled:
+            raise ConfigError(f"data.tables.{t.name}", f"features {unpooled[0]!r} ({s.feature[unpooled[0]].kind}) "
+                              f"and {pooled[0]!r} (sparse) need different pooling: give the sparse feature a table "
+                              "of its own", sorted(t.features))
+        if unpooled and tables[t.name].pooling is not None:
+            raise ConfigError(f"data.tables.{t.name}.pooling", f"the table of {unpooled[0]!r} "
+                              f"({s.feature[unpooled[0]].kind}) is not pooled", tables[t.name].pooling)
+    used = {f.table for f in s.features if f.table is not None}
+    for t in s.tables:
+        need(t.name in used, f"tables.{t.name}", f"no feature uses this table (delete it too: ~data.tables.{t.name}, "
+             "or name it in a feature's table)")
+    dims = {t.name: t.embedding_dim for t in s.embedding_tables if t.kind == "sequence"}
+    need(len(set(dims.values())) <= 1, "tables", "the tables of sequence and candidate features must share one "
+         "embedding_dim (one TorchRec EmbeddingCollection holds them)", dims)
+    if s.synthetic.action is not None:
+        a = s.feature.get(s.synthetic.action)
+        need(a is not None and a.kind == "sequence", "synthetic.action", "must name a sequence feature",
+             s.synthetic.action)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """The whole `data:` group: where examples come from plus the schema."""
 
-    schema: DataSchema
+    schema: Schema
     source: Literal["synthetic", "parquet"] = "synthetic"
     seed: int = 0
     batch_size: int = 128
@@ -222,7 +407,7 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     eval_paths: tuple[str, ...] = ()
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
-    allow_extra_columns: bool = False  # parquet: columns the schema does not name are ignored instead of an error
+    allow_extra_columns: bool = False  # parquet: columns no feature names are ignored instead of an error
 
     def __post_init__(self) -> None:
         need = Checker("data").need
@@ -235,10 +420,15 @@ class DataConfig:
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> DataConfig:
         d = dict(to_plain(cfg))
-        _check_keys("data", d, {f.name for f in dataclasses.fields(cls)}, {"schema"})
-        d["schema"] = DataSchema.from_dict(d["schema"])
+        for key, what in OLD_DATA_KEYS.items():
+            if key in d:
+                raise ConfigError(f"data.{key}", what)
+        schema_keys = ("features", "histories", "labels", "tables", "synthetic")
+        schema = Schema.from_dict({k: d.pop(k) for k in schema_keys if k in d})
+        _check_keys("data", d, {f.name for f in dataclasses.fields(cls)} - {"schema"} | set(schema_keys))
         for key in ("paths", "eval_paths"):  # one path or glob, a list of them, or null
             d[key] = [d[key]] if isinstance(d.get(key), str) else (d.get(key) or [])
+        d["schema"] = schema
         return build(cls, d, "data")
 
 

@@ -1,13 +1,18 @@
 """Synthetic GEM-style examples with labels from a hidden ground-truth model.
 
+Any declaration (gem/data/schema.py) generates: the items are the rows of the first candidate feature's table.
 The hidden world (fixed by `seed`, shared by every split and rank): items have a popularity rank r (Zipf) and a
-cluster r mod K; each cluster has a unit vector. A user has a favourite cluster; each history event comes from
-it with probability `in_cluster` (else from the global popularity law), with an action type (`hist_action`, if
-declared) drawn from P(a) ~ 2^-a. The candidate comes from the favourite cluster with probability `cand_in_cluster`.
-Item ids are an affine permutation of popularity ranks, so popular items are spread over the id range.
+cluster r mod K; each cluster has a unit vector. A user has a favourite cluster; each history has its own length
+(its length law) and each event of a sequence feature on the item table comes from that cluster with probability
+`in_cluster` (else from the global popularity law); the `data.synthetic.action` feature, if declared, holds an
+event type drawn from P(a) ~ 2^-a. Sequence and candidate features on another candidate feature's table hold an
+attribute of the item (a fixed hash of it, e.g. its category); other sequence features hold uniform ids. The
+candidate comes from the favourite cluster with probability `cand_in_cluster`. Item ids are an affine permutation
+of popularity ranks, so popular items are spread over the id range.
 
 Labels (the model can only see the features, and the truth uses only the features):
-    taste     = weighted mean of the history items' cluster vectors, weight = action_weight[a] * recency decay
+    taste     = weighted mean of the history items' cluster vectors (all histories), weight = action_weight[a] *
+                recency decay
     affinity  = <taste, cand cluster vector>                     (0 for an empty history)
     logit_0   = affinity_scale * affinity + popularity(cand) + dense @ w_0 + sum of sparse-feature effects + bias
     task 0 (e.g. click)        ~ Bernoulli(sigmoid(logit_0))
@@ -36,8 +41,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.batch import Batch, stream_batches
-from gem.data.schema import CAND_ITEM, HIST_ACTION, HIST_ITEM, DataSchema
+from gem.data.batch import Batch, history_fields, stream_batches
+from gem.data.schema import HistorySpec, Schema
 
 _SPLITS = {"train": 0, "eval": 1}
 _HASH_P = 2_147_483_647  # 2^31 - 1 (prime); keeps products of two residues inside int64
@@ -69,9 +74,8 @@ def zipf_ranks(u: torch.Tensor, n: torch.Tensor | int, alpha: float) -> torch.Te
     return torch.minimum(r.clamp_min(0), torch.as_tensor(n, dtype=torch.int64) - 1)
 
 
-def sample_lengths(schema: DataSchema, batch_size: int, gen: torch.Generator) -> torch.Tensor:
-    """History lengths [batch_size] (int64) following `schema.history`."""
-    h = schema.history
+def sample_lengths(h: HistorySpec, batch_size: int, gen: torch.Generator) -> torch.Tensor:
+    """History lengths [batch_size] (int64) following the history's length law."""
     if h.distribution == "uniform":
         lo, hi = h.uniform_range()
         return torch.randint(lo, hi + 1, (batch_size,), generator=gen, dtype=torch.int64)
@@ -88,11 +92,13 @@ class _HiddenWorld:
     affinity_scale = 5.0
     recency_tau = 16.0
 
-    def __init__(self, schema: DataSchema, seed: int) -> None:
+    def __init__(self, schema: Schema, seed: int) -> None:
         g = torch.Generator().manual_seed(_stream_seed(seed, 0x5EED, 7))
-        n = schema.num_items
+        tables = schema.table
+        self.item_table = schema.feature[schema.candidate_names[0]].table
+        n = tables[self.item_table].num_embeddings
         if n >= 2**31:  # rank * multiplier must stay inside int64
-            raise ValueError(f"synthetic data supports num_items < 2^31, got {n}")
+            raise ValueError(f"synthetic data supports item tables of < 2^31 rows, got {n}")
         self.n = n
         self.k = min(32, n)
         centers = torch.randn(self.k, self.dim, generator=g)
@@ -104,8 +110,13 @@ class _HiddenWorld:
         self.perm_a, self.perm_b = a % max(n, 1), int(torch.randint(n, (1,), generator=g))
         # Items per cluster (cluster c holds ranks c, c + k, ...).
         self.cluster_sizes = (n - torch.arange(self.k) + self.k - 1) // self.k
-        seq = {f.name: f for f in schema.sequence_features}
-        self.num_actions = seq[HIST_ACTION].num_embeddings if HIST_ACTION in seq else 0
+        action = schema.synthetic.action
+        self.action = action
+        self.num_actions = tables[schema.feature[action].table].num_embeddings if action else 0
+        # tables of candidate attributes (a candidate feature's table other than the item table): row = hash(item)
+        self.attr_salts = {f.table: int(torch.randint(1, _HASH_P, (1,), generator=g))
+                           for f in schema.of_kind("candidate") if f.table != self.item_table}
+        self.rows = {t.name: t.num_embeddings for t in schema.tables}
         if self.num_actions:
             p = 0.5 ** torch.arange(self.num_actions, dtype=torch.float64)
             self.action_cdf = torch.cumsum(p / p.sum(), 0)
@@ -113,11 +124,16 @@ class _HiddenWorld:
         nd, nt = schema.num_dense, schema.num_tasks
         self.dense_w = torch.randn(nt, nd, generator=g) * (0.8 / math.sqrt(max(nd, 1)))
         self.task_bias = torch.tensor([-2.5] + [-0.5] * (nt - 1))
-        self.sparse_salts = {f.name: int(torch.randint(1, _HASH_P, (1,), generator=g)) for f in schema.sparse_features}
+        self.sparse_salts = {f.name: int(torch.randint(1, _HASH_P, (1,), generator=g)) for f in schema.of_kind("sparse")}
         self.sparse_scale = 0.6
 
     def rank_to_id(self, r: torch.Tensor) -> torch.Tensor:
         return (r * self.perm_a + self.perm_b) % self.n
+
+    def attribute(self, item_rank: torch.Tensor, table: str) -> torch.Tensor:
+        """The item's row in an attribute table (a fixed hash of the item)."""
+        u = _hash01(item_rank, self.attr_salts[table])
+        return (u.to(torch.float64) * self.rows[table]).to(torch.int64).clamp_max(self.rows[table] - 1)
 
     def popularity_effect(self, r: torch.Tensor) -> torch.Tensor:
         # Popular items are clicked more: +0.5 for the top item down to -0.5 for the tail.
@@ -141,7 +157,7 @@ class SyntheticDataset(IterableDataset):
 
     def __init__(
         self,
-        schema: DataSchema,
+        schema: Schema,
         seed: int = 0,
         batch_size: int = 128,
         rank: int = 0,
@@ -203,51 +219,69 @@ def _segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int)
     return out.index_add_(0, segment, values)
 
 
-def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool):
-    alpha = schema.zipf_alpha
-    lengths = sample_lengths(schema, bsz, gen)
-    total = int(lengths.sum())
-    offsets = torch.zeros(bsz + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    user = torch.repeat_interleave(torch.arange(bsz), lengths, output_size=total)
-    pos_from_end = (offsets[1:][user] - 1) - torch.arange(total)
+def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool):
+    alpha = schema.synthetic.zipf_alpha
+    u_cluster = None
+    seq_values: dict[str, torch.Tensor] = {}
+    hist_lengths, hist_times = [], []
+    per_cluster = torch.zeros(bsz * w.k)
+    for h in schema.histories:
+        lengths = sample_lengths(h, bsz, gen)
+        hist_lengths.append(lengths)
+        if u_cluster is None:
+            u_cluster = torch.randint(w.k, (bsz,), generator=gen)
+        total = int(lengths.sum())
+        offsets = torch.zeros(bsz + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        user = torch.repeat_interleave(torch.arange(bsz), lengths, output_size=total)
+        pos_from_end = (offsets[1:][user] - 1) - torch.arange(total)
+        names = schema.history_features(h.name)
+        tables = {n: schema.feature[n].table for n in names}
+        has_items = any(t == w.item_table for t in tables.values())
+        hist_rank = w.sample_items(u_cluster[user], w.in_cluster, alpha, gen) if has_items else None
+        weight = torch.exp(-pos_from_end.to(torch.float32) / w.recency_tau)
+        for n in names:
+            t = tables[n]
+            if n == w.action:
+                u = torch.rand(total, generator=gen, dtype=torch.float64)
+                actions = torch.searchsorted(w.action_cdf, u, right=True).clamp_max(w.num_actions - 1)
+                seq_values[n] = actions
+                weight = weight * w.action_weight[actions]
+            elif t == w.item_table:
+                seq_values[n] = w.rank_to_id(hist_rank)
+            elif hist_rank is not None and t in w.attr_salts:
+                seq_values[n] = w.attribute(hist_rank, t)
+            else:  # carries no signal
+                seq_values[n] = torch.randint(w.rows[t], (total,), generator=gen)
+        if schema.has_times:  # uniform order statistics in [0, 1) per example: the histories interleave
+            gaps = -torch.log1p(-torch.rand(total + bsz, generator=gen, dtype=torch.float64))
+            ends = torch.cumsum(gaps[:total], 0)
+            start = (ends - gaps[:total])[offsets[:-1].clamp_max(max(total - 1, 0))] if total else ends
+            span = _segment_sum(gaps[:total], user, bsz) + gaps[total:]
+            hist_times.append((ends - start[user]) / span[user])
+        if has_items:
+            # Summing weights per (user, cluster) first keeps the scatter one-dimensional.
+            per_cluster += _segment_sum(weight, user * w.k + hist_rank % w.k, bsz * w.k)
 
-    u_cluster = torch.randint(w.k, (bsz,), generator=gen)
-    hist_rank = w.sample_items(u_cluster[user], w.in_cluster, alpha, gen)
-    hist_cluster = hist_rank % w.k
-    weight = torch.exp(-pos_from_end.to(torch.float32) / w.recency_tau)
-
-    seq_values = {HIST_ITEM: w.rank_to_id(hist_rank)}
-    if w.num_actions:
-        u = torch.rand(total, generator=gen, dtype=torch.float64)
-        actions = torch.searchsorted(w.action_cdf, u, right=True).clamp_max(w.num_actions - 1)
-        seq_values[HIST_ACTION] = actions
-        weight = weight * w.action_weight[actions]
-    for f in schema.sequence_features:
-        if f.name not in seq_values:  # extra sequence features carry no signal
-            seq_values[f.name] = torch.randint(f.num_embeddings, (total,), generator=gen)
-
-    # Taste: weighted mean of the history's cluster vectors (0 for empty histories).
-    # Summing weights per (user, cluster) first keeps the scatter one-dimensional.
-    per_cluster = _segment_sum(weight, user * w.k + hist_cluster, bsz * w.k).view(bsz, w.k)
+    # Taste: weighted mean of the histories' cluster vectors (0 for empty histories).
+    per_cluster = per_cluster.view(bsz, w.k)
     wsum = per_cluster.sum(1, keepdim=True)
     taste = (per_cluster / wsum.clamp_min(1e-12)) @ w.centers
 
     cand_rank = w.sample_items(u_cluster, w.cand_in_cluster, alpha, gen)
     affinity = (taste * w.centers[cand_rank % w.k]).sum(1)
+    cand_values = {f.name: w.rank_to_id(cand_rank) if f.table == w.item_table else w.attribute(cand_rank, f.table)
+                   for f in schema.of_kind("candidate")}
 
     dense = torch.randn(bsz, schema.num_dense, generator=gen)
     sparse_vals, sparse_lens = [], []
     sparse_effect = torch.zeros(bsz)
-    for f in schema.sparse_features:
-        if f.name == CAND_ITEM:
-            lens, vals = torch.ones(bsz, dtype=torch.int64), w.rank_to_id(cand_rank)
-        else:
-            lens = torch.randint(f.min_hot, f.max_hot + 1, (bsz,), generator=gen)
-            vals = torch.randint(f.num_embeddings, (int(lens.sum()),), generator=gen)
-            eff = w.sparse_scale * (2.0 * _hash01(vals, w.sparse_salts[f.name]) - 1.0)
-            owner = torch.repeat_interleave(torch.arange(bsz), lens, output_size=vals.numel())
-            sparse_effect += _segment_sum(eff, owner, bsz) / lens.clamp_min(1)
+    for f in schema.of_kind("sparse"):
+        lens = torch.randint(f.min_hot, f.max_hot + 1, (bsz,), generator=gen)
+        vals = torch.randint(w.rows[f.table], (int(lens.sum()),), generator=gen)
+        eff = w.sparse_scale * (2.0 * _hash01(vals, w.sparse_salts[f.name]) - 1.0)
+        owner = torch.repeat_interleave(torch.arange(bsz), lens, output_size=vals.numel())
+        sparse_effect += _segment_sum(eff, owner, bsz) / lens.clamp_min(1)
         sparse_vals.append(vals)
         sparse_lens.append(lens)
 
@@ -260,20 +294,24 @@ def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generato
     first = draws[:, 0] < p0
     labels = torch.cat([first[:, None], first[:, None] & (draws[:, 1:] < p_cond)], 1).to(torch.float32)
 
-    seq_names = schema.sequence_names
+    hist_of = {n: i for i, h in enumerate(schema.histories) for n in schema.history_features(h.name)}
+    unpooled = schema.unpooled_names
+    ones = torch.ones(bsz, dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int64)
     batch = Batch(
         sequence=KeyedJaggedTensor(
-            keys=seq_names,
-            values=torch.cat([seq_values[n] for n in seq_names]),
-            lengths=lengths.repeat(len(seq_names)),
+            keys=unpooled,
+            values=torch.cat([seq_values[n] if n in seq_values else cand_values[n] for n in unpooled]),
+            lengths=torch.cat([hist_lengths[hist_of[n]] if n in hist_of else ones for n in unpooled]),
         ),
         sparse=KeyedJaggedTensor(
-            keys=schema.sparse_names, values=torch.cat(sparse_vals), lengths=torch.cat(sparse_lens)
+            keys=schema.sparse_names, values=torch.cat(sparse_vals) if sparse_vals else empty,
+            lengths=torch.cat(sparse_lens) if sparse_lens else empty,
         ),
         dense=dense,
         labels=labels,
-        seq_offsets=offsets,
-        max_seq_len=int(lengths.max()) if bsz else 0,
+        **history_fields(hist_lengths),
+        history_times=tuple(hist_times),
     )
     if not return_truth:
         return batch

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem._config import UserError
+from gem.config import UserError
 from gem.data.batch import Batch
-from gem.data.schema import DataSchema
+from gem.data.schema import Schema
 
 
 class BatchError(UserError):
@@ -76,41 +76,72 @@ def _check_float(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         raise BatchError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
 
 
-def validate_batch(batch: Batch, schema: DataSchema) -> None:
+def validate_batch(batch: Batch, schema: Schema) -> None:
     """Raises BatchError on the first problem found; returns None for a valid batch."""
     bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
     if bsz == 0:
         raise BatchError("batch has no users (batch size 0)")
     cards = schema.cardinalities()
-    _check_keys("sequence", batch.sequence, schema.sequence_names)
+    _check_keys("sequence", batch.sequence, schema.unpooled_names)
     _check_keys("sparse", batch.sparse, schema.sparse_names)
 
     seq_lengths = _check_kjt("sequence", batch.sequence, bsz, cards)
-    keys = list(batch.sequence.keys())
-    if len(keys) > 1:
-        differ = seq_lengths[1:] != seq_lengths[:1]
-        if bool(differ.any()):
-            k, b = _first_bad(differ)
-            raise BatchError(
-                f"sequence feature '{keys[k + 1]}': length {int(seq_lengths[k + 1, b])} at example {b} differs from "
-                f"'{keys[0]}' length {int(seq_lengths[0, b])} (sequence features share one history length)"
-            )
-    hist = seq_lengths[0]
+    row = {k: i for i, k in enumerate(batch.sequence.keys())}
+    for name in schema.candidate_names:
+        n = seq_lengths[row[name]]
+        if bool((n != 1).any()):
+            b = _first_bad(n != 1)[0]
+            raise BatchError(f"candidate feature '{name}': {int(n[b])} ids at example {b} (a candidate has one)")
+    if len(batch.history_offsets) != len(schema.histories) or len(batch.history_max_lens) != len(schema.histories):
+        raise BatchError(f"history_offsets: {len(batch.history_offsets)} histories, the schema has "
+                         f"{len(schema.histories)}")
+    total = torch.zeros(bsz, dtype=torch.int64)
+    for h, offsets, max_len in zip(schema.histories, batch.history_offsets, batch.history_max_lens):
+        names = schema.history_features(h.name)
+        hist = seq_lengths[row[names[0]]]
+        for n in names[1:]:
+            differ = seq_lengths[row[n]] != hist
+            if bool(differ.any()):
+                b = _first_bad(differ)[0]
+                raise BatchError(
+                    f"sequence feature '{n}': length {int(seq_lengths[row[n], b])} at example {b} differs from "
+                    f"'{names[0]}' length {int(hist[b])} (the features of history '{h.name}' share its length)"
+                )
+        if tuple(offsets.shape) != (bsz + 1,):
+            raise BatchError(f"history_offsets[{h.name}]: expected shape [{bsz + 1}], got {list(offsets.shape)}")
+        if int(offsets[0]) != 0 or not torch.equal(offsets[1:] - offsets[:-1], hist.to(offsets.dtype)):
+            raise BatchError(f"history_offsets[{h.name}]: not the cumulative sum of the history lengths from 0")
+        longest = int(hist.max())
+        if max_len != longest:
+            raise BatchError(f"history_max_lens[{h.name}]: {max_len} but the longest history is {longest}")
+        if longest > h.max_len:
+            b = int(hist.argmax())
+            raise BatchError(f"sequence: history '{h.name}' length {longest} at example {b} exceeds "
+                             f"data.histories.{h.name}.max_len={h.max_len}")
+        total += hist.to(torch.int64)
+    if len(batch.history_times) != (len(schema.histories) if schema.has_times else 0):
+        raise BatchError(f"history_times: {len(batch.history_times)} histories, expected "
+                         f"{len(schema.histories) if schema.has_times else 0} (one per history with a timestamp)")
+    for h, offsets, t in zip(schema.histories, batch.history_offsets, batch.history_times):
+        if tuple(t.shape) != (int(offsets[-1]),) or not bool(torch.isfinite(t).all()):
+            raise BatchError(f"history_times[{h.name}]: expected {int(offsets[-1])} finite times, got shape "
+                             f"{list(t.shape)}")
     offsets = batch.seq_offsets
-    if tuple(offsets.shape) != (bsz + 1,):
-        raise BatchError(f"seq_offsets: expected shape [{bsz + 1}], got {list(offsets.shape)}")
-    if int(offsets[0]) != 0 or not torch.equal(offsets[1:] - offsets[:-1], hist.to(offsets.dtype)):
-        raise BatchError("seq_offsets: not the cumulative sum of the history lengths starting at 0")
-    longest = int(hist.max())
-    if batch.max_seq_len != longest:
-        raise BatchError(f"max_seq_len: {batch.max_seq_len} but the longest history is {longest}")
-    if longest > schema.history.max_len:
-        b = int(hist.argmax())
-        raise BatchError(
-            f"sequence: history length {longest} at example {b} exceeds history.max_len={schema.history.max_len}"
-        )
+    if tuple(offsets.shape) != (bsz + 1,) or int(offsets[0]) != 0 or not torch.equal(
+            offsets[1:] - offsets[:-1], total.to(offsets.dtype)):
+        raise BatchError("seq_offsets: not the cumulative sum of the examples' history lengths (all histories) from 0")
+    if batch.max_seq_len != int(total.max()):
+        raise BatchError(f"max_seq_len: {batch.max_seq_len} but the longest example has {int(total.max())} tokens")
 
-    _check_kjt("sparse", batch.sparse, bsz, cards)
+    sparse_lengths = _check_kjt("sparse", batch.sparse, bsz, cards)
+    for i, name in enumerate(batch.sparse.keys()):
+        f = schema.feature[name]
+        n = sparse_lengths[i]
+        bad = (n < f.min_hot) | (n > f.max_hot)
+        if bool(bad.any()):
+            b = _first_bad(bad)[0]
+            raise BatchError(f"sparse feature '{name}': {int(n[b])} ids at example {b}, outside "
+                             f"[min_hot={f.min_hot}, max_hot={f.max_hot}]")
 
     _check_float("dense", batch.dense, (bsz, schema.num_dense))
     _check_float("labels", batch.labels, (bsz, schema.num_tasks))

@@ -6,9 +6,7 @@ from gem.model.config import (
     InteractionConfig,
     ModelConfig,
     MoEConfig,
-    TableConfig,
     TowerConfig,
-    validate_against_schema,
 )
 from gem.model.gem import GEMModel, ModelOutput
 from gem.model.heads import MultiTaskHeads, losses, multitask_loss
@@ -25,9 +23,7 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "MultiTaskHeads",
-    "TableConfig",
     "TowerConfig",
     "losses",
     "multitask_loss",
-    "validate_against_schema",
 ]

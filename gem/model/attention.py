@@ -127,21 +127,22 @@ class TransformerBlock(nn.Module):
         self._rope_in_qkv = self.attn.rope is not None and self.attn.kind != "block"
 
 
-def build_blocks(cfg) -> nn.ModuleList:
-    """The tower's blocks from a ModelConfig (every `moe_every`-th block gets an MoE FFN)."""
-    t = cfg.tower
+def build_blocks(cfg, tower=None) -> nn.ModuleList:
+    """One tower's blocks from a ModelConfig (every `moe_every`-th block gets an MoE FFN); `tower`: a resolved
+    TowerConfig (ModelConfig.tower_for), default the default tower."""
+    t = tower or cfg.tower_for()
     rope = RopeConfig(base=t.rope_base) if t.rope else None
     blocks = []
     for i in range(t.num_blocks):
-        attn = JaggedSelfAttention(cfg.d_model, t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim,
+        attn = JaggedSelfAttention(cfg.d_model, t.num_heads, t.num_kv_heads, t.head_dim,
                                    kind=t.attention, window=t.window, block_size=t.block_size, rope=rope,
                                    kernel=cfg.kernel)
-        if cfg.is_moe_block(i):
+        if cfg.is_moe_block(i, t):
             m = cfg.moe
-            ffn = MoE(cfg.d_model, cfg.moe_d_ff, m.num_experts, m.top_k, capacity_factor=m.capacity_factor,
+            ffn = MoE(cfg.d_model, cfg.moe_d_ff_for(t), m.num_experts, m.top_k, capacity_factor=m.capacity_factor,
                       aux_loss_coef=m.aux_loss_coef)
             ffn.use_grouped_mm = m.grouped_mm
         else:
-            ffn = SwiGLU(cfg.d_model, cfg.tower_d_ff)
+            ffn = SwiGLU(cfg.d_model, t.d_ff)
         blocks.append(TransformerBlock(cfg.d_model, attn, ffn, norm=t.norm))
     return nn.ModuleList(blocks)

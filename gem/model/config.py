@@ -1,47 +1,50 @@
 """Typed model configuration built from the `model:` section of the Hydra config.
 
-`ModelConfig.from_dict(cfg)` accepts a DictConfig or a plain mapping and fails with one `ConfigError` that names
-the offending key (missing, unknown, wrong type or inconsistent with another key).
-`validate_against_schema(model_cfg, schema)` checks the tables against the data schema (feature names,
-kinds and cardinalities, number of dense features, task names).
+The model group holds the architecture only; its inputs (features, histories, tables, tasks) are the data
+group's (gem.data.schema.Schema). `ModelConfig.from_dict(cfg, schema)` accepts a DictConfig or a plain mapping and
+fails with one `ConfigError` that names the offending key (missing, unknown, wrong type or inconsistent with
+another key or with the schema, e.g. a task weight for a task the labels lack).
+
+Several histories: each gets its own tower; `towers.<history>` overrides keys of the default `tower` for one
+history (e.g. BlockAttention on a long history, JFA on a short one). `history_merge: time` instead merges every
+example's histories into one sequence ordered by event time (each history declares a timestamp column) under one
+tower.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gem.config import Checker, ConfigError, build, to_plain
+from gem.config import Checker, build, to_plain
+from gem.config import ConfigError as _ConfigError
+from gem.data.schema import EmbeddingTable, Schema
 
 Kernel = Literal["auto", "triton", "reference"]
 AttentionKind = Literal["jfa", "swa", "block"]
-TableKind = Literal["sequence", "bag"]
-Pooling = Literal["sum", "mean"]
 Norm = Literal["rmsnorm", "layernorm"]
 SeqCombine = Literal["concat", "sum"]
 GDPAActivation = Literal["gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity"]
 KERNELS = typing.get_args(Kernel)
 ATTENTION_KINDS = typing.get_args(AttentionKind)
-TABLE_KINDS = typing.get_args(TableKind)
-POOLINGS = typing.get_args(Pooling)
 FFN_KINDS = ("swiglu", "moe")
 NORMS = typing.get_args(Norm)
 SEQ_COMBINE = typing.get_args(SeqCombine)
 GDPA_ACTIVATIONS = typing.get_args(GDPAActivation)
 
 
-@dataclass
-class TableConfig:
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    features: list[str]
-    kind: TableKind = "sequence"  # sequence -> EmbeddingCollection, bag -> EmbeddingBagCollection
-    pooling: Pooling = "sum"  # bag tables only
-    init_range: float | None = None  # uniform(-r, r); None: torchrec's default sqrt(1 / num_embeddings)
+class ConfigError(_ConfigError):
+    """A model config problem; the message starts with the dotted key at fault."""
 
+
+# What the old form's model keys became (one line each, raised as a ConfigError).
+OLD_MODEL_KEYS = {
+    "tables": "moved to data.tables (each feature names its table: data.features.<name>.table)",
+    "num_dense": "the dense width is the data's: the sizes of data.features of kind dense",
+    "heads.tasks": "the tasks are data.labels' keys (task -> column), in head order",
+}
 
 @dataclass
 class MoEConfig:
@@ -85,8 +88,7 @@ class InteractionConfig:
 
 @dataclass
 class HeadConfig:
-    tasks: list[str] = field(default_factory=lambda: ["click", "conversion"])
-    weights: list[float] | None = None  # per-task loss weights; None: all 1
+    weights: dict[str, float] | None = None  # task -> loss weight; unnamed tasks (or None): 1
     over_arch: list[int] = field(default_factory=lambda: [128])  # shared MLP over the interaction vector
     hidden: list[int] = field(default_factory=lambda: [64])  # per-task MLP
 
@@ -94,31 +96,84 @@ class HeadConfig:
 @dataclass
 class ModelConfig:
     d_model: int
-    num_dense: int
-    tables: list[TableConfig]
     tower: TowerConfig = field(default_factory=TowerConfig)
+    towers: dict[str, dict] = field(default_factory=dict)  # history -> keys of `tower` overridden for its tower
+    # towers: a tower per history | time: the histories merged into one time-ordered sequence, one tower (`tower`)
+    history_merge: Literal["towers", "time"] = "towers"
     interaction: InteractionConfig = field(default_factory=InteractionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     heads: HeadConfig = field(default_factory=HeadConfig)
     kernel: Kernel = "auto"
     name: str = "gem"
 
-    # -- derived -------------------------------------------------------------------------------------------------
+    # -- inputs (from the data schema) ------------------------------------------------------------------------------
+    schema: Schema | None = field(default=None, repr=False, compare=False)
+
+    def _inputs(self) -> Schema:
+        if self.schema is None:
+            raise ConfigError("model", "the model's inputs come from the data group: build it with "
+                              "ModelConfig.from_dict(model_cfg, schema)")
+        return self.schema
+
     @property
-    def sequence_tables(self) -> list[TableConfig]:
+    def tables(self) -> list[EmbeddingTable]:
+        return self._inputs().embedding_tables
+
+    @property
+    def sequence_tables(self) -> list[EmbeddingTable]:
+        """The EmbeddingCollection's tables (sequence and candidate features)."""
         return [t for t in self.tables if t.kind == "sequence"]
 
     @property
-    def bag_tables(self) -> list[TableConfig]:
+    def bag_tables(self) -> list[EmbeddingTable]:
         return [t for t in self.tables if t.kind == "bag"]
 
     @property
+    def histories(self) -> list[str]:
+        return self._inputs().history_names
+
+    def history_features(self, history: str) -> list[str]:
+        return self._inputs().history_features(history)
+
+    @property
     def sequence_features(self) -> list[str]:
-        return [f for t in self.sequence_tables for f in t.features]
+        """Every history's sequence features (history by history)."""
+        return self._inputs().sequence_names
+
+    @property
+    def candidate_features(self) -> list[str]:
+        return self._inputs().candidate_names
 
     @property
     def sparse_features(self) -> list[str]:
-        return [f for t in self.bag_tables for f in t.features]
+        """The pooled (EmbeddingBagCollection) features."""
+        return self._inputs().sparse_names
+
+    @property
+    def query_features(self) -> list[str]:
+        """Candidate and sparse features, one query token each, in declaration order."""
+        return self._inputs().query_names
+
+    def embedding_dim(self, feature: str) -> int:
+        return self._inputs().embedding_dim(feature)
+
+    @property
+    def num_dense(self) -> int:
+        return self._inputs().num_dense
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self._inputs().tasks)
+
+    def tower_for(self, history: str | None = None) -> TowerConfig:
+        """The tower of one history (the default tower with `towers.<history>` applied), head_dim, num_kv_heads
+        and d_ff resolved."""
+        t = self.tower
+        if history is not None and history in self.towers:
+            t = build(TowerConfig, {**dataclasses.asdict(t), **self.towers[history]}, f"model.towers.{history}",
+                      ConfigError)
+        return dataclasses.replace(t, head_dim=t.head_dim or self.d_model // t.num_heads,
+                                   num_kv_heads=t.num_kv_heads or t.num_heads, d_ff=t.d_ff or 4 * self.d_model)
 
     @property
     def tower_head_dim(self) -> int:
@@ -136,6 +191,9 @@ class ModelConfig:
     def moe_d_ff(self) -> int:
         return self.moe.d_ff or self.tower_d_ff
 
+    def moe_d_ff_for(self, tower: TowerConfig) -> int:
+        return self.moe.d_ff or tower.d_ff or 4 * self.d_model
+
     @property
     def interaction_head_dim(self) -> int:
         return self.interaction.head_dim or self.d_model // self.interaction.num_heads
@@ -146,70 +204,65 @@ class ModelConfig:
 
     @property
     def num_query_tokens(self) -> int:
-        # one per sparse feature + the dense-feature token + a learned summary token
-        return len(self.sparse_features) + 2
+        # one per candidate / sparse feature + the dense-feature token + a learned summary token
+        return len(self.query_features) + 2
 
     @property
     def task_weights(self) -> list[float]:
-        return list(self.heads.weights) if self.heads.weights is not None else [1.0] * len(self.heads.tasks)
+        w = self.heads.weights or {}
+        return [float(w.get(t, 1.0)) for t in self.tasks]
 
-    def is_moe_block(self, i: int) -> bool:
-        n = self.tower.moe_every
+    def is_moe_block(self, i: int, tower: TowerConfig | None = None) -> bool:
+        """Block i (0-based, inside its tower) has an MoE FFN."""
+        n = (tower or self.tower).moe_every
         return n > 0 and (i + 1) % n == 0
+
+    @property
+    def merged(self) -> bool:
+        """Several histories merged by time into one sequence under one tower."""
+        return self.history_merge == "time"
 
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, cfg: Any) -> ModelConfig:
-        out = build(cls, cfg, "model", ConfigError)
+    def from_dict(cls, cfg: Any, schema: Schema | Any = None) -> ModelConfig:
+        """The model group `cfg` over the data group's inputs (`schema`: a Schema or the data group mapping)."""
+        d = to_plain(cfg)
+        if isinstance(d, dict):
+            for key, what in OLD_MODEL_KEYS.items():
+                top, _, sub = key.partition(".")
+                if (sub and isinstance(d.get(top), dict) and sub in d[top]) or (not sub and key in d):
+                    raise ConfigError(f"model.{key}", what)
+            if isinstance((d.get("heads") or {}).get("weights"), list):
+                raise ConfigError("model.heads.weights", "a mapping task -> weight (tasks are data.labels' keys)",
+                                  d["heads"]["weights"])
+        out = build(cls, {k: v for k, v in d.items() if k != "schema"} if isinstance(d, dict) else d, "model",
+                    ConfigError)
+        if schema is not None and not isinstance(schema, Schema):
+            schema = Schema.from_dict(schema)
+        out.schema = schema
         out.validate()
         return out
 
     def validate(self) -> None:
         need = Checker("model", ConfigError).need
-        t, it = self.tower, self.interaction
+        it = self.interaction
         need(self.d_model > 0, "d_model", "must be > 0", self.d_model)
-        need(self.num_dense >= 0, "num_dense", "must be >= 0", self.num_dense)
-        need(len(self.tables) > 0, "tables", "at least one table is needed", [])
-        names, feats = set(), set()
-        for i, tb in enumerate(self.tables):
-            k = f"tables[{i}]"
-            need(tb.name not in names, f"{k}.name", "duplicate table name", tb.name)
-            names.add(tb.name)
-            need(tb.num_embeddings > 0, f"{k}.num_embeddings", "must be > 0", tb.num_embeddings)
-            need(tb.embedding_dim > 0, f"{k}.embedding_dim", "must be > 0", tb.embedding_dim)
-            need(len(tb.features) > 0, f"{k}.features", "at least one feature name is needed", [])
-            need(tb.init_range is None or tb.init_range > 0, f"{k}.init_range", "must be > 0 or null", tb.init_range)
-            for f in tb.features:
-                need(f not in feats, f"{k}.features", "a feature is used by two tables", f)
-                feats.add(f)
-        kinds = [tb.kind for tb in self.tables]
-        need(len(self.sequence_tables) > 0, "tables", "at least one table of kind 'sequence' is needed", kinds)
-        need(len(self.bag_tables) > 0, "tables", "at least one table of kind 'bag' is needed", kinds)
-        seq_dims = {tb.embedding_dim for tb in self.sequence_tables}
-        need(len(seq_dims) == 1, "tables", "sequence tables must share one embedding_dim (an EmbeddingCollection "
-             "needs it)", sorted(seq_dims))
-        need(t.num_blocks >= 0, "tower.num_blocks", "must be >= 0", t.num_blocks)
-        need(t.num_heads > 0, "tower.num_heads", "must be > 0", t.num_heads)
-        if t.head_dim is None:
-            need(self.d_model % t.num_heads == 0, "tower.num_heads",
-                 f"must divide d_model={self.d_model} (or set tower.head_dim)", t.num_heads)
-        need(t.head_dim is None or t.head_dim > 0, "tower.head_dim", "must be > 0 or null", t.head_dim)
-        need(t.num_kv_heads is None or t.num_kv_heads > 0, "tower.num_kv_heads", "must be > 0 or null",
-             t.num_kv_heads)
-        need(t.num_heads % self.tower_kv_heads == 0, "tower.num_kv_heads",
-             f"must divide num_heads={t.num_heads}", self.tower_kv_heads)
-        if t.rope:
-            need(self.tower_head_dim % 2 == 0, "tower.head_dim", "rope needs an even head dim", self.tower_head_dim)
-            need(t.rope_base > 0, "tower.rope_base", "must be > 0", t.rope_base)
-        need(t.window is None or t.window > 0, "tower.window", "must be > 0 or null", t.window)
-        need(t.block_size is None or t.block_size > 0, "tower.block_size", "must be > 0 or null", t.block_size)
-        if t.attention == "swa":
-            need(t.window is not None, "tower.window", "attention 'swa' needs a window > 0", t.window)
-        if t.attention == "block":
-            need(t.block_size is not None, "tower.block_size", "attention 'block' needs a block_size > 0",
-                 t.block_size)
-        need(t.d_ff >= 0, "tower.d_ff", "must be >= 0 (0: 4 * d_model)", t.d_ff)
-        need(t.moe_every >= 0, "tower.moe_every", "must be >= 0 (0: no MoE)", t.moe_every)
+        self._validate_tower(self.tower, "tower")
+        if self.schema is not None:
+            hists = self.histories
+            for h in self.towers:
+                need(h in hists, f"towers.{h}", f"no such history in data.histories ({', '.join(hists)})", h)
+            for h in self.towers:
+                self._validate_tower(self.tower_for(h), f"towers.{h}")
+            if self.merged:
+                need(self.schema.has_times, "history_merge", "merging by time needs a timestamp column for every "
+                     "history (data.histories.<name>.timestamp)", [h for h in hists if not self.schema.history[h].timestamp])
+                need(not self.towers, "history_merge", "merged histories share the one tower `model.tower` (drop "
+                     "model.towers)", sorted(self.towers))
+            if self.heads.weights:
+                for task in self.heads.weights:
+                    need(task in self.tasks, f"heads.weights.{task}",
+                         f"no such task in data.labels ({', '.join(self.tasks)})", task)
         m = self.moe
         need(m.num_experts > 0, "moe.num_experts", "must be > 0", m.num_experts)
         need(0 < m.top_k <= m.num_experts, "moe.top_k", f"must be in [1, moe.num_experts={m.num_experts}]", m.top_k)
@@ -229,88 +282,35 @@ class ModelConfig:
         nz = it.normalize
         need(nz is None or nz == "max_len_k" or (not isinstance(nz, (str, bool)) and nz > 0),
              "interaction.normalize", "must be null, max_len_k or a number > 0", nz)
-        need(len(self.heads.tasks) >= 1, "heads.tasks", "at least one task is needed", [])
-        need(len(set(self.heads.tasks)) == len(self.heads.tasks), "heads.tasks", "duplicate task names",
-             self.heads.tasks)
         if self.heads.weights is not None:
-            need(len(self.heads.weights) == len(self.heads.tasks), "heads.weights",
-                 f"one weight per task ({len(self.heads.tasks)})", self.heads.weights)
-            need(all(w >= 0 for w in self.heads.weights), "heads.weights", "weights must be >= 0",
+            need(all(w >= 0 for w in self.heads.weights.values()), "heads.weights", "weights must be >= 0",
                  self.heads.weights)
         for key, dims in (("heads.over_arch", self.heads.over_arch), ("heads.hidden", self.heads.hidden),
                           ("interaction.dense_hidden", it.dense_hidden)):
             need(all(d > 0 for d in dims), key, "layer sizes must be > 0", dims)
 
-
-# ------------------------------------------------------------------------------------------------------------------
-# Schema check
-
-
-def _schema_get(schema: Any, key: str) -> Any:
-    if isinstance(schema, Mapping):
-        return schema.get(key)
-    return getattr(schema, key, None)
-
-
-def _feature_cardinalities(entries: Any, where: str) -> dict[str, int | None]:
-    """Normalise a schema feature list: {name: spec} mapping, or a list of names / {name, num_embeddings}."""
-    out: dict[str, int | None] = {}
-    if entries is None:
-        return out
-    if isinstance(entries, Mapping):
-        items = list(entries.items())
-    else:
-        items = []
-        for e in entries:
-            if isinstance(e, str):
-                items.append((e, None))
-            else:
-                name = _schema_get(e, "name")
-                if name is None:
-                    raise ConfigError(f"data.schema.{where}", "an entry has no name", e)
-                items.append((name, e))
-    for name, spec in items:
-        n = spec if isinstance(spec, int) else (None if spec is None else _schema_get(spec, "num_embeddings"))
-        out[str(name)] = None if n is None else int(n)
-    return out
-
-
-def validate_against_schema(model_cfg: ModelConfig, schema: Any) -> None:
-    """Fail with one ConfigError if the model's tables / dense width / tasks disagree with the data schema.
-
-    `schema` is the data config's `schema:` (DictConfig / mapping) or an object with the same attributes
-    (`sequence_features`, `sparse_features`, `num_dense`, `tasks`).
-    """
-    schema = to_plain(schema)
-    if isinstance(schema, Mapping) and "num_items" in schema:
-        # A raw `schema:` mapping: let the data layer fill defaults (hist_item / cand_item cardinalities).
-        from gem.data.schema import DataSchema
-
-        schema = DataSchema.from_dict(schema)
-    seq = _feature_cardinalities(_schema_get(schema, "sequence_features"), "sequence_features")
-    sparse = _feature_cardinalities(_schema_get(schema, "sparse_features"), "sparse_features")
-    for i, tb in enumerate(model_cfg.tables):
-        pool, other, kind_name = (seq, sparse, "sequence_features") if tb.kind == "sequence" else (
-            sparse, seq, "sparse_features")
-        for f in tb.features:
-            if f not in pool:
-                hint = f" (it is one of the schema's {'sparse' if f in other else 'sequence'} features)" \
-                    if f in other else ""
-                raise ConfigError(f"model.tables[{i}].features", f"a {tb.kind} table's feature must be one of "
-                                  f"data.schema.{kind_name} {sorted(pool)}{hint}", f)
-            n = pool[f]
-            if n is not None and n > tb.num_embeddings:
-                raise ConfigError(f"model.tables[{i}].num_embeddings", f"must be >= the cardinality {n} of feature "
-                                  f"{f!r} in the data schema", tb.num_embeddings)
-    missing = [f for f in seq if f not in model_cfg.sequence_features]
-    if missing:
-        raise ConfigError("model.tables", "the data schema's sequence features need a table", missing)
-    missing = [f for f in sparse if f not in model_cfg.sparse_features]
-    if missing:
-        raise ConfigError("model.tables", "the data schema's sparse features need a table", missing)
-    nd = _schema_get(schema, "num_dense")
-    if nd is not None and int(nd) != model_cfg.num_dense:
-        raise ConfigError("model.num_dense", f"must equal data.schema.num_dense={nd}", model_cfg.num_dense)
-    tasks = _schema_get(schema, "tasks")
-    if tasks is not None and list(tasks) != list(model_cfg.heads.tasks):
-        raise ConfigError("model.heads.tasks", f"must equal data.schema.tasks={list(tasks)}", model_cfg.heads.tasks)
+    def _validate_tower(self, t: TowerConfig, key: str) -> None:
+        need = Checker("model", ConfigError).need
+        need(t.num_blocks >= 0, f"{key}.num_blocks", "must be >= 0", t.num_blocks)
+        need(t.num_heads > 0, f"{key}.num_heads", "must be > 0", t.num_heads)
+        if t.head_dim is None:
+            need(self.d_model % t.num_heads == 0, f"{key}.num_heads",
+                 f"must divide d_model={self.d_model} (or set {key}.head_dim)", t.num_heads)
+        need(t.head_dim is None or t.head_dim > 0, f"{key}.head_dim", "must be > 0 or null", t.head_dim)
+        need(t.num_kv_heads is None or t.num_kv_heads > 0, f"{key}.num_kv_heads", "must be > 0 or null",
+             t.num_kv_heads)
+        kv = t.num_kv_heads or t.num_heads
+        need(t.num_heads % kv == 0, f"{key}.num_kv_heads", f"must divide num_heads={t.num_heads}", kv)
+        if t.rope:
+            hd = t.head_dim or self.d_model // t.num_heads
+            need(hd % 2 == 0, f"{key}.head_dim", "rope needs an even head dim", hd)
+            need(t.rope_base > 0, f"{key}.rope_base", "must be > 0", t.rope_base)
+        need(t.window is None or t.window > 0, f"{key}.window", "must be > 0 or null", t.window)
+        need(t.block_size is None or t.block_size > 0, f"{key}.block_size", "must be > 0 or null", t.block_size)
+        if t.attention == "swa":
+            need(t.window is not None, f"{key}.window", "attention 'swa' needs a window > 0", t.window)
+        if t.attention == "block":
+            need(t.block_size is not None, f"{key}.block_size", "attention 'block' needs a block_size > 0",
+                 t.block_size)
+        need(t.d_ff >= 0, f"{key}.d_ff", "must be >= 0 (0: 4 * d_model)", t.d_ff)
+        need(t.moe_every >= 0, f"{key}.moe_every", "must be >= 0 (0: no MoE)", t.moe_every)

@@ -1,7 +1,8 @@
 """TorchRec embedding modules built from the model's table configs.
 
-Sequence tables -> one `EmbeddingCollection` (unpooled, jagged per history token); bag tables -> one
-`EmbeddingBagCollection` (sum / mean pooled per example). Tables carry their own `init_fn`, because TorchRec's
+Tables of sequence and candidate features -> one `EmbeddingCollection` (unpooled: one row per history token, one
+per candidate); tables only sparse features use -> one `EmbeddingBagCollection` (sum / mean pooled per example;
+None when there are none). Tables carry their own `init_fn`, because TorchRec's
 DistributedModelParallel re-initialises sharded tables from the table config instead of copying weights.
 """
 
@@ -13,12 +14,13 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
-from gem.model.config import ModelConfig, TableConfig
+from gem.data.schema import EmbeddingTable
+from gem.model.config import ModelConfig
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
 
-def _init_kwargs(t: TableConfig) -> dict:
+def _init_kwargs(t: EmbeddingTable) -> dict:
     if t.init_range is None:
         return {}
     r = float(t.init_range)
@@ -39,20 +41,21 @@ def bag_table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
 
 
 def build_embeddings(cfg: ModelConfig, device: torch.device | str = "cpu"
-                     ) -> tuple[EmbeddingCollection, EmbeddingBagCollection]:
+                     ) -> tuple[EmbeddingCollection, EmbeddingBagCollection | None]:
     """(ec, ebc) on `device`; use "meta" when DistributedModelParallel will materialise (and init) them."""
     device = torch.device(device)
     ec = EmbeddingCollection(tables=sequence_table_configs(cfg), device=device)
-    ebc = EmbeddingBagCollection(tables=bag_table_configs(cfg), device=device)
+    bags = bag_table_configs(cfg)
+    ebc = EmbeddingBagCollection(tables=bags, device=device) if bags else None
     return ec, ebc
 
 
 def sequence_embeddings(out, names: list[str]) -> list[torch.Tensor]:
-    """Per sequence feature (in `names` order) the jagged embeddings [T, dim] of every history token, from an
-    EmbeddingCollection's output (a mapping feature -> JaggedTensor, sharded or not)."""
+    """Per feature (in `names` order) its jagged embeddings [T, dim] (every history token; a candidate feature:
+    [B, dim]), from an EmbeddingCollection's output (a mapping feature -> JaggedTensor, sharded or not)."""
     missing = [n for n in names if n not in out]
     if missing:
-        raise KeyError(f"sequence features {missing} missing from the EmbeddingCollection output {list(out)}")
+        raise KeyError(f"features {missing} missing from the EmbeddingCollection output {list(out)}")
     return [out[n].values() for n in names]
 
 

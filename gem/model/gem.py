@@ -1,13 +1,15 @@
 """The GEM-style model: TorchRec embeddings -> jagged transformer tower -> GDPA target interaction -> heads.
 
-  history tokens  : sequence features (EmbeddingCollection) concatenated (or summed) and projected to d_model,
-                    then `blocks` (pre-norm causal transformer over the jagged histories) and a final norm.
-  query tokens    : per example one token per sparse feature (pooled EmbeddingBagCollection output, the candidate
-                    item among them), one dense-feature token (MLP of the dense features) and one learned summary
-                    token, each in d_model: a jagged q stream of num_sparse + 2 tokens per example.
-  interaction     : the query tokens attend to their user's history with GDPA cross attention (pointwise
-                    activation, no softmax; an empty history gives a zero update), residual added; the tokens are
-                    flattened and concatenated with a dense-feature MLP path.
+  history tokens  : per history, its sequence features (EmbeddingCollection) concatenated (or summed) and
+                    projected to d_model, then its tower (pre-norm causal transformer blocks over the jagged
+                    histories) and a final norm. The towers' blocks are `blocks`, one tower after another.
+  query tokens    : per example one token per candidate feature (EmbeddingCollection, one id) and per sparse
+                    feature (pooled EmbeddingBagCollection output), in declaration order, one dense-feature token
+                    (MLP of the dense features) and one learned summary token, each in d_model.
+  interaction     : the query tokens attend to every history's tower output of their example (the histories one
+                    after another) with GDPA cross attention (pointwise activation, no softmax; no history gives a
+                    zero update), residual added; the tokens are flattened and concatenated with a dense-feature
+                    MLP path.
   heads           : a shared MLP, then one MLP per task -> logits [B, num_tasks].
 """
 
@@ -43,21 +45,59 @@ def pooled_features(kt, names: list[str]) -> tuple[torch.Tensor, ...]:
     return tuple(pooled_embeddings(kt, names))
 
 
-def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformer blocks over the jagged histories -> (x, summed MoE aux loss fp32). The blocks share one
+def candidate_features(ec_out, names: list[str]) -> tuple[torch.Tensor, ...]:
+    """Per candidate feature (in `names` order) its embedding [B, dim] from the EmbeddingCollection (one id each)."""
+    return tuple(sequence_embeddings(ec_out, names))
+
+
+def merge_histories(xs: list[torch.Tensor], offsets: list[torch.Tensor], total: torch.Tensor) -> torch.Tensor:
+    """Every example's histories one after another: towers' outputs [T_i, d] jagged by offsets[i] -> [sum T_i, d]
+    jagged by `total` (the offsets of the summed lengths)."""
+    base = total[:-1]
+    dest = []
+    for x, o in zip(xs, offsets):
+        lens = o[1:] - o[:-1]
+        user = torch.repeat_interleave(torch.arange(lens.numel(), device=o.device), lens, output_size=x.shape[0])
+        dest.append(base[user] + torch.arange(x.shape[0], device=o.device) - o[:-1][user])
+        base = base + lens
+    dest = torch.cat(dest)
+    inv = torch.empty_like(dest)
+    inv[dest] = torch.arange(dest.numel(), device=dest.device)
+    return torch.cat(xs)[inv]
+
+
+def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int,
+              span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [span) (default: all) over the jagged histories -> (x, summed MoE aux loss fp32). The whole
+    ModuleList travels with the span: the tracer can only name a registered module. The blocks share one
     JaggedBatch: their kernels' tables and offsets checks are built once per batch."""
     aux = torch.zeros((), dtype=torch.float32, device=x.device)
     hist = ops.JaggedBatch(offsets, max_len)
-    for blk in blocks:
+    for blk in (blocks if span is None else blocks[span[0]:span[1]]):
         x, a = blk(x, hist, max_len)
         aux = aux + a
     return x, aux
 
 
 torch.fx.wrap("history_input")
+def merge_by_time(xs: list[torch.Tensor], offsets: list[torch.Tensor], times: list[torch.Tensor]) -> torch.Tensor:
+    """Every example's events of all histories in one sequence, oldest first (ties: history order, then position):
+    [T_i, d] jagged by offsets[i], with times [T_i] -> [sum T_i, d] jagged by the offsets of the summed lengths."""
+    users = [torch.repeat_interleave(torch.arange(o.numel() - 1, device=o.device), o[1:] - o[:-1],
+                                     output_size=x.shape[0]) for x, o in zip(xs, offsets)]
+    order = torch.sort(torch.cat(times), stable=True).indices
+    order = order[torch.sort(torch.cat(users)[order], stable=True).indices]
+    return torch.cat(xs)[order]
+
+
+torch.fx.wrap("merge_by_time")
 torch.fx.wrap("pooled_features")
+torch.fx.wrap("candidate_features")
+torch.fx.wrap("merge_histories")
 torch.fx.wrap("run_tower")
+
+
+MERGED = "merged"  # the one tower's name when the histories are merged by time
 
 
 @dataclass
@@ -119,22 +159,36 @@ class TargetInteraction(nn.Module):
 class GEMModel(nn.Module):
     def __init__(self, cfg: ModelConfig, *, embedding_device: torch.device | str = "cpu"):
         super().__init__()
-        if not isinstance(cfg, ModelConfig):  # the `model:` DictConfig / mapping
-            cfg = ModelConfig.from_dict(cfg)
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError("GEMModel needs a ModelConfig built with its data schema (ModelConfig.from_dict(model, "
+                            "schema))")
         self.cfg = cfg
         d = cfg.d_model
-        self.sequence_features = cfg.sequence_features
+        self.histories = cfg.histories
+        self.history_features = [cfg.history_features(h) for h in self.histories]
+        self.candidate_features = cfg.candidate_features
         self.sparse_features = cfg.sparse_features
+        self.query_features = cfg.query_features
         self.ec, self.ebc = build_embeddings(cfg, embedding_device)
 
-        seq_dims = [t.embedding_dim for t in cfg.sequence_tables for _ in t.features]
-        in_dim = sum(seq_dims) if cfg.tower.seq_combine == "concat" else seq_dims[0]
-        self.input_proj = nn.Linear(in_dim, d)
-        self.blocks = build_blocks(cfg)
-        self.final_norm = make_norm(cfg.tower.norm, d)
+        combine = cfg.tower.seq_combine
+        self.input_projs = nn.ModuleDict()
+        for h, names in zip(self.histories, self.history_features):
+            dims = [cfg.embedding_dim(n) for n in names]
+            self.input_projs[h] = nn.Linear(sum(dims) if combine == "concat" else dims[0], d)
+        # a tower per history, or one over the histories merged by time
+        self.towers = [MERGED] if cfg.merged else list(self.histories)
+        self.final_norms = nn.ModuleDict()
+        blocks, self.tower_spans = [], []
+        for h in self.towers:
+            tower = cfg.tower_for(None if h == MERGED else h)
+            start = len(blocks)
+            blocks.extend(build_blocks(cfg, tower))
+            self.tower_spans.append((start, len(blocks)))
+            self.final_norms[h] = make_norm(tower.norm, d)
+        self.blocks = nn.ModuleList(blocks)
 
-        bag_dims = {f: t.embedding_dim for t in cfg.bag_tables for f in t.features}
-        self.sparse_proj = nn.ModuleList([nn.Linear(bag_dims[f], d) for f in self.sparse_features])
+        self.query_proj = nn.ModuleList([nn.Linear(cfg.embedding_dim(f), d) for f in self.query_features])
         self.dense_token = mlp(cfg.num_dense, cfg.interaction.dense_hidden, d)
         self.summary_token = nn.Parameter(torch.randn(d) * 0.02)
         self.interaction = TargetInteraction(cfg)
@@ -142,32 +196,62 @@ class GEMModel(nn.Module):
 
         z_dim = cfg.num_query_tokens * d + mlp_out_dim(cfg.num_dense, cfg.interaction.dense_hidden)
         self.over_arch = mlp(z_dim, cfg.heads.over_arch)
-        self.heads = MultiTaskHeads(mlp_out_dim(z_dim, cfg.heads.over_arch), cfg.heads.tasks, cfg.heads.hidden)
+        self.heads = MultiTaskHeads(mlp_out_dim(z_dim, cfg.heads.over_arch), cfg.tasks, cfg.heads.hidden)
 
     @property
     def tasks(self) -> list[str]:
-        return list(self.cfg.heads.tasks)
+        return list(self.cfg.tasks)
+
+    @property
+    def sequence_features(self) -> list[str]:
+        return [n for names in self.history_features for n in names]
 
     def dense_parameters(self):
         """Every parameter outside the embedding tables (what the dense optimizer / FSDP own)."""
-        emb = {id(p) for p in self.ec.parameters()} | {id(p) for p in self.ebc.parameters()}
+        emb = {id(p) for m in (self.ec, self.ebc) if m is not None for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in emb]
 
-    def _tower(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
-        x = history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine)
-        x = self.input_proj(x.to(self.input_proj.weight.dtype))
-        tower = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len)
-        return self.final_norm(tower[0]), tower[1]
+    def _dense_dtype(self) -> torch.dtype:
+        return self.summary_token.dtype
+
+    def _towers(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        combine = self.cfg.tower.seq_combine
+        xs = []
+        for i, h in enumerate(self.histories):
+            # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
+            proj = self.input_projs[h]
+            x = history_input(ec_out, self.history_features[i], combine)
+            xs.append(proj(x.to(proj.weight.dtype)))
+        if self.cfg.merged:
+            x = merge_by_time(xs, batch.history_offsets, batch.history_times)
+            x, aux = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len, self.tower_spans[0])
+            return self.final_norms[MERGED](x), aux
+        outs, aux = [], None
+        for i, h in enumerate(self.histories):
+            x, a_loss = run_tower(self.blocks, xs[i], batch.history_offsets[i], batch.history_max_lens[i],
+                                  self.tower_spans[i])
+            outs.append(self.final_norms[h](x))
+            aux = a_loss if aux is None else aux + a_loss
+        if len(outs) == 1:
+            return outs[0], aux
+        return merge_histories(outs, batch.history_offsets, batch.seq_offsets), aux
 
     def forward(self, batch) -> ModelOutput:
         # The embedding modules are called on the batch's attributes directly (see the note at the top).
-        seq, aux = self._tower(self.ec(batch.sequence), batch)
-        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features)
-        dense = batch.dense.to(self.input_proj.weight.dtype)
+        ec_out = self.ec(batch.sequence)
+        seq, aux = self._towers(ec_out, batch)
+        cands = candidate_features(ec_out, self.candidate_features)
+        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features) if self.ebc is not None else ()
+        dense = batch.dense.to(self._dense_dtype())
         b = dense.shape[0]
-        # Indexing, not iterating: under tracing `pooled` is a single Proxy.
-        tokens = [proj(pooled[i].to(proj.weight.dtype)) for i, proj in enumerate(self.sparse_proj)]
+        # Indexing, not iterating: under tracing `cands` / `pooled` are single Proxies.
+        ci, si, tokens = 0, 0, []
+        for f, proj in zip(self.query_features, self.query_proj):
+            if f in self.candidate_features:
+                e, ci = cands[ci], ci + 1
+            else:
+                e, si = pooled[si], si + 1
+            tokens.append(proj(e.to(proj.weight.dtype)))
         tokens.append(self.dense_token(dense))
         tokens.append(self.summary_token.to(seq.dtype).expand(b, -1))
         tokens = torch.stack([t.to(seq.dtype) for t in tokens], dim=1)  # [B, n, d]
@@ -181,7 +265,7 @@ class GEMModel(nn.Module):
         norm, the interaction's projections, the over-arch and the heads. The embedding modules and the kernels
         stay outside the graphs."""
         self.interaction.compile_regions(**compile_kwargs)
-        for m in (self.final_norm, self.over_arch, self.heads):
+        for m in (*self.final_norms.values(), self.over_arch, self.heads):
             m.compile(**compile_kwargs)
 
     # -- FLOP accounting (see gem.model.flops) -------------------------------------------------------------------------
@@ -190,4 +274,4 @@ class GEMModel(nn.Module):
 
     def flops(self, batch) -> int:
         """Training FLOPs (fwd + bwd) of one step on `batch` (jagged lengths counted exactly)."""
-        return flops_mod.train_flops(self.cfg, batch.seq_offsets)
+        return flops_mod.train_flops(self.cfg, batch.history_offsets)

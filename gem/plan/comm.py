@@ -213,12 +213,17 @@ def replica_sync_collectives(tables: Sequence[TableShards], groups: Mapping[str,
                        4.0 * elems / sync_every)]
 
 
-def expected_ids_per_example(data_schema, model_cfg: ModelConfig, lengths_mean: float) -> dict[str, float]:
-    """Mean ids per example of every feature: the history length for sequence features, (min_hot+max_hot)/2
-    for pooled ones."""
-    hot = {f.name: (f.min_hot + f.max_hot) / 2 for f in data_schema.sparse_features}
-    out = {f: lengths_mean for f in model_cfg.sequence_features}
-    out.update({f: hot.get(f, 1.0) for f in model_cfg.sparse_features})
+def expected_ids_per_example(schema, mean_lengths: Mapping[str, float]) -> dict[str, float]:
+    """Mean ids per example of every feature of a gem.data.Schema: its history's mean length (`mean_lengths`:
+    history -> mean) for sequence features, 1 for candidates, (min_hot+max_hot)/2 for sparse ones."""
+    out = {}
+    for f in schema.features:
+        if f.kind == "sequence":
+            out[f.name] = float(mean_lengths[f.history])
+        elif f.kind == "candidate":
+            out[f.name] = 1.0
+        elif f.kind == "sparse":
+            out[f.name] = (f.min_hot + f.max_hot) / 2
     return out
 
 

@@ -86,6 +86,7 @@ class Workload:
     tokens: int
     flops: int
     ids_per_example: dict[str, float]
+    history_tokens: dict[str, int] = field(default_factory=dict)  # tokens per history (they sum to `tokens`)
 
 
 def workload(cfgs, seed: int = 0) -> Workload:
@@ -93,12 +94,18 @@ def workload(cfgs, seed: int = 0) -> Workload:
     from gem.model.flops import train_flops
 
     b = cfgs.data.batch_size
-    lengths = sample_lengths(cfgs.data.schema, b, torch.Generator().manual_seed(seed))
-    offsets = torch.zeros(b + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    tokens = int(offsets[-1])
-    ids = comm.expected_ids_per_example(cfgs.data.schema, cfgs.model, tokens / b)
-    return Workload(batch=b, tokens=tokens, flops=train_flops(cfgs.model, offsets), ids_per_example=ids)
+    gen = torch.Generator().manual_seed(seed)
+    offsets, means = [], {}
+    for h in cfgs.data.schema.histories:
+        lengths = sample_lengths(h, b, gen)
+        off = torch.zeros(b + 1, dtype=torch.int64)
+        off[1:] = torch.cumsum(lengths, 0)
+        offsets.append(off)
+        means[h.name] = int(off[-1]) / b
+    per_history = {h.name: int(o[-1]) for h, o in zip(cfgs.data.schema.histories, offsets)}
+    ids = comm.expected_ids_per_example(cfgs.data.schema, means)
+    return Workload(batch=b, tokens=sum(per_history.values()), flops=train_flops(cfgs.model, offsets),
+                    ids_per_example=ids, history_tokens=per_history)
 
 
 def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
@@ -176,7 +183,7 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
     work = work or workload(cfgs, seed)
     units = units if units is not None else fsdp_units(cfgs.model, par.ep)
     act = activation_bytes(cfgs, par, cluster)
-    dense = dense_memory(units, cfgs.model, par, work.tokens, act)
+    dense = dense_memory(units, cfgs.model, par, work.history_tokens or work.tokens, act)
     if check and dense.total > cluster.hbm_bytes:
         raise PlanError(f"rank 0 needs {dense.total} bytes of HBM for the dense part alone (params {dense.params}, "
                         f"grads {dense.grads}, optimizer {dense.optimizer}, gathered {dense.gathered}, activations "

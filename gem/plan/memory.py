@@ -8,6 +8,7 @@ over s ranks keeps ceil(dim/s) slices of its shard dim on every rank (FSDP2 pads
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,7 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
 
     with torch.device("meta"):
         model = GEMModel(cfg, embedding_device="meta")
-    tables = {id(p) for m in (model.ec, model.ebc) for p in m.parameters()}
+    tables = {id(p) for m in (model.ec, model.ebc) if m is not None for p in m.parameters()}
     blocks = model.blocks
     units: list[FsdpUnit] = []
     taken: set[int] = set(tables)
@@ -91,19 +92,21 @@ class DenseMemory:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
 
-def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1
-                               ) -> float:
-    """Estimate of what one history token keeps for backward through the tower.
+def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1,
+                               history: str | None = None) -> float:
+    """Estimate of what one token of `history` (None: the first) keeps for backward through its tower.
 
     Per block: inputs of the two norms and their outputs, q/k/v, the attention output and its projection
     (4d + (h + 2hk) dh + 2 h dh); SwiGLU FFN 3 d_ff + d; MoE top_k (2d + 3 d_ff_moe). A checkpointed block keeps
     its input (d) only, and one block is recomputed at a time.
     """
-    d, t = cfg.d_model, cfg.tower
-    h, hk, dh = t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim
+    history = history or cfg.histories[0]
+    d, t = cfg.d_model, cfg.tower_for(history)
+    h, hk, dh = t.num_heads, t.num_kv_heads, t.head_dim
     per_block = []
     for i in range(t.num_blocks):
-        ffn = (cfg.moe.top_k * (2 * d + 3 * cfg.moe_d_ff)) if cfg.is_moe_block(i) else 3 * cfg.tower_d_ff + d
+        moe = cfg.is_moe_block(i, t)
+        ffn = (cfg.moe.top_k * (2 * d + 3 * cfg.moe_d_ff_for(t))) if moe else 3 * t.d_ff + d
         per_block.append(4 * d + (h + 2 * hk) * dh + 2 * h * dh + ffn)
     kept = 0
     for i, b in enumerate(per_block):
@@ -111,13 +114,14 @@ def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str
         kept += d if ckpt else b
     if checkpoint != "none" and per_block:
         kept += max(per_block)
-    seq_in = sum(tb.embedding_dim for tb in cfg.sequence_tables for _ in tb.features)
+    seq_in = sum(cfg.embedding_dim(f) for f in cfg.history_features(history))
     return act_bytes * (kept + d) + 4 * seq_in  # + input projection output; embeddings arrive in fp32
 
 
-def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int, act_bytes: int
-                 ) -> DenseMemory:
-    """Per-rank dense bytes for a validated `par` (dp_shard resolved); `tokens`: history tokens per rank."""
+def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int | Mapping[str, int],
+                 act_bytes: int) -> DenseMemory:
+    """Per-rank dense bytes for a validated `par` (dp_shard resolved); `tokens`: history tokens per rank (per
+    history: each history's tokens through its own tower; an int: all through the first history's)."""
     fsdp = par.dense == "fsdp"
     s = par.dp_shard if fsdp else 1
     ep = par.ep
@@ -137,6 +141,8 @@ def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, t
         gathered = p_bytes * sum(u.shard_numel(1, ep, 1) if u.expert else u.numel() for u in units)
     else:
         gathered = 0
-    acts = int(tokens * activation_bytes_per_token(cfg, act_bytes, par.activation_checkpoint, par.ac_every))
+    per_history = tokens if isinstance(tokens, Mapping) else {cfg.histories[0]: tokens}
+    acts = int(sum(n * activation_bytes_per_token(cfg, act_bytes, par.activation_checkpoint, par.ac_every, h)
+                   for h, n in per_history.items()))
     return DenseMemory(params=params, grads=grads, optimizer=optim, gathered=gathered, activations=acts,
                        detail={"shard_numel": shard, "total_numel": sum(u.numel() for u in units)})

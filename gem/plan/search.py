@@ -60,7 +60,8 @@ def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions
     work = workload(cfgs, options.seed)
     layouts = candidate_layouts(cfgs, cluster, options)
     units = {ep > 1: fsdp_units(cfgs.model, ep) for ep in {p.ep for p in layouts}}
-    dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.tokens, activation_bytes(cfgs, p, cluster))
+    dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.history_tokens or work.tokens,
+                                activation_bytes(cfgs, p, cluster))
              for p in layouts}
     result = SearchResult(fits=[])
     plans: dict[tuple[int, int], EmbeddingPlan | None] = {}

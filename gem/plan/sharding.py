@@ -48,7 +48,8 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
     from gem.parallel.embedding import resolve_sharding_types
 
     ec, ebc = build_embeddings(model_cfg, "meta")
-    module = torch.nn.ModuleDict({"ec": ec, "ebc": ebc})  # the fqns GEMModel gives its tables
+    # the fqns GEMModel gives its tables
+    module = torch.nn.ModuleDict({"ec": ec, **({"ebc": ebc} if ebc is not None else {})})
     allowed = resolve_sharding_types(module, sharding_types, torch.device(cluster.compute_device))
     constraints = {n: ParameterConstraints(sharding_types=list(a)) for n, a in allowed.items()}
     quiet = logging.getLogger("torchrec")  # its advice and the dry-run warnings are meant for live jobs

@@ -22,6 +22,9 @@ def check_data(cfgs: Any) -> None:
     if data.source == "synthetic":
         return
     from gem.data import build_dataset
+    from gem.data.parquet import check_files
+
+    check_files(data)  # every file's metadata, eval files included
 
     for split in ("train", "eval"):
         if split == "eval" and data.eval_batches == 0:

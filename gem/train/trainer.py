@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gem.config import ConfigError
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
-from gem.model import GEMModel, ModelConfig, validate_against_schema
+from gem.model import GEMModel, ModelConfig
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
@@ -69,8 +69,7 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     # Raises MissingMandatoryValue naming the key for any `???` left.
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     data = DataConfig.from_dict(cfg.data)
-    model = ModelConfig.from_dict(cfg.model)
-    validate_against_schema(model, data.schema)
+    model = ModelConfig.from_dict(cfg.model, data.schema)
     parallel = ParallelConfig.from_any(cfg.parallel)
     if world_size is not None:
         parallel = validate_parallel(parallel, world_size)

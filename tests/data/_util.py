@@ -7,29 +7,36 @@ from typing import Any
 
 import torch
 
-from gem.data import DataSchema
+from gem.data import Schema
 
 
 def schema_dict(num_items: int = 500, zipf_alpha: float = 1.05, **history: Any) -> dict:
+    """The data group's declaration (features, histories, labels, tables, synthetic) of a small schema."""
     d = {
-        "num_items": num_items,
-        "zipf_alpha": zipf_alpha,
-        "num_dense": 4,
-        "tasks": ["click", "conversion"],
-        "sequence_features": [{"name": "hist_item"}, {"name": "hist_action", "num_embeddings": 4}],
-        "sparse_features": [
-            {"name": "cand_item"},
-            {"name": "user_segment", "num_embeddings": 20},
-            {"name": "context", "num_embeddings": 7, "max_hot": 3, "min_hot": 0},
-        ],
-        "history": {"max_len": 24, "min_len": 0, "distribution": "uniform", "sparsity": 0.5},
+        "features": {
+            "hist_item": {"kind": "sequence", "table": "item", "history": "events"},
+            "hist_action": {"kind": "sequence", "table": "action", "history": "events"},
+            "cand_item": {"kind": "candidate", "table": "item"},
+            "user_segment": {"kind": "sparse", "table": "user_segment"},
+            "context": {"kind": "sparse", "table": "context", "max_hot": 3, "min_hot": 0},
+            "dense": {"kind": "dense", "size": 4},
+        },
+        "histories": {"events": {"max_len": 24, "min_len": 0, "distribution": "uniform", "sparsity": 0.5}},
+        "labels": {"click": "click", "conversion": "conversion"},
+        "tables": {
+            "item": {"num_embeddings": num_items, "embedding_dim": 8},
+            "action": {"num_embeddings": 4, "embedding_dim": 8},
+            "user_segment": {"num_embeddings": 20, "embedding_dim": 4},
+            "context": {"num_embeddings": 7, "embedding_dim": 4, "pooling": "mean"},
+        },
+        "synthetic": {"zipf_alpha": zipf_alpha, "action": "hist_action"},
     }
-    d["history"].update(history)
+    d["histories"]["events"].update(history)
     return copy.deepcopy(d)
 
 
-def make_schema(num_items: int = 500, zipf_alpha: float = 1.05, **history: Any) -> DataSchema:
-    return DataSchema.from_dict(schema_dict(num_items, zipf_alpha, **history))
+def make_schema(num_items: int = 500, zipf_alpha: float = 1.05, **history: Any) -> Schema:
+    return Schema.from_dict(schema_dict(num_items, zipf_alpha, **history))
 
 
 def assert_batches_equal(a, b) -> None:
@@ -42,6 +49,9 @@ def assert_batches_equal(a, b) -> None:
     assert torch.equal(a.labels, b.labels)
     assert torch.equal(a.seq_offsets, b.seq_offsets)
     assert a.max_seq_len == b.max_seq_len
+    assert len(a.history_offsets) == len(b.history_offsets)
+    assert all(torch.equal(x, y) for x, y in zip(a.history_offsets, b.history_offsets))
+    assert a.history_max_lens == b.history_max_lens
 
 
 def batches_equal(a, b) -> bool:

@@ -91,7 +91,7 @@ def test_eval_pass_limit_and_build_dataset(files):
         "eval_batches": 2,
         "paths": paths,
         "eval_paths": [str(d / "part-1.parquet")],
-        "schema": schema_dict(max_len=16),
+        **schema_dict(max_len=16),
     }
     ev = build_dataset(cfg, split="eval")
     got = list(ev)
@@ -109,7 +109,8 @@ def test_missing_column_and_bad_types(tmp_path, files):
     with pytest.raises(ValueError, match="missing column 'hist_action'"):
         ParquetDataset(SCHEMA, p, 24)
     t2 = pq.read_table(paths[0]).set_column(0, "hist_item", pa.array(range(72), pa.int64()))
-    with pytest.raises(ValueError, match=r"column 'hist_item' must be a list of integers \(got int64\)"):
+    with pytest.raises(ValueError, match=r"feature 'hist_item': column 'hist_item' must be a list of integers "
+                       r"\(got int64\)"):
         table_to_batch(t2, SCHEMA)
     with pytest.raises(ValueError, match="no file matches"):
         ParquetDataset(SCHEMA, str(tmp_path / "nothing-*.parquet"), 24)
@@ -124,7 +125,7 @@ def test_inconsistent_sequence_columns(files):
     k = next(i for i, a in enumerate(acts) if a)
     acts[k] = acts[k][:-1]
     t = t.set_column(t.column_names.index("hist_action"), "hist_action", pa.array(acts, pa.list_(pa.int64())))
-    with pytest.raises(DataFileError, match=f"^parquet row {k}: sequence column 'hist_action' must be as long as"):
+    with pytest.raises(DataFileError, match=f"^parquet row {k}: feature 'hist_action': history 'events' has"):
         table_to_batch(t, SCHEMA)
 
 
@@ -153,13 +154,16 @@ def _set(table, name, values, typ=None):
 @pytest.mark.parametrize("change,msg", [
     (lambda t: t.append_column("user_id", pa.array(range(t.num_rows))),
      r"column 'user_id' is not in the schema \(data.allow_extra_columns=true ignores it\) \(got \['user_id'\]\)"),
-    (lambda t: _set(t, "dense_0", [str(x) for x in t.column("dense_0").to_pylist()]),
-     r"dense column 'dense_0' must be numbers \(got string\)"),
+    (lambda t: _set(t, "dense", [[str(v) for v in x] for x in t.column("dense").to_pylist()], pa.list_(pa.string())),
+     r"feature 'dense': column 'dense' must be a list of 4 numbers \(got list<"),
+    (lambda t: _set(t, "dense", [x[:3] for x in t.column("dense").to_pylist()], pa.list_(pa.float32(), 3)),
+     r"feature 'dense': column 'dense' must hold lists of size 4"),
     (lambda t: _set(t, "click", [str(x) for x in t.column("click").to_pylist()]),
-     r"label column 'click' must be numbers 0 or 1 \(got string\)"),
-    (lambda t: _set(t, "cand_item", [[float(v) for v in x] for x in t.column("cand_item").to_pylist()],
-                    pa.list_(pa.float64())),
-     r"column 'cand_item' must be a list of integers"),
+     r"label 'click': column 'click' must be numbers 0 or 1 \(got string\)"),
+    (lambda t: _set(t, "cand_item", [float(x) for x in t.column("cand_item").to_pylist()], pa.float64()),
+     r"feature 'cand_item': column 'cand_item' must be an integer or a list of integers \(got double\)"),
+    (lambda t: _set(t, "context", [x[0] if x else 0 for x in t.column("context").to_pylist()], pa.int64()),
+     r"feature 'context': column 'context' must be a list of integers \(max_hot=3\) \(got int64\)"),
 ])
 def test_file_schema_is_checked_on_opening(tmp_path, files, change, msg):
     """Extra, wrong-typed columns: one line naming the file, from the metadata, before any batch."""
@@ -180,9 +184,9 @@ def test_extra_columns_allowed_explicitly(tmp_path, files):
 
 @pytest.mark.parametrize("column,bad,msg", [
     ("click", 2.0, r"label 'click' must be 0 or 1 \(got 2.0\)"),
-    ("dense_1", float("nan"), r"dense value 'dense_1' must be finite \(got nan\)"),
-    ("cand_item", [10**6], r"column 'cand_item': id outside its table's range \[0, \d+\) \(got 1000000\)"),
-    ("hist_action", [], r"sequence column 'hist_action' must be as long as 'hist_item'"),
+    ("dense", [0.0, float("nan"), 0.0, 0.0], r"dense feature 'dense': values must be finite \(got \[0.0, nan"),
+    ("cand_item", 10**6, r"feature 'cand_item': id outside its table 'item' range \[0, \d+\) \(got 1000000\)"),
+    ("hist_action", [], r"feature 'hist_action': history 'events' has \d+ events in 'hist_item' but 0 here"),
 ])
 def test_bad_values_are_named_by_file_and_row(tmp_path, files, column, bad, msg):
     """A bad row in a middle row group (not sampled on opening) fails when its batch is read, naming file:row; the
@@ -224,7 +228,7 @@ def test_bad_eval_labels_fail_when_the_eval_set_opens(tmp_path, files):
     labels[40] = -1.0
     ev = _write_groups(tmp_path / "eval.parquet", _set(t, "conversion", labels, t.schema.field("conversion").type), 24)
     cfg = {"source": "parquet", "batch_size": 24, "eval_batches": 2, "paths": paths, "eval_paths": [ev],
-           "schema": schema_dict(max_len=16)}
+           **schema_dict(max_len=16)}
     build_dataset(cfg, split="train")
     with pytest.raises(DataFileError, match=f"^{ev}:40: label 'conversion' must be 0 or 1 \\(got -1.0\\)"):
         build_dataset(cfg, split="eval")

@@ -3,7 +3,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from gem.data import DataConfig, DataSchema, HistoryConfig, build_dataset
+from gem.data import DataConfig, HistorySpec, Schema, build_dataset
 from tests.data._util import schema_dict
 
 
@@ -11,9 +11,14 @@ def test_default_config_parses_and_builds():
     cfg = OmegaConf.load("configs/data/synthetic.yaml")
     dc = DataConfig.from_dict(cfg)
     s = dc.schema
-    assert s.num_items == 10000 and s.tasks == ("click", "conversion") and s.num_dense == 8
+    assert s.tasks == ("click", "conversion") and s.num_dense == 8
     assert s.cardinalities()["hist_item"] == s.cardinalities()["cand_item"] == 10000
-    assert len(s.sparse_features) == 3 and s.history.max_len == 64
+    assert s.unpooled_names == ["hist_item", "hist_action", "cand_item"]
+    assert s.sparse_names == ["user_segment", "context"] and s.history["events"].max_len == 64
+    # one item table for the history and the candidate, in the EmbeddingCollection
+    tables = {t.name: t for t in s.embedding_tables}
+    assert tables["item"].features == ("hist_item", "cand_item") and tables["item"].kind == "sequence"
+    assert tables["context"].kind == "bag" and tables["context"].pooling == "mean"
     ds = build_dataset(cfg, rank=1, world_size=2, split="eval")
     assert ds.rank == 1 and ds.world_size == 2 and len(ds) == dc.eval_batches
     b = ds.batch(0)
@@ -22,22 +27,24 @@ def test_default_config_parses_and_builds():
 
 def test_parquet_config_parses():
     cfg = OmegaConf.load("configs/data/parquet.yaml")
+    cfg = OmegaConf.merge(OmegaConf.load("configs/data/synthetic.yaml"), {k: v for k, v in cfg.items()
+                                                                          if k != "defaults"})
     dc = DataConfig.from_dict(cfg)
-    assert dc.source == "parquet" and dc.paths and dc.schema.num_items == 10000
+    assert dc.source == "parquet" and dc.paths and dc.schema.cardinalities()["cand_item"] == 10000
 
 
 @pytest.mark.parametrize(
     "where,path,key",
     [
         ("data", (), "bogus"),
-        ("data.schema", ("schema",), "num_itemz"),
-        ("data.schema.history", ("schema", "history"), "maxlen"),
-        ("data.schema.sparse_features[1]", ("schema", "sparse_features", 1), "maxhot"),
-        ("data.schema.sequence_features[0]", ("schema", "sequence_features", 0), "cardinality"),
+        ("data.histories.events", ("histories", "events"), "maxlen"),
+        ("data.features.context", ("features", "context"), "maxhot"),
+        ("data.tables.item", ("tables", "item"), "rows"),
+        ("data.synthetic", ("synthetic",), "alpha"),
     ],
 )
 def test_unknown_key_is_named(where, path, key):
-    d = {"source": "synthetic", "seed": 0, "batch_size": 4, "schema": schema_dict()}
+    d = {"source": "synthetic", "seed": 0, "batch_size": 4, **schema_dict()}
     node = d
     for p in path:
         node = node[p]
@@ -46,32 +53,70 @@ def test_unknown_key_is_named(where, path, key):
         DataConfig.from_dict(d)
 
 
+def test_old_schema_key_says_what_it_became():
+    with pytest.raises(ValueError, match=r"^data.schema: replaced by data.features, data.histories, data.labels "
+                                         r"and data.tables"):
+        DataConfig.from_dict({"source": "synthetic", "schema": {"num_items": 10}})
+
+
+def _drop_feature(d, name):
+    del d["features"][name]
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda d: d["sequence_features"].pop(0), "must include 'hist_item'"),
-        (lambda d: d["sparse_features"].pop(0), "must include 'cand_item'"),
-        (lambda d: d["sparse_features"][0].update(num_embeddings=7),
-         r"data.schema.sparse_features: 'cand_item' num_embeddings must equal num_items=\d+ \(got 7\)"),
-        (lambda d: d["sparse_features"][0].update(max_hot=2), "'cand_item' must be one-hot"),
-        (lambda d: d.update(tasks=["click"]), ">= 2 distinct task"),
-        (lambda d: d["sparse_features"].append({"name": "hist_action", "num_embeddings": 3}), "declared twice"),
-        (lambda d: d["sparse_features"].append({"name": "x"}),
-         r"data.schema.sparse_features\[\d\].num_embeddings: missing required key \(got x\)"),
-        (lambda d: d["history"].update(distribution="poisson"),
-         r"^data.schema.history.distribution: must be uniform or lognormal \(got poisson\)$"),
-        (lambda d: d["history"].update(max_len="long"),
-         r"^data.schema.history.max_len: expected an integer \(got long\)$"),
-        (lambda d: d.update(num_dense=-1), r"^data.schema.num_dense: must be >= 0 \(got -1\)$"),
-        (lambda d: d["history"].update(min_len=30), "history.min_len"),
-        (lambda d: d["history"].update(sparsity=1.0), "history.sparsity"),
+        (lambda d: d["features"]["cand_item"].update(max_hot=2),
+         r"^data.features.cand_item.max_hot: a candidate has exactly one id \(got \[1, 2\]\)$"),
+        (lambda d: d["features"]["context"].update(min_hot=4),
+         r"^data.features.context.min_hot: must be in \[0, max_hot=3\] \(got 4\)$"),
+        (lambda d: d["features"]["context"].update(table="contexts"),
+         (r"^data.features.context.table: no such table in data.tables \(action, context, item, user_segment\) "
+          r"\(got contexts\)$")),
+        (lambda d: d["tables"].update(unused={"num_embeddings": 3, "embedding_dim": 4}),
+         r"^data.tables.unused: no feature uses this table"),
+        (lambda d: d["features"]["user_segment"].update(table="item"),
+         (r"^data.tables.item: features 'hist_item' \(sequence\) and 'user_segment' \(sparse\) need different "
+          r"pooling")),
+        (lambda d: d["tables"]["item"].update(pooling="mean"),
+         r"^data.tables.item.pooling: the table of 'hist_item' \(sequence\) is not pooled \(got mean\)$"),
+        (lambda d: d["tables"]["action"].update(embedding_dim=4),
+         r"^data.tables: the tables of sequence and candidate features must share one embedding_dim"),
+        (lambda d: d["features"]["hist_action"].update(history="searches"),
+         r"^data.features.hist_action.history: must name one of data.histories \(events\) \(got searches\)$"),
+        (lambda d: d["features"].update(x={"kind": "pooled", "table": "item"}),
+         r"^data.features.x.kind: must be one of sequence, candidate, sparse, dense \(got pooled\)$"),
+        (lambda d: d["features"]["dense"].update(size=0), r"^data.features.dense.size: must be >= 1 \(got 0\)$"),
+        (lambda d: _drop_feature(d, "cand_item"), r"^data.features: at least one feature of kind 'candidate'"),
+        (lambda d: d["labels"].update(like="hist_item"), r"^data.labels: a label column is also a feature's"),
+        (lambda d: d["tables"]["item"].update(ids="raw"), r"^data.tables.item.hash: raw ids need a hash"),
+        (lambda d: d["tables"]["item"].update(ids="raw", hash="zch"),
+         r"^data.tables.item.hash: zch \(TorchRec managed collisions\) is not supported"),
+        (lambda d: d["histories"]["events"].update(distribution="poisson"),
+         r"^data.histories.events.distribution: must be uniform or lognormal \(got poisson\)$"),
+        (lambda d: d["histories"]["events"].update(max_len="long"),
+         r"^data.histories.events.max_len: expected an integer \(got long\)$"),
+        (lambda d: d["histories"]["events"].update(min_len=30), "histories.events.min_len"),
+        (lambda d: d["histories"]["events"].update(sparsity=1.0), "histories.events.sparsity"),
+        (lambda d: d["histories"].update(searches={"max_len": 4}),
+         r"^data.histories.searches: no sequence feature belongs to it"),
     ],
 )
-def test_bad_schema_raises(mutate, match):
+def test_bad_schema_raises_one_line(mutate, match):
     d = schema_dict()
     mutate(d)
-    with pytest.raises(ValueError, match=match):
-        DataSchema.from_dict(d)
+    with pytest.raises(ValueError, match=match) as e:
+        Schema.from_dict(d)
+    assert "\n" not in str(e.value)
+
+
+def test_a_null_feature_is_deleted_and_history_defaults_to_the_only_one():
+    d = schema_dict()
+    d["features"]["context"] = None
+    d["tables"]["context"] = None
+    del d["features"]["hist_action"]["history"]
+    s = Schema.from_dict(d)
+    assert s.sparse_names == ["user_segment"] and s.feature["hist_action"].history == "events"
 
 
 @pytest.mark.parametrize(
@@ -87,7 +132,7 @@ def test_bad_schema_raises(mutate, match):
     ],
 )
 def test_uniform_range_matches_sparsity(max_len, min_len, s, expected):
-    h = HistoryConfig(max_len=max_len, min_len=min_len, sparsity=s)
+    h = HistorySpec(max_len=max_len, min_len=min_len, sparsity=s)
     lo, hi = h.uniform_range()
     assert (lo, hi) == expected
     assert min_len <= lo <= hi <= max_len

@@ -27,11 +27,11 @@ def test_batches_are_valid_and_shaped():
         assert isinstance(b, Batch) and b.batch_size == 37
         validate_batch(b, s)
         lengths = b.seq_lengths
-        assert list(b.sequence.keys()) == ["hist_item", "hist_action"]
+        assert list(b.sequence.keys()) == ["hist_item", "hist_action", "cand_item"]
         assert torch.equal(b.sequence["hist_item"].lengths(), lengths)
         assert torch.equal(b.sequence["hist_action"].lengths(), lengths)
         assert b.max_seq_len == int(lengths.max())
-        assert torch.equal(b.sparse["cand_item"].lengths(), torch.ones(37, dtype=torch.int64))
+        assert torch.equal(b.sequence["cand_item"].lengths(), torch.ones(37, dtype=torch.int64))
         ctx = b.sparse["context"].lengths()
         assert int(ctx.min()) >= 0 and int(ctx.max()) <= 3
         assert b.dense.dtype == torch.float32 and b.labels.dtype == torch.float32
@@ -115,7 +115,7 @@ def test_uniform_lengths_hit_the_sparsity(max_len, min_len, sparsity):
     s = make_schema(max_len=max_len, min_len=min_len, sparsity=sparsity)
     ds = SyntheticDataset(s, seed=1, batch_size=512)
     lengths = torch.cat([ds.batch(i).seq_lengths for i in range(8)]).double()
-    lo, hi = s.history.uniform_range()
+    lo, hi = s.history["events"].uniform_range()
     assert int(lengths.min()) == lo and int(lengths.max()) == hi
     realised = 1 - lengths.mean() / max_len
     assert abs(float(realised) - sparsity) < 0.03
@@ -134,7 +134,7 @@ def test_empty_histories_and_all_empty_batch():
     # sparsity close to 1 with max_len 1: lengths U{0..0} -> every history empty
     s0 = make_schema(max_len=1, min_len=0, sparsity=0.9)
     b0 = SyntheticDataset(s0, seed=0, batch_size=9).batch(0)
-    assert b0.max_seq_len == 0 and b0.sequence.values().numel() == 0
+    assert b0.max_seq_len == 0 and b0.sequence["hist_item"].values().numel() == 0
     assert torch.equal(b0.seq_offsets, torch.zeros(10, dtype=torch.int64))
     validate_batch(b0, s0)
     # labels still defined (taste 0 -> affinity 0)
@@ -217,7 +217,7 @@ def test_history_affinity_carries_most_of_the_signal():
     # id -> popularity rank -> cluster (invert the affine permutation)
     inv_a = pow(w.perm_a, -1, w.n)
     cluster_of = lambda ids: (((ids - w.perm_b) % w.n) * inv_a % w.n) % w.k
-    cand_c = cluster_of(b.sparse["cand_item"].values())
+    cand_c = cluster_of(b.sequence["cand_item"].values())
     share_same = torch.zeros(b.batch_size).index_add_(0, user, (cluster_of(hist) == cand_c[user]).float())
     share_same = share_same / b.seq_lengths.clamp_min(1)
     y = b.labels[:, 0]
@@ -288,7 +288,7 @@ def test_signal_is_learnable_by_a_small_model():
 
     def logits(b):
         h = hist(b.sequence["hist_item"].values(), b.seq_offsets[:-1])
-        c = cand(b.sparse["cand_item"].values())
+        c = cand(b.sequence["cand_item"].values())
         return head((h * c).sum(1, keepdim=True)) + dense(b.dense) + seg(b.sparse["user_segment"].values())
 
     b, _ = held_out.batch(0, return_truth=True)

@@ -31,7 +31,7 @@ def test_valid_batches_pass():
     [
         ("sequence", "hist_item", 500, 500),
         ("sequence", "hist_action", -1, 4),
-        ("sparse", "cand_item", 10**9, 500),
+        ("sequence", "cand_item", 10**9, 500),
         ("sparse", "user_segment", 20, 20),
     ],
 )
@@ -47,9 +47,9 @@ def test_negative_length():
     b = _batch()
     lengths = b.sparse.lengths().clone()
     n = b.batch_size
-    # context is the third sparse key: move one id from example 1 to example 2 and make example 1 negative
-    lengths[2 * n + 1] = -1
-    lengths[2 * n + 2] += 1 + int(b.sparse["context"].lengths()[1])
+    # context is the second sparse key: move one id from example 1 to example 2 and make example 1 negative
+    lengths[n + 1] = -1
+    lengths[n + 2] += 1 + int(b.sparse["context"].lengths()[1])
     bad = dataclasses.replace(
         b, sparse=KeyedJaggedTensor(keys=b.sparse.keys(), values=b.sparse.values(), lengths=lengths)
     )
@@ -85,7 +85,7 @@ def test_history_longer_than_schema_max_len():
     long_schema = make_schema(max_len=40)
     b = SyntheticDataset(long_schema, seed=0, batch_size=32).batch(0)
     assert b.max_seq_len > 12
-    with pytest.raises(ValueError, match="exceeds history.max_len=12"):
+    with pytest.raises(ValueError, match="exceeds data.histories.events.max_len=12"):
         validate_batch(b, SCHEMA)
 
 

@@ -13,8 +13,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05):
-    """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON."""
+def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05,
+                       data: dict | None = None):
+    """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON
+    (`data`: a data group's declaration instead of the default one)."""
     import torch.distributed as dist
 
     from gem.model import GEMModel
@@ -22,12 +24,12 @@ def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "
 
     device = init_distributed()
     torch.manual_seed(0)
-    model = GEMModel(model_cfg(moe_every=moe_every), embedding_device=device)
+    model = GEMModel(model_cfg(moe_every=moe_every, data=data), embedding_device=device)
     p = parallelize(model, json.loads(parallel), sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
     return device, dist.get_rank(), dist.get_world_size(), p, torch.optim.SGD(p.dense_parameters(), lr=lr)
 
 
-def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2):
+def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2, data: dict | None = None):
     from omegaconf import OmegaConf
 
     from gem.model import ModelConfig
@@ -38,22 +40,27 @@ def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks
     c["tower"]["moe_every"] = moe_every
     c["moe"]["num_experts"] = num_experts
     c["moe"]["aux_loss_coef"] = aux
-    for t in c["tables"]:
-        t["num_embeddings"] = min(t["num_embeddings"], 500)
-    return ModelConfig.from_dict(c)
+    return ModelConfig.from_dict(c, data if data is not None else data_dict())
 
 
-def dataset(batch_size: int, seed: int = 0):
+def data_dict(batch_size: int = 128, seed: int = 0) -> dict:
+    """The default data group with tables of at most 500 rows and histories of at most 12 events."""
     from omegaconf import OmegaConf
 
-    from gem.data import DataConfig, SyntheticDataset
-
     c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
-    c["schema"]["num_items"] = 500
-    c["schema"]["history"]["max_len"] = 12
+    for t in c["tables"].values():
+        t["num_embeddings"] = min(t["num_embeddings"], 500)
+    c["histories"]["events"]["max_len"] = 12
     c["batch_size"] = batch_size
     c["seed"] = seed
-    d = DataConfig.from_dict(c)
+    return c
+
+
+def dataset(batch_size: int, seed: int = 0, data: dict | None = None):
+    from gem.data import DataConfig, SyntheticDataset
+
+    d = DataConfig.from_dict({**data, "batch_size": batch_size, "seed": seed} if data is not None
+                             else data_dict(batch_size, seed))
     return SyntheticDataset(d.schema, d.seed, batch_size)
 
 
@@ -72,16 +79,15 @@ def _slice_kjt(kjt, a: int, b: int):
 def slice_batch(batch, a: int, b: int):
     """Rows [a, b) of a Batch as a Batch of its own."""
     from gem.data import Batch
+    from gem.data.batch import history_fields
 
-    off = batch.seq_offsets[a:b + 1]
-    lens = off[1:] - off[:-1]
+    lengths = [(o[1:] - o[:-1])[a:b] for o in batch.history_offsets]
     return Batch(
         sequence=_slice_kjt(batch.sequence, a, b),
         sparse=_slice_kjt(batch.sparse, a, b),
         dense=batch.dense[a:b],
         labels=batch.labels[a:b],
-        seq_offsets=off - off[0],
-        max_seq_len=int(lens.max()) if lens.numel() else 0,
+        **history_fields(lengths),
     )
 
 

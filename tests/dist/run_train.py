@@ -7,6 +7,7 @@ see the same examples per step.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -23,13 +24,15 @@ def main() -> None:
     ap.add_argument("--sparse-opt", default="sgd")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--moe-every", type=int, default=2)
+    ap.add_argument("--data", default=None, help="a data group's declaration (JSON) instead of the default one")
     a = ap.parse_args()
+    data = json.loads(a.data) if a.data else None
 
     from gem.model import multitask_loss
 
     device, rank, world, p, opt = sharded_tiny_model(a.parallel, moe_every=a.moe_every, sparse_opt=a.sparse_opt,
-                                                     lr=a.lr)
-    ds = dataset(a.global_batch)
+                                                     lr=a.lr, data=data)
+    ds = dataset(a.global_batch, data=data)
     per = a.global_batch // world
     losses = []
     for step in range(a.steps):

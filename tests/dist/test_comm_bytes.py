@@ -16,8 +16,8 @@ from tests.dist._common import model_cfg, torchrun
 HSDP_EP = {"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 2,
            "param_dtype": "bf16"}  # all-gathers and expert rows in bf16, gradients reduced in fp32
 FSDP_MIXED = {"dense": "fsdp", "dp_shard": 4, "emb_shard_group": 2, "emb_group_layout": "strided",
-              "sharding_types": {"cand_item": ["row_wise"], "user_segment": ["column_wise"],
-                                 "context": ["table_wise"], "item": ["column_wise"], "action": ["table_wise"]}}
+              "sharding_types": {"user_segment": ["row_wise"], "context": ["column_wise"],
+                                 "item": ["column_wise"], "action": ["table_wise"]}}
 STEPS = 2  # counted after one warm-up step
 
 

@@ -48,8 +48,8 @@ def assert_parity(ref: dict, got: dict, loss_atol: float = 2e-6) -> None:
     assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3
 
 
-ROW_WISE_BAG = {"cand_item": ["row_wise"], "item": ["row_wise"], "action": ["column_wise"],
-                "user_segment": ["table_wise"], "context": ["column_wise", "table_wise"]}
+ROW_WISE_BAG = {"item": ["row_wise"], "action": ["column_wise"], "user_segment": ["row_wise"],
+                "context": ["column_wise", "table_wise"]}
 
 
 @pytest.mark.parametrize("nproc,parallel", [

@@ -9,10 +9,12 @@ import torch
 from omegaconf import OmegaConf
 from torchrec import KeyedJaggedTensor
 
-from gem.data import Batch
+from gem.data import Batch, Schema
+from gem.data.batch import history_fields
 from gem.model import ModelConfig
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "model" / "gem_tiny.yaml"
+DATA_YAML = Path(__file__).resolve().parents[2] / "configs" / "data" / "synthetic.yaml"
 
 
 def tiny_dict(**tower) -> dict:
@@ -23,23 +25,41 @@ def tiny_dict(**tower) -> dict:
     return d
 
 
-def tiny_cfg(kernel: str = "reference", **tower) -> ModelConfig:
-    cfg = ModelConfig.from_dict(tiny_dict(**tower))
+def data_dict() -> dict:
+    """The default data declaration (configs/data/synthetic.yaml) as a plain dict."""
+    return copy.deepcopy(OmegaConf.to_container(OmegaConf.load(DATA_YAML), resolve=True))
+
+
+def tiny_schema(data: dict | None = None) -> Schema:
+    return Schema.from_dict(data if data is not None else data_dict())
+
+
+def tiny_cfg(kernel: str = "reference", *, data: dict | None = None, **tower) -> ModelConfig:
+    cfg = ModelConfig.from_dict(tiny_dict(**tower), tiny_schema(data))
     cfg.kernel = kernel
     return cfg
 
 
-def make_batch(cfg: ModelConfig, lengths: list[int], *, seed: int = 0, hots: list[int] | None = None,
-               dtype=torch.float32) -> Batch:
-    """A batch with these history lengths; sparse features get `hots[i]` ids per example (default 1..2)."""
+def make_batch(cfg: ModelConfig, lengths: list[int] | list[list[int]], *, seed: int = 0,
+               hots: list[int] | None = None, dtype=torch.float32) -> Batch:
+    """A batch with these history lengths (one list per history, or one list for a single history); sparse
+    features get `hots[i]` ids per example (default 1..2)."""
     g = torch.Generator().manual_seed(seed)
-    b = len(lengths)
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    total = int(lens.sum())
+    per_hist = [lengths] if not lengths or not isinstance(lengths[0], (list, tuple)) else lengths
+    b = len(per_hist[0])
+    lens = [torch.tensor(x, dtype=torch.int64) for x in per_hist]
     card = {f: t.num_embeddings for t in cfg.tables for f in t.features}
-    seq_keys = cfg.sequence_features
-    seq_vals = torch.cat([torch.randint(0, card[k], (total,), generator=g) for k in seq_keys])
-    sequence = KeyedJaggedTensor.from_lengths_sync(keys=seq_keys, values=seq_vals, lengths=lens.repeat(len(seq_keys)))
+    keys, vals, lns = [], [], []
+    for h, n in zip(cfg.histories, lens):
+        for k in cfg.history_features(h):
+            keys.append(k)
+            vals.append(torch.randint(0, card[k], (int(n.sum()),), generator=g))
+            lns.append(n)
+    for k in cfg.candidate_features:
+        keys.append(k)
+        vals.append(torch.randint(0, card[k], (b,), generator=g))
+        lns.append(torch.ones(b, dtype=torch.int64))
+    sequence = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lns))
     sp_keys = cfg.sparse_features
     sp_lens = []
     sp_vals = []
@@ -48,8 +68,5 @@ def make_batch(cfg: ModelConfig, lengths: list[int], *, seed: int = 0, hots: lis
         sp_lens.append(n)
         sp_vals.append(torch.randint(0, card[k], (int(n.sum()),), generator=g))
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=sp_keys, values=torch.cat(sp_vals), lengths=torch.cat(sp_lens))
-    offsets = torch.zeros(b + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lens, 0)
     return Batch(sequence=sequence, sparse=sparse, dense=torch.randn(b, cfg.num_dense, generator=g, dtype=dtype),
-                 labels=torch.randint(0, 2, (b, len(cfg.heads.tasks)), generator=g).float(), seq_offsets=offsets,
-                 max_seq_len=int(lens.max()) if b else 0)
+                 labels=torch.randint(0, 2, (b, len(cfg.tasks)), generator=g).float(), **history_fields(lens))

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from gem.model import ConfigError, ModelConfig, validate_against_schema
-from tests.model._batches import tiny_dict
+from gem.model import ConfigError, ModelConfig
+from tests.model._batches import data_dict, tiny_dict, tiny_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,25 +16,30 @@ def _cfg(mutate):
     return d
 
 
-def test_shipped_configs_build_and_match_the_synthetic_schema():
-    schema = OmegaConf.load(ROOT / "configs/data/synthetic.yaml").schema
-    for name in ("gem_tiny", "gem_base"):
-        cfg = ModelConfig.from_dict(OmegaConf.load(ROOT / f"configs/model/{name}.yaml"))
-        validate_against_schema(cfg, schema)
+def test_shipped_configs_build_over_the_synthetic_schema():
+    schema = tiny_schema()
+    for name in ("gem_tiny", "gem_base", "gem_prod"):
+        cfg = ModelConfig.from_dict(OmegaConf.load(ROOT / f"configs/model/{name}.yaml"), schema)
         assert cfg.sequence_features == ["hist_item", "hist_action"]
-        assert "cand_item" in cfg.sparse_features
-    tiny = ModelConfig.from_dict(OmegaConf.load(ROOT / "configs/model/gem_tiny.yaml"))
+        assert cfg.candidate_features == ["cand_item"] and cfg.sparse_features == ["user_segment", "context"]
+        # the candidate shares the history's item table (one EmbeddingCollection table)
+        assert [t.features for t in cfg.sequence_tables] == [("hist_item", "cand_item"), ("hist_action",)]
+        assert cfg.tasks == ["click", "conversion"] and cfg.num_dense == 8
+    tiny = ModelConfig.from_dict(OmegaConf.load(ROOT / "configs/model/gem_tiny.yaml"), schema)
     assert tiny.is_moe_block(1) and not tiny.is_moe_block(0)
-    assert tiny.num_query_tokens == len(tiny.sparse_features) + 2
+    assert tiny.num_query_tokens == 3 + 2
 
 
 @pytest.mark.parametrize("mutate,key", [
     (lambda d: d.pop("d_model"), "model.d_model"),
     (lambda d: d.update(bogus=1), "model.bogus"),
     (lambda d: d["tower"].update(num_heeds=2), "model.tower.num_heeds"),
-    (lambda d: d["tables"][0].pop("num_embeddings"), "model.tables[0].num_embeddings"),
-    (lambda d: d["tables"][1].update(kind="pooled"), "model.tables[1].kind"),
-    (lambda d: d["tables"][2].update(pooling="max"), "model.tables[2].pooling"),
+    (lambda d: d.update(tables=[]), "model.tables"),
+    (lambda d: d.update(num_dense=8), "model.num_dense"),
+    (lambda d: d["heads"].update(tasks=["click"]), "model.heads.tasks"),
+    (lambda d: d["heads"].update(weights={"click": 1.0, "like": 2.0}), "model.heads.weights.like"),
+    (lambda d: d.update(towers={"searches": {"num_blocks": 1}}), "model.towers.searches"),
+    (lambda d: d.update(towers={"events": {"attention": "swa"}}), "model.towers.events.window"),
     (lambda d: d.update(d_model="wide"), "model.d_model"),
     (lambda d: d["tower"].update(head_dim=None, num_heads=3), "model.tower.num_heads"),
     (lambda d: d["tower"].update(num_kv_heads=3), "model.tower.num_kv_heads"),
@@ -46,9 +51,6 @@ def test_shipped_configs_build_and_match_the_synthetic_schema():
     (lambda d: d["heads"].update(weights=[1.0]), "model.heads.weights"),
     (lambda d: d["interaction"].update(activation="tanh"), "model.interaction.activation"),
     (lambda d: d.update(kernel="cuda"), "model.kernel"),
-    (lambda d: d["tables"][1].update(embedding_dim=8), "model.tables"),
-    (lambda d: d["tables"][1].update(features=["hist_item"]), "model.tables[1].features"),
-    (lambda d: d.update(tables=[t for t in d["tables"] if t["kind"] == "sequence"]), "model.tables"),
     (lambda d: d["tower"].update(rope_base=-1), "model.tower.rope_base"),
     (lambda d: d["tower"].update(window=0), "model.tower.window"),
     (lambda d: d["moe"].update(num_experts=0), "model.moe.num_experts"),
@@ -57,37 +59,37 @@ def test_shipped_configs_build_and_match_the_synthetic_schema():
 ])
 def test_config_errors_name_the_key(mutate, key):
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict(_cfg(mutate))
+        ModelConfig.from_dict(_cfg(mutate), tiny_schema())
     assert str(e.value).startswith(key + ":"), str(e.value)
+
+
+def test_old_model_keys_say_what_they_became():
+    with pytest.raises(ConfigError, match=r"^model.tables: moved to data.tables"):
+        ModelConfig.from_dict(_cfg(lambda d: d.update(tables=[])), tiny_schema())
+    with pytest.raises(ConfigError, match=r"^model.heads.weights: a mapping task -> weight"):
+        ModelConfig.from_dict(_cfg(lambda d: d["heads"].update(weights=[1.0, 1.0])), tiny_schema())
+
+
+def test_task_weights_follow_the_labels():
+    cfg = ModelConfig.from_dict(_cfg(lambda d: d["heads"].update(weights={"conversion": 0.5})), tiny_schema())
+    assert cfg.task_weights == [1.0, 0.5]
+
+
+def test_a_tower_per_history_overrides_the_default_tower():
+    data = data_dict()
+    data["features"]["searches"] = {"kind": "sequence", "table": "action", "history": "searches"}
+    data["histories"]["searches"] = {"max_len": 8}
+    cfg = ModelConfig.from_dict(_cfg(lambda d: d.update(towers={"events": {"attention": "block", "block_size": 8},
+                                                                "searches": {"num_blocks": 1}})), tiny_schema(data))
+    events, searches = cfg.tower_for("events"), cfg.tower_for("searches")
+    assert (events.attention, events.block_size, events.num_blocks) == ("block", 8, 2)
+    assert (searches.attention, searches.num_blocks, searches.head_dim, searches.d_ff) == ("jfa", 1, 16, 64)
 
 
 def test_dictconfig_and_dict_give_the_same_config():
     d = tiny_dict()
-    assert ModelConfig.from_dict(OmegaConf.create(d)) == ModelConfig.from_dict(copy.deepcopy(d))
-
-
-@pytest.mark.parametrize("mutate,key", [
-    (lambda s: s["sequence_features"].append({"name": "hist_dwell", "num_embeddings": 10}), "model.tables"),
-    (lambda s: s["sparse_features"].pop(), "model.tables[4].features"),
-    (lambda s: s.update(num_dense=3), "model.num_dense"),
-    (lambda s: s.update(tasks=["click", "like"]), "model.heads.tasks"),
-    (lambda s: s["sparse_features"][1].update(num_embeddings=1000), "model.tables[3].num_embeddings"),
-    (lambda s: s.update(num_items=20000), "model.tables[0].num_embeddings"),
-])
-def test_schema_mismatch_names_the_key(mutate, key):
-    schema = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml").schema)
-    mutate(schema)
-    cfg = ModelConfig.from_dict(tiny_dict())
-    with pytest.raises(ConfigError) as e:
-        validate_against_schema(cfg, schema)
-    assert str(e.value).startswith(key + ":"), str(e.value)
-
-
-def test_schema_object_from_the_data_layer_is_accepted():
-    from gem.data import DataConfig
-
-    data = DataConfig.from_dict(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
-    validate_against_schema(ModelConfig.from_dict(tiny_dict()), data.schema)
+    assert ModelConfig.from_dict(OmegaConf.create(d), tiny_schema()) == ModelConfig.from_dict(copy.deepcopy(d),
+                                                                                             tiny_schema())
 
 
 @pytest.mark.parametrize("value", [True, False, None])
@@ -95,7 +97,7 @@ def test_moe_grouped_mm_reaches_every_moe_block(value):
     from gem.model.attention import build_blocks
     from gem.model.moe import MoE
 
-    cfg = ModelConfig.from_dict(_cfg(lambda d: d["moe"].update(grouped_mm=value)))
+    cfg = ModelConfig.from_dict(_cfg(lambda d: d["moe"].update(grouped_mm=value)), tiny_schema())
     moes = [b.ffn for b in build_blocks(cfg) if isinstance(b.ffn, MoE)]
     assert moes and all(m.use_grouped_mm is value for m in moes)
 
@@ -111,5 +113,5 @@ def test_one_message_format(mutate, line):
     from gem.config import ConfigError as AnyConfigError
 
     with pytest.raises(AnyConfigError) as e:
-        ModelConfig.from_dict(_cfg(mutate))
+        ModelConfig.from_dict(_cfg(mutate), tiny_schema())
     assert str(e.value).startswith(line), str(e.value)

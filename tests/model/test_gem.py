@@ -3,7 +3,7 @@ import torch
 
 from gem.model import GEMModel, ModelConfig, multitask_loss
 from gem.model import flops as F
-from tests.model._batches import make_batch, tiny_cfg, tiny_dict
+from tests.model._batches import data_dict, make_batch, tiny_cfg, tiny_dict, tiny_schema
 
 
 def _model(cfg, seed=0):
@@ -42,8 +42,12 @@ def test_examples_are_independent_and_empty_history_sees_nothing():
         one = _slice(full, i)
         torch.testing.assert_close(m(one).logits, y[i:i + 1], rtol=1e-5, atol=1e-5)
     # the empty-history example: changing another user's history does not move it
+    from torchrec import KeyedJaggedTensor
+
     other = make_batch(cfg, [4, 0, 6], seed=2)
     other.sparse, other.dense = full.sparse, full.dense
+    other.sequence = KeyedJaggedTensor.from_jt_dict(
+        {k: (full if k in cfg.candidate_features else other).sequence[k] for k in full.sequence.keys()})  # noqa: SIM118 (a KJT, not a dict)
     torch.testing.assert_close(m(other).logits[1], y[1])
 
 
@@ -73,7 +77,7 @@ def test_gradients_reach_every_table_and_dense_parameter():
     m = _model(cfg)
     batch = make_batch(cfg, [6, 0, 9, 3], seed=3)
     out = m(batch)
-    loss, per = multitask_loss(out.logits, batch.labels, cfg.task_weights, cfg.heads.tasks)
+    loss, per = multitask_loss(out.logits, batch.labels, cfg.task_weights, cfg.tasks)
     assert set(per) == {"click", "conversion"}
     (loss + out.aux_loss).backward()
     for name, p in m.named_parameters():
@@ -157,26 +161,26 @@ def test_meta_embedding_device_leaves_tables_unmaterialised():
 
 
 def test_table_init_range_is_respected():
-    d = tiny_dict()
-    d["tables"][0]["init_range"] = 0.001
-    m = _model(ModelConfig.from_dict(d))
-    w = m.ec.embeddings[d["tables"][0]["name"]].weight
+    data = data_dict()
+    data["tables"]["item"]["init_range"] = 0.001
+    m = _model(tiny_cfg(data=data))
+    w = m.ec.embeddings["item"].weight
     assert w.abs().max() <= 0.001 and w.abs().max() > 0.0005
 
 
 def test_flops_equal_a_hand_count():
     d = tiny_dict(num_blocks=2, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64, moe_every=2)
-    d.update(d_model=32, num_dense=8)
+    d.update(d_model=32)
     d["moe"].update(num_experts=4, top_k=2, d_ff=32)
     d["interaction"].update(num_heads=2, head_dim=16, num_kv_heads=None, dense_hidden=[32])
     d["heads"].update(over_arch=[64], hidden=[32])
-    cfg = ModelConfig.from_dict(d)
+    cfg = ModelConfig.from_dict(d, tiny_schema())
     # per history token: input proj (16 + 16) * 32; block attention qkv 32 * (2 + 2) * 16 + out 32 * 32;
     # block 0 SwiGLU 3 * 32 * 64; block 1 router 32 * 4 + top-2 experts 2 * 3 * 32 * 32; interaction K/V 32 * 64
     per_tok = 32 * 32 + 2 * (32 * 4 * 16 + 32 * 32) + 3 * 32 * 64 + (32 * 4 + 2 * 3 * 32 * 32) + 32 * 64
     assert F.tower_weights_per_token(cfg) == per_tok
-    # per example: sparse projections (16 + 8 + 8) * 32; dense token 8*32 + 32*32; 5 query tokens x (q 32*32 +
-    # out 32*32); dense path 8*32; over arch (5*32 + 32) * 64; two heads 64*32 + 32*1
+    # per example: query projections (candidate 16, sparse 8 + 8) * 32; dense token 8*32 + 32*32; 5 query tokens x
+    # (q 32*32 + out 32*32); dense path 8*32; over arch (5*32 + 32) * 64; two heads 64*32 + 32*1
     per_ex = 32 * 32 + (8 * 32 + 32 * 32) + 5 * 2 * 32 * 32 + 8 * 32 + (5 * 32 + 32) * 64 + 2 * (64 * 32 + 32)
     assert F.weights_per_example(cfg) == per_ex
     lengths = [0, 3, 10]
@@ -187,10 +191,10 @@ def test_flops_equal_a_hand_count():
     assert F.train_flops(cfg, offsets) == round(expect)
     assert GEMModel(cfg, embedding_device="meta").dense_flops_per_token() == 6 * per_tok
     # windowed / block-causal pair counts
-    swa = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "swa", "window": 4}})
+    swa = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "swa", "window": 4}}, tiny_schema())
     # length 10: rows see 1, 2, 3, 4 keys, then 5 (itself and 4 before); half the diagonal (10 / 2) off
     assert F.attention_pairs(swa, torch.tensor(lengths)) == 9 / 2 + (1 + 2 + 3 + 4 + 6 * 5 - 10 / 2)
-    blk = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "block", "block_size": 4}})
+    blk = ModelConfig.from_dict({**d, "tower": {**d["tower"], "attention": "block", "block_size": 4}}, tiny_schema())
     assert F.attention_pairs(blk, torch.tensor(lengths)) == 9 / 2 + (2 * 16 / 2 + 4 / 2)
 
 
@@ -260,7 +264,7 @@ def test_missing_embedding_outputs_are_named():
 
     jt = JaggedTensor(values=torch.randn(3, 4), lengths=torch.tensor([1, 2]))
     assert torch.equal(sequence_embeddings({"a": jt}, ["a"])[0], jt.values())
-    with pytest.raises(KeyError, match=r"sequence features \['b'\] missing"):
+    with pytest.raises(KeyError, match=r"features \['b'\] missing"):
         sequence_embeddings({"a": jt}, ["a", "b"])
     kt = KeyedTensor(keys=["x", "y"], length_per_key=[2, 3], values=torch.randn(4, 5))
     x, y = pooled_embeddings(kt, ["y", "x"])  # by key, in the asked order

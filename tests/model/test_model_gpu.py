@@ -63,9 +63,7 @@ def test_tower_blocks_triton_vs_reference_bf16():
     from gem.model.config import ModelConfig
 
     cfg = ModelConfig.from_dict({
-        "d_model": 256, "num_dense": 4,
-        "tables": [{"name": "a", "kind": "sequence", "num_embeddings": 10, "embedding_dim": 8, "features": ["s"]},
-                   {"name": "b", "kind": "bag", "num_embeddings": 10, "embedding_dim": 8, "features": ["c"]}],
+        "d_model": 256,
         "tower": {"num_blocks": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "moe_every": 2, "d_ff": 512},
         "moe": {"num_experts": 4, "top_k": 2, "d_ff": 256},
     })

@@ -23,7 +23,7 @@ BLOCK0 = 32 + 32 * (2 + 2 * 2) * 16 + 32 * 32 + 32 + 3 * 32 * 64  # norms, qkv, 
 BLOCK1_NO_MOE = 32 + 32 * 6 * 16 + 32 * 32 + 32
 ROUTER, EXPERT_W = 4 * 32, 4 * 32 * 32  # w1, w3, w2 [4, 32, 32] each
 ROOT = (32 * 32 + 32 + 32  # input_proj, final_norm
-        + (16 * 32 + 32) + 2 * (8 * 32 + 32)  # sparse_proj of cand_item / user_segment / context
+        + (16 * 32 + 32) + 2 * (8 * 32 + 32)  # query_proj of cand_item / user_segment / context
         + (8 * 32 + 32) + (32 * 32 + 32) + 32  # dense_token MLP, summary token
         + 32 + 32 * 32 + 32 * 64 + 32 * 32  # interaction: q_norm, q_proj, kv_proj, out
         + (8 * 32 + 32)  # dense_mlp
@@ -70,11 +70,12 @@ def test_communication_per_collective(planned):
         # table-wise: ids to one owner, one length per example, 2 (kind, type) split exchanges of 2 x 3 int64
         "embedding input dist (ids)": 8 * (2 * t + B * (1 + 1 + 2)),
         "embedding input dist (lengths, splits)": 5 * B * 8 + 2 * 2 * 3 * 8,
-        "sequence embedding all-to-all (fwd+bwd)": 2 * 2 * t * 16 * 4,
-        "pooled embedding all-to-all (fwd+bwd)": 2 * B * (16 + 8 + 8) * 4,
+        # the candidate is looked up unpooled in the history's item table: one row per example
+        "sequence embedding all-to-all (fwd+bwd)": 2 * (2 * t + B) * 16 * 4,
+        "pooled embedding all-to-all (fwd+bwd)": 2 * B * (8 + 8) * 4,
     }
-    rows = {"item": 10000, "action": 4, "cand_item": 10000, "user_segment": 100, "context": 50}
-    dims = {"item": 16, "action": 16, "cand_item": 16, "user_segment": 8, "context": 8}
+    rows = {"item": 10000, "action": 4, "user_segment": 100, "context": 50}
+    dims = {"item": 16, "action": 16, "user_segment": 8, "context": 8}
     held = {0: 0, 1: 0}
     for module_plan in est.emb.plan.plan.values():
         for name, ps in module_plan.items():

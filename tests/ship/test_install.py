@@ -67,7 +67,7 @@ def test_installed_gem_runs_outside_the_checkout(installed, tmp_path):
     assert list(tmp_path.iterdir()) == []  # --check writes nothing
 
     # A short real run: Hydra finds the packaged configs and writes its run dir under the working directory.
-    small = ["model.kernel=reference", "data.batch_size=16", "data.eval_batches=1", "data.schema.history.max_len=16",
+    small = ["model.kernel=reference", "data.batch_size=16", "data.eval_batches=1", "data.histories.events.max_len=16",
              "train.steps=2", "train.warmup_steps=1", "train.log_every=1", "train.tensorboard=false"]
     run = _run([str(installed / "bin" / "gem-train"), *small], installed, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -93,3 +93,35 @@ def test_installed_gem_command_dispatches(installed, tmp_path):
     bad = _run([gem, "serve"], installed, tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "gem: error: unknown command 'serve' (expected train, plan or bench)"
+
+
+def test_own_config_dir_trains_own_parquet_with_the_installed_package(installed, tmp_path):
+    """A team's DIR/data/ours.yaml and DIR/experiment/ours.yaml (outside the checkout) over its own Parquet file:
+    its column names, two histories of different lengths, a candidate sharing the history's item table, a dense
+    list column and two labels; 20 steps with the installed package, from another directory."""
+    import yaml
+
+    from tests.data.test_inputs import OURS, _rows, _write
+
+    team = tmp_path / "team"
+    (team / "conf" / "data").mkdir(parents=True)
+    (team / "conf" / "experiment").mkdir()
+    files = [_write(team / f"part-{i}.parquet", _rows(seed=i)) for i in range(2)]
+    (team / "conf" / "data" / "ours.yaml").write_text(yaml.safe_dump(
+        {"source": "parquet", "paths": [files[0]], "eval_paths": [files[1]], "batch_size": 4, "eval_batches": 1,
+         **OURS}))
+    (team / "conf" / "experiment" / "ours.yaml").write_text("# @package _global_\n" + yaml.safe_dump(
+        {"defaults": [{"override /data": "ours"}, {"override /model": "gem_tiny"}],
+         "model": {"kernel": "reference", "towers": {"search": {"num_blocks": 1, "attention": "swa", "window": 2}},
+                   "heads": {"weights": {"purchase": 2.0}}},
+         "train": {"steps": 20, "warmup_steps": 2, "log_every": 10, "eval_every": 0, "tensorboard": False}}))
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    gem_train = str(installed / "bin" / "gem-train")
+    conf = str(team / "conf")
+    check = _run([gem_train, "--check", f"hydra.searchpath=[file://{conf}]", "experiment=ours"], installed, work)
+    assert check.returncode == 0 and check.stdout.strip() == "gem-train: config ok", check.stdout + check.stderr
+    run = _run([gem_train, "--config-dir", conf, "experiment=ours"], installed, work)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "gem-train summary: steps 20" in run.stdout
+    assert "click NE" in run.stdout and "purchase NE" in run.stdout

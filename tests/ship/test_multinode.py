@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch_multinode.sh"
-TINY = ["model.kernel=reference", "data.batch_size=16", "data.eval_batches=1", "data.schema.history.max_len=16",
+TINY = ["model.kernel=reference", "data.batch_size=16", "data.eval_batches=1", "data.histories.events.max_len=16",
         "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.tensorboard=false"]
 
 

@@ -49,8 +49,8 @@ def test_config_error_exits_2_with_one_line(tmp_path):
         ("model.tower.rope_base=-1", "model.tower.rope_base: must be > 0 (got -1.0)"),
         ("model.tower.attention=flash", "model.tower.attention: must be jfa, swa or block (got flash)"),
         ("parallel.dense=zero3", "parallel.dense: must be auto, ddp or fsdp (got zero3)"),
-        ("data.schema.history.max_len=0", "data.schema.history.max_len: must be >= 1 (got 0)"),
-        ("model.num_dense=3", "model.num_dense"),  # inconsistent with the data schema
+        ("data.histories.events.max_len=0", "data.histories.events.max_len: must be >= 1 (got 0)"),
+        ("+model.num_dense=3", "model.num_dense: the dense width is the data's"),  # a key of the old form
         ("data.batch_size=0", "data.batch_size"),
         ("parallel.dp_shard=3", "parallel.dp_shard"),  # cannot lay out on 1 rank
         ("model.tower.num_blocks=???", "model.tower.num_blocks"),  # missing value

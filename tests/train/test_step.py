@@ -17,7 +17,7 @@ def _setup(aux_loss_weight: float = 0.5):
     cfg = tiny_cfg()
     torch.manual_seed(0)
     model = GEMModel(cfg, embedding_device="cpu")
-    step_cfg = StepConfig(cfg.heads.tasks, cfg.task_weights, aux_loss_weight=aux_loss_weight)
+    step_cfg = StepConfig(cfg.tasks, cfg.task_weights, aux_loss_weight=aux_loss_weight)
     return cfg, model, step_cfg
 
 
@@ -27,7 +27,7 @@ def test_train_step_is_one_sgd_step_on_the_weighted_loss():
     ref = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = ref(batch)
-    task_loss, _ = multitask_loss(out.logits, batch.labels, cfg.task_weights, cfg.heads.tasks)
+    task_loss, _ = multitask_loss(out.logits, batch.labels, cfg.task_weights, cfg.tasks)
     (task_loss + 0.5 * out.aux_loss).backward()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     want = {n: p.detach() for n, p in ref.named_parameters() if p.grad is not None}

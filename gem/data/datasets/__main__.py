@@ -25,14 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RawError, ValueError, OSError) as e:
         print(f"gem.data.datasets: error: {e}", file=sys.stderr, flush=True)
         return 2
-    s = done.schema
-    cards = {f["name"]: f.get("num_embeddings", s["num_items"]) for f in s["sequence_features"] + s["sparse_features"]}
+    cards = {t: spec["num_embeddings"] for t, spec in done.schema["tables"].items()}
     skipped = f", {done.skipped} malformed rows skipped" if done.skipped else ""
     print(f"{args.name}: {done.train_rows} train and {done.eval_rows} eval examples in {done.out}{skipped}")
-    print("cardinalities: " + " ".join(f"{k}={v}" for k, v in cards.items()))
+    print("table sizes: " + " ".join(f"{k}={v}" for k, v in cards.items()))
     preset = args.name.replace("-", "_") if args.name != "kuairand" else "kuairand_pure"
     print(f"train: gem-train experiment={preset} data.paths='[{done.out}/train/*.parquet]' "
-          f"data.eval_paths='[{done.out}/eval/*.parquet]' data.schema.history.max_len={args.max_len}")
+          f"data.eval_paths='[{done.out}/eval/*.parquet]' data.histories.events.max_len={args.max_len}")
     return 0
 
 

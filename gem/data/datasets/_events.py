@@ -4,8 +4,14 @@ to contiguous ranges, events turned into examples and written as Parquet (gem/da
 Examples: every event of a user is one example whose candidate is that event's item and whose history is the
 user's previous events (oldest first, at most `max_len`, ties in time kept in file order). Each user's last event
 (users with at least two events) goes to the eval split, the others to train (rows shuffled with `seed`, since
-the Parquet reader deals rows out in file order). Dense features: dense_0 = log1p(number of earlier events of the
-user), dense_1 = log1p(hours since the user's previous event), then the dataset's own.
+the Parquet reader deals rows out in file order).
+
+Columns (natural names, declared by the dataset's data preset configs/data/<dataset>.yaml and by the `schema.yaml`
+written beside the files): the history `<item>_ids` and `<action>` (+ the dataset's per-event ids, e.g.
+`category_ids`), oldest first; the candidate `<item>_id` (an integer) and its attributes (e.g. `category_id`);
+one-id features (`user_id`, ...) as integers; multi-hot item attributes (e.g. `genres`) as lists; dense features
+`user_events` = log1p(number of earlier events of the user), `hours_since_last` = log1p(hours since the user's
+previous event), then the dataset's own; one 0/1 column per task.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.schema import CAND_ITEM, HIST_ACTION, HIST_ITEM, DataSchema
+from gem.data.schema import Schema
 
 
 class RawError(ValueError):
@@ -160,32 +166,56 @@ class Events:
 
 @dataclass
 class Spec:
-    """What a converter produced: cardinalities, multi-hot features per item, the label names."""
+    """What a converter produced: names, cardinalities, multi-hot features per item, the label names."""
 
     name: str
+    item: str  # the item's name: the history column `<item>_ids`, the candidate `<item>_id`, the table `<item>`
     num_items: int
+    action: str  # the history's event-type column (and table)
     num_actions: int
-    seq_cards: dict[str, int]  # the extra sequence features
-    sparse_cards: dict[str, int]  # the one-hot candidate features (cand_item excluded)
+    seq_cards: dict[str, tuple[str, int]]  # more history columns -> (table, cardinality)
+    sparse_cards: dict[str, int]  # one id per example (Events.sparse) -> cardinality; a table each
     item_multi: dict[str, tuple[list[list[int]], int]]  # name -> (ids per item, cardinality)
     tasks: list[str]
-    num_dense_extra: int
+    dense_names: list[str]  # the dataset's own dense columns (Events.dense, in order)
+    candidate_attrs: dict[str, str] = field(default_factory=dict)  # Events.sparse column -> table shared with
+    # a history column (the candidate's attribute, e.g. its category)
 
 
-def schema_dict(spec: Spec, max_len: int) -> dict:
-    """The `data.schema` block for the converted files."""
+DENSE = ["user_events", "hours_since_last"]
+
+
+def schema_dict(spec: Spec, max_len: int, embedding_dim: int = 16) -> dict:
+    """The data group's declaration (features, histories, labels, tables) of the converted files."""
     multi_hot = {name: max((len(v) for v in ids), default=1) for name, (ids, _) in spec.item_multi.items()}
+    items, cand = f"{spec.item}_ids", f"{spec.item}_id"
+    features = {items: {"kind": "sequence", "table": spec.item, "history": "events"},
+                spec.action: {"kind": "sequence", "table": spec.action, "history": "events"}}
+    tables = {spec.item: spec.num_items, spec.action: spec.num_actions}
+    for col, (table, card) in spec.seq_cards.items():
+        features[col] = {"kind": "sequence", "table": table, "history": "events"}
+        tables[table] = card
+    features[cand] = {"kind": "candidate", "table": spec.item}
+    for col, card in spec.sparse_cards.items():
+        if col in spec.candidate_attrs:
+            features[col] = {"kind": "candidate", "table": spec.candidate_attrs[col]}
+        else:
+            table = col.removesuffix("_id")
+            features[col] = {"kind": "sparse", "table": table}
+            tables[table] = card
+    for col, (_, card) in spec.item_multi.items():
+        features[col] = {"kind": "sparse", "table": col, "max_hot": max(multi_hot[col], 1), "min_hot": 0}
+        tables[col] = card
+    for col in DENSE + spec.dense_names:
+        features[col] = {"kind": "dense"}
+    pooled = {t for f in features.values() if f["kind"] == "sparse" for t in [f["table"]]}
     return {
-        "num_items": spec.num_items,
-        "num_dense": 2 + spec.num_dense_extra,
-        "tasks": list(spec.tasks),
-        "sequence_features": [{"name": HIST_ITEM}, {"name": HIST_ACTION, "num_embeddings": spec.num_actions}]
-        + [{"name": n, "num_embeddings": c} for n, c in spec.seq_cards.items()],
-        "sparse_features": [{"name": CAND_ITEM}]
-        + [{"name": n, "num_embeddings": c, "max_hot": 1, "min_hot": 1} for n, c in spec.sparse_cards.items()]
-        + [{"name": n, "num_embeddings": card, "max_hot": max(multi_hot[n], 1), "min_hot": 0}
-           for n, (_, card) in spec.item_multi.items()],
-        "history": {"max_len": max_len, "min_len": 0},
+        "features": features,
+        "histories": {"events": {"max_len": max_len, "min_len": 0}},
+        "labels": {t: t for t in spec.tasks},
+        "tables": {t: {"num_embeddings": max(n, 1), "embedding_dim": embedding_dim, "init_range": 0.05,
+                       **({"pooling": "mean" if t in spec.item_multi else "sum"} if t in pooled else {})}
+                   for t, n in tables.items()},
     }
 
 
@@ -218,7 +248,7 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
     if len(ev) == 0:
         raise RawError(f"{spec.name}: the raw files hold no events")
     schema = schema_dict(spec, max_len)
-    DataSchema.from_dict(schema)  # the converted layout must be one gem reads
+    Schema.from_dict(schema)  # the converted layout must be one gem reads
     user = np.asarray(ev.user, dtype=np.int64)
     time_s = np.asarray(ev.time_s, dtype=np.float64)
     order = np.lexsort((np.arange(len(user)), time_s, user))  # by user, then time, then file order
@@ -247,19 +277,18 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
     def table(rows: np.ndarray) -> pa.Table:
         hist_len = np.minimum(pos[rows], max_len)
         hist = _ranges(rows - hist_len, hist_len)
-        out_cols = {HIST_ITEM: _list_array(hist_len, cols["item"][hist]),
-                    HIST_ACTION: _list_array(hist_len, cols["action"][hist])}
+        out_cols = {f"{spec.item}_ids": _list_array(hist_len, cols["item"][hist]),
+                    spec.action: _list_array(hist_len, cols["action"][hist])}
         for n, v in cols["seq"].items():
             out_cols[n] = _list_array(hist_len, v[hist])
-        one = np.ones(len(rows), dtype=np.int64)
-        out_cols[CAND_ITEM] = _list_array(one, cols["item"][rows])
+        out_cols[f"{spec.item}_id"] = pa.array(cols["item"][rows])
         for n, v in cols["sparse"].items():
-            out_cols[n] = _list_array(one, v[rows])
+            out_cols[n] = pa.array(v[rows])
         for n, (lens, starts, flat) in multi.items():
             items = cols["item"][rows]
             out_cols[n] = _list_array(lens[items], flat[_ranges(starts[items], lens[items])])
-        for i, d in enumerate(cols["dense"]):
-            out_cols[f"dense_{i}"] = pa.array(d[rows])
+        for name, d in zip(DENSE + spec.dense_names, cols["dense"]):
+            out_cols[name] = pa.array(d[rows])
         for t in spec.tasks:
             out_cols[t] = pa.array(cols["labels"][t][rows])
         return pa.table(out_cols)
@@ -291,6 +320,6 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
 def _schema_yaml(name: str, schema: dict) -> str:
     from omegaconf import OmegaConf
 
-    head = (f"# The data.schema of these files (python -m gem.data.datasets {name}); the preset\n"
-            f"# configs/experiment/ for this dataset holds the full dataset's sizes.\n")
-    return head + OmegaConf.to_yaml(OmegaConf.create({"schema": schema}))
+    head = (f"# The declaration of these files (python -m gem.data.datasets {name}): data.features, histories,\n"
+            f"# labels and tables, sized for them; the data preset for this dataset holds the full dataset's sizes.\n")
+    return head + OmegaConf.to_yaml(OmegaConf.create(schema))

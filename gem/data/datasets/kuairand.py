@@ -1,9 +1,9 @@
 """KuaiRand (Kuaishou): KuaiRand-1K or KuaiRand-Pure, the interaction logs `log_*.csv` of the `data/` folder
 (standard and random exposures; every `log_*.csv` in the raw folder is read, in name order).
 
-Every exposure is an event, clicked or not. hist_action: 0 shown, 1 clicked, 2 long view, 3 liked (the highest
-reached); candidate features: the video, the user, the app tab; dense: log1p(video duration in seconds) and
-whether the exposure was random; tasks: click, long_view, like.
+Every exposure is an event, clicked or not. History `video_ids` and `actions` (0 shown, 1 clicked, 2 long view,
+3 liked: the highest reached); the candidate `video_id`; `user_id`, the app `tab`; dense: `duration` = log1p(video
+duration in seconds) and `is_rand` (whether the exposure was random); tasks: click, long_view, like.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
             ev.labels["click"].append(float(click))
             ev.labels["long_view"].append(float(long_view))
             ev.labels["like"].append(float(like))
-    spec = Spec(name="kuairand", num_items=len(items), num_actions=4, seq_cards={},
+    spec = Spec(name="kuairand", item="video", num_items=len(items), action="actions", num_actions=4, seq_cards={},
                 sparse_cards={"user_id": len(users), "tab": len(tabs)}, item_multi={}, tasks=TASKS,
-                num_dense_extra=2)
+                dense_names=["duration", "is_rand"])
     return ev, spec

@@ -1,8 +1,8 @@
 """MovieLens ratings (GroupLens): ML-1M (`ratings.dat`, `movies.dat`, `::`-separated, Latin-1) and ML-20M (also
 25M / 32M: `ratings.csv`, `movies.csv` with headers).
 
-Per rating: history item = movie, hist_action = the rating rounded up, minus 1 (0..4; ML-20M's half stars round
-up); candidate features: the movie, the user, the movie's genres (multi-hot); tasks: like (rating >= 4) and
+Per rating: history `movie_ids` and `ratings` (the rating rounded up, minus 1: 0..4; ML-20M's half stars round
+up); the candidate `movie_id`; `user_id`; the movie's `genres` (multi-hot); tasks: like (rating >= 4) and
 love (rating = 5).
 """
 
@@ -93,7 +93,7 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
         ev.action.append(math.ceil(r) - 1)
         ev.labels["like"].append(float(r >= 4))
         ev.labels["love"].append(float(r >= 5))
-    spec = Spec(name=f"movielens-{variant}", num_items=len(items), num_actions=5, seq_cards={},
-                sparse_cards={"user_id": len(users)}, item_multi={"cand_genres": (item_genres, len(genre_ids))},
-                tasks=TASKS, num_dense_extra=0)
+    spec = Spec(name=f"movielens-{variant}", item="movie", num_items=len(items), action="ratings", num_actions=5,
+                seq_cards={}, sparse_cards={"user_id": len(users)},
+                item_multi={"genres": (item_genres, len(genre_ids))}, tasks=TASKS, dense_names=[])
     return ev, spec

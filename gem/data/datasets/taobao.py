@@ -1,8 +1,9 @@
 """Taobao User Behavior (Alibaba, Tianchi): `UserBehavior.csv`, no header, one row per event:
 user_id,item_id,category_id,behavior_type,timestamp with behavior_type in pv / cart / fav / buy.
 
-History: items, behaviors (hist_action: pv 0, cart 1, fav 2, buy 3) and the items' categories (hist_category);
-candidate features: the item, its category, the user; tasks: engage (cart, fav or buy) and buy.
+History: `item_ids`, `behaviors` (pv 0, cart 1, fav 2, buy 3) and the items' categories `category_ids`; the
+candidate `item_id` and its `category_id` (sharing the category table); `user_id`; tasks: engage (cart, fav or
+buy) and buy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ TASKS = ["engage", "buy"]
 
 def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
     users, items, cats = Vocab(), Vocab(), Vocab()
-    ev = Events(seq={"hist_category": []}, sparse={"cand_category": [], "user_id": []},
+    ev = Events(seq={"category_ids": []}, sparse={"category_id": [], "user_id": []},
                 labels={t: [] for t in TASKS})
     for where, (user, item, cat, behavior, ts) in read_rows(raw_file(raw, "UserBehavior.csv"), ",", 5, bad):
         try:
@@ -34,12 +35,13 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
         ev.time_s.append(float(t))
         ev.item.append(items(item))
         ev.action.append(act)
-        ev.seq["hist_category"].append(c)
-        ev.sparse["cand_category"].append(c)
+        ev.seq["category_ids"].append(c)
+        ev.sparse["category_id"].append(c)
         ev.sparse["user_id"].append(ev.user[-1])
         ev.labels["engage"].append(float(act > 0))
         ev.labels["buy"].append(float(act == 3))
-    spec = Spec(name="taobao", num_items=len(items), num_actions=len(BEHAVIORS),
-                seq_cards={"hist_category": len(cats)}, sparse_cards={"cand_category": len(cats), "user_id": len(users)},
-                item_multi={}, tasks=TASKS, num_dense_extra=0)
+    spec = Spec(name="taobao", item="item", num_items=len(items), action="behaviors", num_actions=len(BEHAVIORS),
+                seq_cards={"category_ids": ("category", len(cats))},
+                sparse_cards={"category_id": len(cats), "user_id": len(users)}, item_multi={}, tasks=TASKS,
+                dense_names=[], candidate_attrs={"category_id": "category"})
     return ev, spec

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from gem.data.datasets import BadRows, RawError, convert
 from gem.data.parquet import ParquetDataset
-from gem.data.schema import DataSchema
+from gem.data.schema import Schema
 from gem.data.validate import validate_batch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,8 +54,9 @@ def _read(out: Path, split: str) -> dict[str, list]:
     return {c: [v for t in tables for v in t.column(c).to_pylist()] for c in tables[0].column_names}
 
 
-def _by_candidate(rows: dict[str, list], key: str = "cand_item") -> dict:
-    return {(r[key][0], len(r["hist_item"])): r for r in (dict(zip(rows, v)) for v in zip(*rows.values()))}
+def _by_candidate(rows: dict[str, list], item: str) -> dict:
+    """(candidate id, history length) -> row, for a dataset whose item is `item` (`<item>_id`, `<item>_ids`)."""
+    return {(r[f"{item}_id"], len(r[f"{item}_ids"])): r for r in (dict(zip(rows, v)) for v in zip(*rows.values()))}
 
 
 @pytest.mark.parametrize("variant", ["1m", "20m"])
@@ -64,25 +65,27 @@ def test_movielens(tmp_path, variant):
     done = convert(f"movielens-{variant}", raw, tmp_path / "out", max_len=2, seed=3)
     assert (done.train_rows, done.eval_rows) == (4, 2)  # users 10 and 20 hold out their newest rating
     schema = done.schema
-    assert schema["num_items"] == 4 and schema["tasks"] == ["like", "love"]
-    cards = {f["name"]: f.get("num_embeddings") for f in schema["sparse_features"]}
-    assert cards == {"cand_item": None, "user_id": 3, "cand_genres": 5}
+    assert schema["labels"] == {"like": "like", "love": "love"}
+    assert {t: v["num_embeddings"] for t, v in schema["tables"].items()} == {"movie": 4, "ratings": 5, "user": 3,
+                                                                             "genres": 5}
+    assert schema["features"]["movie_id"] == {"kind": "candidate", "table": "movie"}  # shares the history's table
     ids = {m: i for i, m in enumerate(dict.fromkeys(m for _, m, _, _ in ML_RATINGS))}  # first appearance
-    ev = _by_candidate(_read(tmp_path / "out", "eval"))
+    ev = _by_candidate(_read(tmp_path / "out", "eval"), "movie")
     # user 10, time order 661 (3) -> 914 (4) -> 1193 (5): the 5-star rating is held out, history oldest first
     r = ev[(ids[1193], 2)]
-    assert r["hist_item"] == [ids[661], ids[914]] and r["hist_action"] == [2, 3]
+    assert r["movie_ids"] == [ids[661], ids[914]] and r["ratings"] == [2, 3]
     assert (r["like"], r["love"]) == (1.0, 1.0)
-    assert r["dense_0"] == pytest.approx(math.log1p(2)) and r["dense_1"] == pytest.approx(math.log1p(100 / 3600))
-    assert len(r["cand_genres"]) == 1  # Drama
+    assert r["user_events"] == pytest.approx(math.log1p(2))
+    assert r["hours_since_last"] == pytest.approx(math.log1p(100 / 3600))
+    assert len(r["genres"]) == 1  # Drama
     r = ev[(ids[3408], 1)]  # user 20: 661 then 3408
-    assert r["hist_item"] == [ids[661]]
-    assert r["hist_action"] == [0]  # 1 star (ML-20M: 0.5 stars, rounded up to 1)
+    assert r["movie_ids"] == [ids[661]]
+    assert r["ratings"] == [0]  # 1 star (ML-20M: 0.5 stars, rounded up to 1)
     assert (r["like"], r["love"]) == ((1.0, 0.0) if variant == "1m" else (0.0, 0.0))  # 4 vs 3.5 stars
-    tr = _by_candidate(_read(tmp_path / "out", "train"))
+    tr = _by_candidate(_read(tmp_path / "out", "train"), "movie")
     assert set(tr) == {(ids[661], 0), (ids[914], 1), (ids[661], 0), (ids[914], 0)} and len(tr) == 3
-    assert tr[(ids[914], 1)]["hist_item"] == [ids[661]] and len(tr[(ids[914], 1)]["cand_genres"]) == 2
-    assert sorted(tr[(ids[914], 0)]["user_id"] + tr[(ids[914], 1)]["user_id"]) == [0, 2]
+    assert tr[(ids[914], 1)]["movie_ids"] == [ids[661]] and len(tr[(ids[914], 1)]["genres"]) == 2
+    assert sorted([tr[(ids[914], 0)]["user_id"], tr[(ids[914], 1)]["user_id"]]) == [0, 2]
 
 
 def test_history_keeps_the_newest_max_len_events(tmp_path):
@@ -90,10 +93,10 @@ def test_history_keeps_the_newest_max_len_events(tmp_path):
     _write(raw / "UserBehavior.csv", "".join(f"1,{100 + t},7,pv,{t}\n" for t in range(6)))
     convert("taobao", raw, tmp_path / "out", max_len=3)
     rows = _read(tmp_path / "out", "eval")
-    assert rows["hist_item"] == [[2, 3, 4]] and rows["cand_item"] == [[5]] and rows["dense_0"][0] == pytest.approx(
-        math.log1p(5))
+    assert rows["item_ids"] == [[2, 3, 4]] and rows["item_id"] == [5]
+    assert rows["user_events"][0] == pytest.approx(math.log1p(5))
     train = _read(tmp_path / "out", "train")
-    assert sorted(map(len, train["hist_item"])) == [0, 1, 2, 3, 3]
+    assert sorted(map(len, train["item_ids"])) == [0, 1, 2, 3, 3]
 
 
 def test_taobao(tmp_path):
@@ -104,13 +107,15 @@ def test_taobao(tmp_path):
     _write(raw / "UserBehavior.csv", "".join(",".join(map(str, e)) + "\n" for e in events))
     done = convert("taobao", raw, tmp_path / "out")
     assert (done.train_rows, done.eval_rows) == (4, 2)
-    ev = _by_candidate(_read(tmp_path / "out", "eval"))
+    ev = _by_candidate(_read(tmp_path / "out", "eval"), "item")
     r = ev[(0, 2)]  # user 1 buys the item it viewed first
-    assert r["hist_action"] == [0, 0] and r["hist_category"] == [0, 1] and r["cand_category"] == [0]
+    assert r["behaviors"] == [0, 0] and r["category_ids"] == [0, 1] and r["category_id"] == 0
     assert (r["engage"], r["buy"]) == (1.0, 1.0)
     r = ev[(3, 1)]  # user 2: fav then cart
-    assert r["hist_action"] == [2] and (r["engage"], r["buy"]) == (1.0, 0.0)
-    assert next(f for f in done.schema["sequence_features"] if f["name"] == "hist_category")["num_embeddings"] == 4
+    assert r["behaviors"] == [2] and (r["engage"], r["buy"]) == (1.0, 0.0)
+    # the candidate's category and the history's categories share one table
+    assert done.schema["tables"]["category"]["num_embeddings"] == 4
+    assert done.schema["features"]["category_id"] == {"kind": "candidate", "table": "category"}
 
 
 KUAI_HEADER = ("user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,is_forward,is_hate,"
@@ -128,16 +133,18 @@ def test_kuairand(tmp_path):
     _write(raw / "log_random_4_22_to_5_08_pure.csv", KUAI_HEADER + "\n" + _kuai_row(0, 7, "9000.0", 1, 1, 0, "", 1, 4)
            + _kuai_row(1, 6, 800, 0, 0, 0, 15000, 1, 1))
     done = convert("kuairand", raw, tmp_path / "out")
-    assert (done.train_rows, done.eval_rows) == (3, 2) and done.schema["num_dense"] == 4
-    ev = _by_candidate(_read(tmp_path / "out", "eval"))
+    assert (done.train_rows, done.eval_rows) == (3, 2)
+    assert [n for n, f in done.schema["features"].items() if f["kind"] == "dense"] == [
+        "user_events", "hours_since_last", "duration", "is_rand"]
+    ev = _by_candidate(_read(tmp_path / "out", "eval"), "video")
     # ids in order of first appearance, files in name order: video 7 -> 0, 6 -> 1, 5 -> 2
     r = ev[(0, 2)]  # user 0: video 6 (shown), video 5 (long view), then the random exposure of video 7 (liked)
-    assert r["hist_item"] == [1, 2] and r["hist_action"] == [0, 2]
+    assert r["video_ids"] == [1, 2] and r["actions"] == [0, 2]
     assert (r["click"], r["long_view"], r["like"]) == (1.0, 0.0, 1.0)
-    assert (r["dense_2"], r["dense_3"]) == (0.0, 1.0)  # empty duration; random exposure
+    assert (r["duration"], r["is_rand"]) == (0.0, 1.0)  # empty duration; random exposure
     r = ev[(1, 1)]  # user 1: video 5 liked at 500 ms, video 6 shown at 800 ms
-    assert r["hist_item"] == [2] and r["hist_action"] == [3] and r["dense_2"] == pytest.approx(math.log1p(15.0))
-    assert {f["name"]: f.get("num_embeddings") for f in done.schema["sparse_features"]}["tab"] == 3
+    assert r["video_ids"] == [2] and r["actions"] == [3] and r["duration"] == pytest.approx(math.log1p(15.0))
+    assert done.schema["tables"]["tab"]["num_embeddings"] == 3
 
 
 @pytest.mark.parametrize(
@@ -196,19 +203,34 @@ def test_output_is_never_overwritten(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval", "schema.yaml", "train"]
 
 
+def _taobao(raw: Path) -> Path:
+    _write(raw / "UserBehavior.csv", "1,10,7,pv,1\n1,11,8,buy,2\n2,10,7,cart,3\n2,12,7,fav,4\n")
+    return raw
+
+
+def _kuairand(raw: Path) -> Path:
+    _write(raw / "log_standard_pure.csv", KUAI_HEADER + "\n" + _kuai_row(0, 5, 3000, 1, 0, 1, 9000, 0, 1)
+           + _kuai_row(0, 6, 1000, 0, 0, 0, 15000, 0, 1) + _kuai_row(1, 5, 500, 1, 1, 1, 9000, 0, 2)
+           + _kuai_row(1, 6, 800, 0, 0, 0, 15000, 1, 1))
+    return raw
+
+
 @pytest.mark.parametrize("name, preset, make", [("movielens-1m", "movielens_1m", _ml_1m),
-                                                ("movielens-20m", "movielens_20m", _ml_20m)])
+                                                ("movielens-20m", "movielens_20m", _ml_20m),
+                                                ("taobao", "taobao", _taobao), ("kuairand", "kuairand_pure", _kuairand)])
 def test_converted_files_fit_the_preset(tmp_path, name, preset, make):
-    """The written schema.yaml describes the files (the Parquet reader and the batch validator accept them) and
-    fits inside the preset's sizes."""
+    """The written schema.yaml declares the files (the Parquet reader and the batch validator accept them), and
+    the dataset's data preset reads them: the same columns, within its sizes."""
     done = convert(name, make(tmp_path / "raw"), tmp_path / "out", max_len=64)
-    written = DataSchema.from_dict(OmegaConf.load(tmp_path / "out" / "schema.yaml").schema)
+    written = Schema.from_dict(OmegaConf.load(tmp_path / "out" / "schema.yaml"))
     data = ParquetDataset(written, str(tmp_path / "out" / "train" / "*.parquet"), batch_size=2)
     batch = data.batch(0)
     validate_batch(batch, written)
-    preset = OmegaConf.load(ROOT / "configs" / "experiment" / f"{preset}.yaml").data.schema
-    validate_batch(batch, DataSchema.from_dict(preset))
-    assert done.schema["tasks"] == list(preset.tasks)
+    declared = Schema.from_dict(OmegaConf.load(ROOT / "configs" / "data" / f"{preset}.yaml"))
+    from_preset = ParquetDataset(declared, str(tmp_path / "out" / "train" / "*.parquet"), batch_size=2).batch(0)
+    validate_batch(from_preset, declared)
+    assert list(done.schema["labels"]) == list(declared.tasks)
+    assert [f.name for f in declared.features] == list(done.schema["features"])
 
 
 def test_cli(tmp_path, capsys):
@@ -221,7 +243,8 @@ def test_cli(tmp_path, capsys):
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == f"movielens-1m: 4 train and 2 eval examples in {tmp_path / 'o'}"
     assert f"gem-train experiment=movielens_1m data.paths='[{tmp_path / 'o'}/train/*.parquet]'" in p.stdout
-    assert np.isfinite(pq.read_table(tmp_path / "o" / "eval" / "part-00000.parquet").column("dense_1").to_numpy()).all()
+    eval_rows = pq.read_table(tmp_path / "o" / "eval" / "part-00000.parquet")
+    assert np.isfinite(eval_rows.column("hours_since_last").to_numpy()).all()
     assert main(args) == 2
     assert capsys.readouterr().err == f"gem.data.datasets: error: {tmp_path / 'o' / 'train'}: already exists " \
                                       "(remove it or pick another --out)\n"
