@@ -91,28 +91,52 @@ class DenseMemory:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
 
-def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1
-                               ) -> float:
-    """Estimate of what one history token keeps for backward through the tower.
+def block_saved_bytes_per_token(cfg: ModelConfig, i: int, act_bytes: int) -> float:
+    """Bytes one history token keeps for backward in block `i` (what autograd saves in the eager block).
 
-    Per block: inputs of the two norms and their outputs, q/k/v, the attention output and its projection
-    (4d + (h + 2hk) dh + 2 h dh); SwiGLU FFN 3 d_ff + d; MoE top_k (2d + 3 d_ff_moe). A checkpointed block keeps
-    its input (d) only, and one block is recomputed at a time.
+    Each norm: its input and output (act) and 1/rms (fp32). Attention: the QKV projection's input and output (q, k
+    and v are views of it), RoPE's rotated copies of q and k (jfa / swa), the kernel's output and its fp32
+    log-sum-exp per head. SwiGLU: its input, w1 and w3 outputs, silu(w1) and the product (d + 4 d_ff). MoE: the
+    router's input, its fp32 probabilities, the top_k routed rows in and out (2d each) with each expert's SwiGLU
+    (4 d_ff), the fp32 gates and the int64 routing indices.
     """
     d, t = cfg.d_model, cfg.tower
     h, hk, dh = t.num_heads, cfg.tower_kv_heads, cfg.tower_head_dim
-    per_block = []
-    for i in range(t.num_blocks):
-        ffn = (cfg.moe.top_k * (2 * d + 3 * cfg.moe_d_ff)) if cfg.is_moe_block(i) else 3 * cfg.tower_d_ff + d
-        per_block.append(4 * d + (h + 2 * hk) * dh + 2 * h * dh + ffn)
-    kept = 0
-    for i, b in enumerate(per_block):
-        ckpt = checkpoint == "full" or (checkpoint == "selective" and i % ac_every == 0)
-        kept += d if ckpt else b
-    if checkpoint != "none" and per_block:
-        kept += max(per_block)
+    norm = act_bytes * 2 * d + 4
+    attn = act_bytes * (d + (h + 2 * hk) * dh + h * dh) + 4 * h
+    if t.rope and t.attention != "block":
+        attn += act_bytes * (h + hk) * dh
+    if cfg.is_moe_block(i):
+        k, e = cfg.moe.top_k, cfg.moe.num_experts
+        ffn = act_bytes * (d + k * (2 * d + 4 * cfg.moe_d_ff)) + 4 * (e + 2 * k + 1) + 8 * 2 * k
+    else:
+        ffn = act_bytes * (d + 4 * cfg.tower_d_ff)
+    return 2 * norm + attn + ffn
+
+
+def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1
+                               ) -> float:
+    """What one history token keeps for backward at the peak (the start of backward through the tower).
+
+    The blocks (block_saved_bytes_per_token); a checkpointed block keeps only its input (d) and is recomputed in
+    backward one at a time, so the largest checkpointed block comes on top. Around the blocks: the lookups' int64
+    ids, the concatenated embeddings (fp32) that the input projection keeps, the final norm, and the interaction's
+    K/V projection of the tower output (its input, k and v).
+    """
+    d = cfg.d_model
+    kept, recompute = 0.0, 0.0
+    for i in range(cfg.tower.num_blocks):
+        b = block_saved_bytes_per_token(cfg, i, act_bytes)
+        if checkpoint == "full" or (checkpoint == "selective" and i % ac_every == 0):
+            kept += act_bytes * d
+            recompute = max(recompute, b)
+        else:
+            kept += b
+    seq_feats = [f for tb in cfg.sequence_tables for f in tb.features]
     seq_in = sum(tb.embedding_dim for tb in cfg.sequence_tables for _ in tb.features)
-    return act_bytes * (kept + d) + 4 * seq_in  # + input projection output; embeddings arrive in fp32
+    around = 8 * len(seq_feats) + 4 * seq_in + (act_bytes * 2 * d + 4) \
+        + act_bytes * (d + 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim)
+    return kept + recompute + around
 
 
 def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int, act_bytes: int
