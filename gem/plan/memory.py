@@ -75,6 +75,18 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
     return [FsdpUnit("root", [tuple(p.shape) for p in root]), *units, *inner]
 
 
+def peak_gathered_numel(units: list[FsdpUnit], ep: int = 1) -> int:
+    """Elements unsharded at once with reshard_after_forward on: the peak is in backward, where FSDP2 keeps the root
+    gathered, runs block i (and its MoE unit) and has already prefetched block i - 1, the next in backward order."""
+    blocks = [u for u in units[1:] if not u.expert]
+    moe = {u.name[: -len(".moe")]: u.shard_numel(1, ep, 1) for u in units if u.expert}
+    peak = 0
+    for i, b in enumerate(blocks):
+        prev = blocks[i - 1].numel() if i > 0 else 0
+        peak = max(peak, b.numel() + moe.get(b.name, 0) + prev)
+    return units[0].numel() + peak
+
+
 @dataclass
 class DenseMemory:
     """Bytes per rank of the dense part."""
@@ -82,7 +94,7 @@ class DenseMemory:
     params: int
     grads: int
     optimizer: int
-    gathered: int  # unsharded units alive at once (the current and the prefetched one, plus the root)
+    gathered: int  # unsharded units alive at once (the root, the current block and its MoE, the prefetched block)
     activations: int  # estimate: tensors saved for backward over the rank's history tokens
     detail: dict[str, int] = field(default_factory=dict)
 
@@ -152,11 +164,7 @@ def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, t
     # AdamW: fp32 params, fp32 grads, exp_avg + exp_avg_sq
     params, grads, optim = 4 * shard, 4 * shard, 8 * shard
     if fsdp and par.reshard_after_forward:
-        dense_units = [u for u in units if not u.expert]
-        root = units[0].numel()
-        largest = max((u.numel() for u in dense_units[1:]), default=0)
-        largest_e = max((u.shard_numel(1, ep, 1) for u in units if u.expert), default=0)
-        gathered = p_bytes * (root + 2 * largest + 2 * largest_e)
+        gathered = p_bytes * peak_gathered_numel(units, ep)
     elif fsdp:  # nothing resharded until backward: every unit stays gathered
         gathered = p_bytes * sum(u.shard_numel(1, ep, 1) if u.expert else u.numel() for u in units)
     else:

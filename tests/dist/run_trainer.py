@@ -1,6 +1,7 @@
 """The real Trainer (AdamW, clipping, warmup + cosine decay, bf16 autocast, fused sparse optimizer) under several
 `parallel:` layouts, one after another in this launch; rank 0 saves per layout the per-step global losses and the
-full trained parameters (tables gathered, FSDP DTensors materialised) to --out (torch.save).
+full trained parameters (tables gathered, FSDP DTensors materialised) to --out (torch.save); then, in the same
+launch, the dense memory of the --memory-cases (tests/dist/run_memory.py).
 
 Data: one Parquet file; rank r of W takes global batches r, r + W, ... of data.batch_size rows, so W ranks with
 batch B read, step by step, the rows one rank reads with batch W * B.
@@ -69,8 +70,13 @@ def main() -> None:
     ap.add_argument("--common", required=True, help="JSON list of Hydra overrides for every layout")
     ap.add_argument("--layouts", required=True, help="JSON {name: [overrides]}")
     ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--memory-cases", default="{}", help="JSON cases of tests/dist/run_memory.py, measured after")
+    ap.add_argument("--memory-blocks", type=int, default=2)
     a = ap.parse_args()
-    results = train_layouts(json.loads(a.common), json.loads(a.layouts), a.global_batch)
+    from tests.dist.run_memory import measure_cases
+
+    results = {"train": train_layouts(json.loads(a.common), json.loads(a.layouts), a.global_batch),
+               "memory": measure_cases(json.loads(a.memory_cases), a.memory_blocks)}
     if dist.get_rank() == 0:
         torch.save(results, a.out)
     dist.barrier()
