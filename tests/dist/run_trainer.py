@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 
 def full_state(p) -> dict[str, torch.Tensor]:
-    """{canonical name: full tensor} of the model's parameters (rank 0; None elsewhere); collective."""
+    """{canonical name: full tensor} of the model's parameters on rank 0 (empty elsewhere); collective."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
