@@ -52,7 +52,7 @@ def train_layouts(common: list[str], layouts: dict[str, list[str]], global_batch
         try:
             initial = full_state(t.par)
             norms = []
-            t.hooks.append(lambda tr: norms.append(float(tr.optimizer.last_grad_norm)))
+            t.hooks.append(lambda tr, norms=norms: norms.append(float(tr.optimizer.last_grad_norm)))
             res = t.fit()
         finally:
             t.close()

@@ -29,8 +29,8 @@ COMMON = SMALL + ["data.batch_size=8", "data.eval_batches=0", "train.eval_every=
 def _global_rows(gs: list[int]) -> list[list[float]]:
     """The first dense row of global batches `gs` of the synthetic stream the jobs train on."""
     from gem.data import SyntheticDataset
-    from tests.train._util import compose
     from gem.train.trainer import build_configs
+    from tests.train._util import compose
 
     data = build_configs(compose(COMMON)).data
     ds = SyntheticDataset(data.schema, data.seed, BATCH)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from torchrec import KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfigError

@@ -14,7 +14,7 @@ from gem.plan.estimate import estimate, ref_rate
 from gem.plan.topology import ClusterSpec, PlanError
 
 LAYOUT = ["parallel=full_5d", "parallel.emb_sync_every=2", "parallel.sharding_types=[table_wise]"]
-TIGHT = dict(hosts=2, gpus_per_host=2, hbm_gb=0.0146)
+TIGHT = {"hosts": 2, "gpus_per_host": 2, "hbm_gb": 0.0146}
 
 
 @pytest.fixture(scope="module")
