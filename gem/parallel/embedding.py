@@ -44,6 +44,7 @@ SPARSE_OPTIMIZERS = {
 _GPU_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 _CPU_BAG_TYPES = ("table_wise", "column_wise")
 _CPU_SEQ_TYPES = ("table_wise", "row_wise", "column_wise")
+_CUDA_ONLY_OPTIMIZERS = ("adam",)  # fbgemm's CPU kernels: exact (rowwise) adagrad and sgd only
 
 
 class _NoDataParallel(DataParallelWrapper):
@@ -68,6 +69,14 @@ def sparse_optimizer_spec(cfg: Any) -> tuple[type, dict]:
     if cfg:
         raise ParallelConfigError(f"sparse_optimizer.{next(iter(cfg))}: unknown key")
     return SPARSE_OPTIMIZERS[name], kwargs
+
+
+def check_sparse_optimizer_device(cfg: Any, device: torch.device) -> None:
+    """The fused optimizer `cfg` names must have a kernel on `device` (fbgemm asserts deep inside otherwise)."""
+    name = dict(_to_mapping(cfg) or {}).get("name", "rowwise_adagrad")
+    if device.type == "cpu" and name in _CUDA_ONLY_OPTIMIZERS:
+        raise ParallelConfigError("train.sparse_optimizer.name", "adam needs CUDA (fbgemm's CPU embedding kernels "
+                                  "run rowwise_adagrad, adagrad and sgd)", name)
 
 
 def _to_mapping(cfg: Any) -> Mapping | None:
@@ -288,6 +297,7 @@ def shard_embeddings(model: nn.Module, dims: ParallelDims, sparse_optimizer_cfg:
     if not emb:
         raise ValueError("gem.parallel: the model has no EmbeddingCollection / EmbeddingBagCollection")
     opt_cls, opt_kwargs = sparse_optimizer_spec(sparse_optimizer_cfg)
+    check_sparse_optimizer_device(sparse_optimizer_cfg, device)
     table_params = [p for m in emb.values() for p in m.parameters()]
     # keep the model's own initial values (DMP re-initialises shards); skipped for meta-device tables
     full = {}

@@ -65,6 +65,11 @@ def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims
         # are summed over ep by a hook before FSDP reduces; FSDP then divides both by the full dp world.
         fully_shard(m, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard, shard_placement_fn=place)
         m.set_gradient_divide_factor(float(dims.dp_world))
+        shard_ranks = expert_mesh.size(expert_mesh.ndim - 1)
+        if dist.get_backend() != "nccl" and 1 < shard_ranks != dims.dp_world:
+            # FSDP would reduce-scatter with PREMUL_SUM(1 / factor), which only NCCL has: sum, then divide. (Not on
+            # one shard rank: FSDP divides there already and would divide twice.)
+            m.set_force_sum_reduction_for_comms(True)
         _sum_router_grad_over(m, dims.ep_pg)
     if blocks is not None:
         n = len(blocks)

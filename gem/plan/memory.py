@@ -76,6 +76,18 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
     return [FsdpUnit("root", [tuple(p.shape) for p in root]), *units, *inner]
 
 
+def peak_gathered_numel(units: list[FsdpUnit], ep: int = 1) -> int:
+    """Elements unsharded at once with reshard_after_forward on: the peak is in backward, where FSDP2 keeps the root
+    gathered, runs block i (and its MoE unit) and has already prefetched block i - 1, the next in backward order."""
+    blocks = [u for u in units[1:] if not u.expert]
+    moe = {u.name[: -len(".moe")]: u.shard_numel(1, ep, 1) for u in units if u.expert}
+    peak = 0
+    for i, b in enumerate(blocks):
+        prev = blocks[i - 1].numel() if i > 0 else 0
+        peak = max(peak, b.numel() + moe.get(b.name, 0) + prev)
+    return units[0].numel() + peak
+
+
 @dataclass
 class DenseMemory:
     """Bytes per rank of the dense part."""
@@ -83,7 +95,7 @@ class DenseMemory:
     params: int
     grads: int
     optimizer: int
-    gathered: int  # unsharded units alive at once (the current and the prefetched one, plus the root)
+    gathered: int  # unsharded units alive at once (the root, the current block and its MoE, the prefetched block)
     activations: int  # estimate: tensors saved for backward over the rank's history tokens
     detail: dict[str, int] = field(default_factory=dict)
 
@@ -92,31 +104,53 @@ class DenseMemory:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
 
+    t = cfg.tower_for(history or cfg.histories[0])
+    d, h, hk, dh = cfg.d_model, t.num_heads, t.num_kv_heads, t.head_dim
+    norm = act_bytes * 2 * d + 4
+    attn = act_bytes * (d + (h + 2 * hk) * dh + h * dh) + 4 * h
+    if t.rope and t.attention != "block":
+        attn += act_bytes * (h + hk) * dh
+    if cfg.is_moe_block(i, t):
+        k, e = cfg.moe.top_k, cfg.moe.num_experts
+        ffn = act_bytes * (d + k * (2 * d + 4 * cfg.moe_d_ff_for(t))) + 4 * (e + 2 * k + 1) + 8 * 2 * k
+    else:
+        ffn = act_bytes * (d + 4 * t.d_ff)
+    return 2 * norm + attn + ffn
+
+
 def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str = "none", ac_every: int = 1,
                                history: str | None = None) -> float:
-    """Estimate of what one token of `history` (None: the first) keeps for backward through its tower.
+    """What one token of `history` (None: the first) keeps for backward at the peak (the start of backward through
+    its tower).
 
-    Per block: inputs of the two norms and their outputs, q/k/v, the attention output and its projection
-    (4d + (h + 2hk) dh + 2 h dh); SwiGLU FFN 3 d_ff + d; MoE top_k (2d + 3 d_ff_moe). A checkpointed block keeps
-    its input (d) only, and one block is recomputed at a time.
+    The blocks (block_saved_bytes_per_token); a checkpointed block keeps only its input (d) and is recomputed in
+    backward one at a time, so the largest checkpointed block comes on top. Around the blocks: the lookups' int64
+    ids, the concatenated embeddings (fp32) that the input projection keeps, the final norm, and the interaction's
+    K/V projection of the tower output (its input, k and v).
     """
     history = history or cfg.histories[0]
-    d, t = cfg.d_model, cfg.tower_for(history)
-    h, hk, dh = t.num_heads, t.num_kv_heads, t.head_dim
-    per_block = []
-    for i in range(t.num_blocks):
-        moe = cfg.is_moe_block(i, t)
-        ffn = (cfg.moe.top_k * (2 * d + 3 * cfg.moe_d_ff_for(t))) if moe else 3 * t.d_ff + d
-        per_block.append(4 * d + (h + 2 * hk) * dh + 2 * h * dh + ffn)
-    kept = 0
-    for i, b in enumerate(per_block):
-        ckpt = checkpoint == "full" or (checkpoint == "selective" and i % ac_every == 0)
-        kept += d if ckpt else b
-    if checkpoint != "none" and per_block:
-        kept += max(per_block)
-    seq_in = sum(cfg.embedding_dim(f) for f in cfg.history_features(history))
-    return act_bytes * (kept + d) + 4 * seq_in  # + input projection output; embeddings arrive in fp32
+    d = cfg.d_model
+    kept, recompute = 0.0, 0.0
+    for i in range(cfg.tower_for(history).num_blocks):
+        b = block_saved_bytes_per_token(cfg, i, act_bytes, history)
+        if checkpoint == "full" or (checkpoint == "selective" and i % ac_every == 0):
+            kept += act_bytes * d
+            recompute = max(recompute, b)
+        else:
+            kept += b
+    feats = cfg.history_features(history)
+    seq_in = sum(cfg.embedding_dim(f) for f in feats)
+    around = 8 * len(feats) + 4 * seq_in + (act_bytes * 2 * d + 4) \
+        + act_bytes * (d + 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim)
+    return kept + recompute + around
 
+    Each norm: its input and output (act) and 1/rms (fp32). Attention: the QKV projection's input and output (q, k
+    and v are views of it), RoPE's rotated copies of q and k (jfa / swa), the kernel's output and its fp32
+    log-sum-exp per head. SwiGLU: its input, w1 and w3 outputs, silu(w1) and the product (d + 4 d_ff). MoE: the
+    router's input, its fp32 probabilities, the top_k routed rows in and out (2d each) with each expert's SwiGLU
+    (4 d_ff), the fp32 gates and the int64 routing indices.
+    """
+@@C2@@
 
 def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int | Mapping[str, int],
                  act_bytes: int) -> DenseMemory:
@@ -132,11 +166,7 @@ def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, t
     # AdamW: fp32 params, fp32 grads, exp_avg + exp_avg_sq
     params, grads, optim = 4 * shard, 4 * shard, 8 * shard
     if fsdp and par.reshard_after_forward:
-        dense_units = [u for u in units if not u.expert]
-        root = units[0].numel()
-        largest = max((u.numel() for u in dense_units[1:]), default=0)
-        largest_e = max((u.shard_numel(1, ep, 1) for u in units if u.expert), default=0)
-        gathered = p_bytes * (root + 2 * largest + 2 * largest_e)
+        gathered = p_bytes * peak_gathered_numel(units, ep)
     elif fsdp:  # nothing resharded until backward: every unit stays gathered
         gathered = p_bytes * sum(u.shard_numel(1, ep, 1) if u.expert else u.numel() for u in units)
     else:

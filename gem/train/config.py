@@ -170,4 +170,8 @@ def check_device(cfgs: Any) -> None:
     if kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("model.kernel", "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
                           "them on CPU, slowly)", kernel)
-    check_precision_device(cfgs.train.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    from gem.parallel.embedding import check_sparse_optimizer_device
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_precision_device(cfgs.train.precision, device)
+    check_sparse_optimizer_device(cfgs.train.sparse_optimizer, device)

@@ -91,8 +91,8 @@ def slice_batch(batch, a: int, b: int):
     )
 
 
-def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: float = 240) -> dict:
-    """Run tests/dist/<script> on `nproc` gloo ranks; returns the JSON rank 0 wrote to --out."""
+def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: float = 240, load=None):
+    """Run tests/dist/<script> on `nproc` gloo ranks; returns what rank 0 wrote to --out: JSON, or `load(path)`."""
     out = tmp_path / f"out_{nproc}_{len(list(tmp_path.iterdir()))}.json"
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
@@ -103,7 +103,7 @@ def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: 
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
     if r.returncode != 0:
         raise AssertionError(f"{script} x{nproc} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()) if load is None else load(out)
 
 
 def finish(out_path: str, result: dict) -> None:

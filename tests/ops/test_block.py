@@ -8,21 +8,17 @@ from hypothesis import strategies as st
 
 from gem.ops._tune import tile_config
 from gem.ops.block import block_attention, block_attention_reference
+from gem.ops.jfa import jagged_attention
 from gem.ops.rotary import RopeConfig, rope
+from tests.ops.conftest import jagged_inputs
+from tests.ops.conftest import offsets as _offsets
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (6e-2, 4e-2), torch.float16: (5e-3, 5e-3)}
 
 
-def _offsets(lengths, device="cpu"):
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
-
-
 def _inputs(lengths, h, hkv, d, dtype, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    q, k, v = (torch.randn(t, n, d, generator=g).to(device=device, dtype=dtype) for n in (h, hkv, hkv))
-    do = torch.randn(t, h, d, generator=g).to(device=device, dtype=dtype)
-    return q, k, v, do, _offsets(lengths, device)
+    q, k, v, do, offsets, _ = jagged_inputs(lengths, h, d, dtype, seed=seed, device=device, kv_heads=hkv)
+    return q, k, v, do, offsets
 
 
 def _run(fn, q, k, v, do):
@@ -124,10 +120,6 @@ def test_one_block_is_full_attention(causal):
     q, k, v, _, offsets = _inputs(lengths, 2, 2, 32, torch.float32, seed=3)
     got = block_attention(q, k, v, offsets, 33, block_size=33, causal=causal, kernel="triton")
     torch.testing.assert_close(got, _sdpa_per_sequence(q, k, v, lengths, causal), atol=2e-5, rtol=2e-5)
-    try:
-        from gem.ops.jfa import jagged_attention
-    except ImportError:
-        return
     jfa = jagged_attention(q, k, v, offsets, 33, causal=causal, kernel="reference")
     torch.testing.assert_close(got, jfa, atol=2e-5, rtol=2e-5)
 

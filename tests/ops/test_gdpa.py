@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gem.ops.gdpa import ACTIVATIONS, POLY6, activation_fn, gdpa, gdpa_reference, poly6
+from tests.ops.conftest import assert_within
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +40,7 @@ def _inputs(lq, lk, h=2, hk=1, d=32, dtype=torch.float32, device="cpu", seed=0):
 
 
 def _close(got, want, dtype, what):
-    atol, rtol = TOL[dtype]
-    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
-    bound = atol + rtol * (want.float().abs().max().item() if want.numel() else 0.0)
-    assert err <= bound, f"{what}: max abs err {err:.3g} > {bound:.3g}"
+    assert_within(got.float(), want.float(), *TOL[dtype], what)
 
 
 def _check(lq, lk, *, h=2, hk=1, d=32, dtype=torch.float32, device="cpu", seed=0, **kw):

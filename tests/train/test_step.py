@@ -43,6 +43,25 @@ def test_train_step_is_one_sgd_step_on_the_weighted_loss():
         torch.testing.assert_close(params[n].detach(), w, rtol=0, atol=0, msg=n)
 
 
+def test_consecutive_steps_start_from_zero_gradients():
+    """Two steps equal two reference SGD steps, each on its own batch's gradient (none carried over)."""
+    cfg, model, step_cfg = _setup()
+    batches = [make_batch(cfg, [4, 0, 7, 2], seed=1), make_batch(cfg, [3, 5], seed=2)]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        ref_opt.zero_grad()
+        out = ref(b)
+        task_loss, _ = multitask_loss(out.logits, b.labels, cfg.task_weights, cfg.heads.tasks)
+        (task_loss + 0.5 * out.aux_loss).backward()
+        ref_opt.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, b in enumerate(batches):
+        train_step(model, opt, b, step_cfg, step=i + 1)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=n)
+
+
 def test_a_non_finite_loss_stops_the_step_before_backward():
     cfg, model, step_cfg = _setup()
     batch = make_batch(cfg, [4, 3], seed=2)
