@@ -36,18 +36,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem._config import ConfigError
+from gem.ops import fp8_block as fb
 from gem.ops import mx
 
-__all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
+__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
            "fp8_grouped_mm", "inductor_options"]
 
 log = logging.getLogger("gem.model")
 
-PRECISIONS = ("bf16", "fp8", "mxfp8")
+PRECISIONS = ("bf16", "fp8", "fp8_block", "mxfp8")
 # The tower's attention projections and dense FFNs; heads, routers, embedding-side and small layers stay bf16.
 # MoE experts are opt-in ("blocks.*.ffn" names the MoE layers, fp8 only): on gpu_base their fp8 GEMMs cost 1.3-1.8%
 # eval NE after 200 steps, while fp8 on the dense layers alone stays within 0.4% after 1,000 (docs/PERF.md).
 DEFAULT_FILTER = ("blocks.*.attn.qkv", "blocks.*.attn.out", "blocks.*.ffn.w1", "blocks.*.ffn.w2", "blocks.*.ffn.w3")
+# fp8_block under the default filter: the interaction's projections too (kv_proj runs over every history token)
+BLOCK_FILTER = DEFAULT_FILTER + ("interaction.q_proj", "interaction.kv_proj", "interaction.out")
 MX_BLOCK = 32
 _FP8_ALIGN = 16  # torch._scaled_mm wants the GEMM dims in multiples of 16
 
@@ -288,6 +291,85 @@ class FP8Linear(_LowPrecisionLinear):
     gemms, align = _FP8Gemms, _FP8_ALIGN
 
 
+# ---------------------------------------------------------------------------------------------------- fp8_block
+
+
+def block_gemm_supported(device: torch.device) -> bool:
+    """Block-scaled FP8 GEMMs (1x128 / 128x128 fp32 scales) in cuBLAS through torch._scaled_mm: CUDA sm_90."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """1x128 scales with the blocked (reduction) axis outer: the layout cuBLAS's block-wise recipes read."""
+    return s.t().contiguous().t()
+
+
+def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
+    """qa [M, K] @ qb [N, K]^T, both E4M3, blocks along K: sa [M, K / 128]; sb [N / 128, K / 128] (b_tiles:
+    128x128) or [N, K / 128] (1x128). cuBLAS on sm_90; elsewhere the dequantized operands multiplied in fp32 (the
+    same products, another accumulation order)."""
+    if 0 in qa.shape or 0 in qb.shape:
+        return qa.new_zeros((qa.shape[0], qb.shape[0]), dtype=dt)
+    if qa.is_cuda and block_gemm_supported(qa.device):
+        return torch._scaled_mm(qa, qb.t(), scale_a=_outer_major(sa),
+                                scale_b=sb.t() if b_tiles else _outer_major(sb.t()), out_dtype=dt)
+    kernel = "auto" if qa.is_cuda else "reference"  # the Triton interpreter would be far too slow on CPU
+    a = fb.dequantize_1x128(qa, sa, torch.float32, kernel=kernel)
+    b = (fb.dequantize_128x128 if b_tiles else fb.dequantize_1x128)(qb, sb, torch.float32, kernel=kernel)
+    return (a @ b.t()).to(dt)
+
+
+class _BlockFP8LinearFn(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs block-scaled: x and the output gradient in 1x128 blocks along each GEMM's
+    reduction axis (features for the forward and input gradient, tokens for the weight gradient, both layouts from
+    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per forward). The backward keeps
+    only FP8 copies of x and W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        x2 = _flat(x)
+        need_w = ctx.needs_input_grad[1]
+        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2.to(dtype), need_w)
+        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight.to(dtype))
+        y = block_mm(qx, sx, qw, sw, True, dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(qxt, sxt, qwt, sw)
+        ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = dtype, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        qxt, sxt, qwt, sw = ctx.saved_tensors
+        g = _flat(gy).to(ctx.dtype)
+        dx = dw = db = None
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_x or need_w:
+            qg, sg, qgt, sgt = torch.ops.gem.fp8_block_quantize_act(g, need_w)
+            if need_x:  # g [M, N] @ W [N, K]: W^T's tiles are W's, transposed
+                dx = block_mm(qg, sg, qwt, sw.t(), True, ctx.dtype).reshape(ctx.x_shape).to(ctx.x_dtype)
+            if need_w:  # g^T [N, Mp] @ x [Mp, K], blocks along the (zero-padded) tokens
+                dw = block_mm(qgt, sgt.t(), qxt, sxt.t(), False, ctx.dtype).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.float().sum(0).to(ctx.w_dtype)
+        return dx, dw, db, None
+
+
+class BlockFP8Linear(nn.Linear):
+    """nn.Linear with block-scaled FP8 GEMMs (forward, input gradient and weight gradient; see the module
+    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict."""
+
+    align = fb.BLOCK
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16  # block-scaled _scaled_mm writes bf16
+        with torch.autocast(x.device.type, enabled=False):
+            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 def inductor_options(model: nn.Module) -> dict:
     """Inductor options for compiling `model`'s regions under its precision ({} when none are needed).
 
@@ -305,7 +387,7 @@ def inductor_options(model: nn.Module) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- conversion
 
-_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear}
+_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear, "fp8_block": BlockFP8Linear}
 FP8_BACKENDS = ("gem", "torchao")
 
 
@@ -351,6 +433,12 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     check_precision_device(precision, torch.device(device))
     if precision == "bf16":
         return []
+    if precision == "fp8_block":
+        if tuple(patterns) == DEFAULT_FILTER:
+            patterns = BLOCK_FILTER
+        if not block_gemm_supported(torch.device(device)):
+            log.warning("train.precision=fp8_block: no block-scaled FP8 GEMM on %s (cuBLAS's needs sm_90); the GEMMs "
+                        "are emulated (dequantized operands, fp32 products)", device)
     cls = _CLASSES[precision]
     align = cls.align
     matched, converted, kept, torchao_names = [], [], [], []
@@ -360,7 +448,7 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
         if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue
         if isinstance(mod, MoE):
-            if precision == "fp8" and mod.d_model % align == 0 and mod.d_ff % align == 0:
+            if precision in ("fp8", "fp8_block") and mod.d_model % 16 == 0 and mod.d_ff % 16 == 0:
                 mod.fp8_experts = True
                 converted.append(name)
             continue

@@ -183,3 +183,40 @@ def dequantize_128x128(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
         return dequantize_triton(codes, scale, dtype, weight=True)
     return dequantize_128x128_reference(codes, scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- custom ops
+# Opaque to torch.compile (the Triton kernels run as they are), traceable around them.
+
+
+@torch.library.custom_op("gem::fp8_block_quantize_act", mutates_args=())
+def quantize_act_op(x2d: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """quantize_1x128(x2d, transposed) for a 2-d x2d; without transposed, the last two outputs are empty."""
+    out = quantize_1x128(x2d, transposed, kernel="auto" if x2d.is_cuda else "reference")
+    if not transposed:
+        out = out + (x2d.new_empty((0,), dtype=E4M3), x2d.new_empty((0,), dtype=torch.float32))
+    return out
+
+
+@quantize_act_op.register_fake
+def _(x2d, transposed):
+    m, k = x2d.shape
+    mp = cdiv(m, BLOCK) * BLOCK
+    q, s = x2d.new_empty((m, k), dtype=E4M3), x2d.new_empty((m, cdiv(k, BLOCK)), dtype=torch.float32)
+    if not transposed:
+        return q, s, x2d.new_empty((0,), dtype=E4M3), x2d.new_empty((0,), dtype=torch.float32)
+    return q, s, x2d.new_empty((k, mp), dtype=E4M3), x2d.new_empty((mp // BLOCK, k), dtype=torch.float32)
+
+
+@torch.library.custom_op("gem::fp8_block_quantize_weight", mutates_args=())
+def quantize_weight_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_128x128(w)."""
+    return quantize_128x128(w, kernel="auto" if w.is_cuda else "reference")
+
+
+@quantize_weight_op.register_fake
+def _(w):
+    n, k = w.shape
+    return (w.new_empty((n, k), dtype=E4M3), w.new_empty((k, n), dtype=E4M3),
+            w.new_empty((cdiv(n, BLOCK), cdiv(k, BLOCK)), dtype=torch.float32))
