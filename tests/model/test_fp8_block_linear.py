@@ -159,3 +159,21 @@ def test_gpu_gemms_match_emulation(tokens):
         assert rel < 2e-3, rel
     compiled = torch.compile(lin)
     torch.testing.assert_close(compiled(x), y, rtol=1e-2, atol=1e-2)
+
+
+def test_gpu_large_preset_builds_and_converts():
+    from gem.model import GEMModel
+    from gem.model.config import ModelConfig
+    from gem.model.moe import MoE
+    from tests.train._util import compose
+
+    cfgs = compose(["experiment=gpu_large", "train.precision=fp8_block"])
+    with torch.device("meta"):
+        model = GEMModel(ModelConfig.from_dict(cfgs.model), embedding_device="meta")
+    blocks = model.blocks
+    assert len(blocks) == 8 and sum(isinstance(m, MoE) for m in model.modules()) == 4
+    assert blocks[0].attn.qkv.weight.shape == (3 * 16 * 128, 2048) and blocks[0].ffn.w1.weight.shape == (8192, 2048)
+    got = apply_precision(model, "fp8_block", "cpu", list(cfgs.train.precision_filter))
+    assert len(got) == 8 * 2 + 4 * 3 + 3  # attention in every block, the 4 dense FFNs, the interaction projections
+    assert {"interaction.q_proj", "interaction.kv_proj", "interaction.out"} <= set(got)
+    assert all(type(model.get_submodule(n)) is BlockFP8Linear for n in got)
