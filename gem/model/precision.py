@@ -1,4 +1,5 @@
-"""Low-precision GEMMs for the dense tower: `train.precision` bf16 | fp8 | mxfp8 and the modules it converts.
+"""Low-precision GEMMs for the dense tower: `train.precision` bf16 | fp8 | fp8_block | mxfp8 and the modules it
+converts.
 
 `apply_precision(model, precision, device, patterns)` swaps the nn.Linear modules whose names match one of the
 fnmatch `patterns` for a Linear of the same shape that shares their parameters (names `weight` / `bias`
@@ -20,6 +21,14 @@ unchanged, so checkpoints and FSDP see the same model):
   Inductor fuses it into the kernels that produce each GEMM input (norms, SwiGLU, their backwards): on the H200
   that beat quantizing the gradients with gem.ops.fp8's one-pass kernel by 3.5% of the step. Those regions compile
   without Inductor's mix-order reduction (inductor_options).
+- fp8_block (any device): block-scaled E4M3 as DeepSeek-V3 trains (gem.ops.fp8_block): activations and gradients
+  in 1x128 blocks along each GEMM's reduction axis (the weight gradient's runs over the tokens: both layouts come
+  from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
+  scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
+  torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
+  the FP8 copies of x and W. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
+  interaction's projections are converted too (BLOCK_FILTER). MoE experts named by the filter run fp8's row-wise
+  grouped recipe.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
 - bf16: nothing changes (autocast decides the GEMM dtype as before).
 """

@@ -177,3 +177,13 @@ def test_gpu_large_preset_builds_and_converts():
     assert len(got) == 8 * 2 + 4 * 3 + 3  # attention in every block, the 4 dense FFNs, the interaction projections
     assert {"interaction.q_proj", "interaction.kv_proj", "interaction.out"} <= set(got)
     assert all(type(model.get_submodule(n)) is BlockFP8Linear for n in got)
+
+
+@pytest.mark.slow
+def test_fp8_block_training_run_tracks_bf16():
+    """200 steps of a tiny model widened to 128-multiples (so its tower and interaction convert), fp8_block
+    (emulated GEMMs on the CPU) against the same run without it: eval NE within 1% per task."""
+    from tests.model.test_precision import _assert_ne_tracks, _training_runs
+
+    wide = ["model.d_model=128", "model.tower.head_dim=64", "model.tower.d_ff=256", "model.interaction.head_dim=64"]
+    _assert_ne_tracks(_training_runs((("bf16", None), ("fp8_block", BlockFP8Linear)), wide))
