@@ -309,9 +309,20 @@ def block_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _outer_major(s: torch.Tensor) -> torch.Tensor:
-    """1x128 scales with the blocked (reduction) axis outer: the layout cuBLAS's block-wise recipes read."""
-    return s.t().contiguous().t()
+def _cublas_block_scales(sa: torch.Tensor, sb: torch.Tensor, b_tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """sa [M, K / 128], sb [N / 128, K / 128] (b_tiles) or [N, K / 128] -> the strides cuBLAS's block-wise recipes
+    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous, scale_b [Kb, N] with N contiguous),
+    128x128 scale_b [Kb, N / 128] with Kb contiguous and a leading stride padded to 4 (16 bytes)."""
+    scale_a = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
+    if not b_tiles:
+        return scale_a, sb.t().contiguous()
+    nb, kb = sb.shape
+    l4 = -(-kb // 4) * 4
+    if sb.stride() != (l4, 1) and not (l4 == kb and sb.is_contiguous()):
+        buf = sb.new_zeros((nb, l4))
+        buf[:, :kb] = sb
+        sb = buf
+    return scale_a, sb.t()[:kb]
 
 
 def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
@@ -321,8 +332,8 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     if 0 in qa.shape or 0 in qb.shape:
         return qa.new_zeros((qa.shape[0], qb.shape[0]), dtype=dt)
     if qa.is_cuda and block_gemm_supported(qa.device):
-        return torch._scaled_mm(qa, qb.t(), scale_a=_outer_major(sa),
-                                scale_b=sb.t() if b_tiles else _outer_major(sb.t()), out_dtype=dt)
+        scale_a, scale_b = _cublas_block_scales(sa, sb, b_tiles)
+        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dt)
     kernel = "auto" if qa.is_cuda else "reference"  # the Triton interpreter would be far too slow on CPU
     a = fb.dequantize_1x128(qa, sa, torch.float32, kernel=kernel)
     b = (fb.dequantize_128x128 if b_tiles else fb.dequantize_1x128)(qb, sb, torch.float32, kernel=kernel)

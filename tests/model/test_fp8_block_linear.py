@@ -187,3 +187,30 @@ def test_fp8_block_training_run_tracks_bf16():
 
     wide = ["model.d_model=128", "model.tower.head_dim=64", "model.tower.d_ff=256", "model.interaction.head_dim=64"]
     _assert_ne_tracks(_training_runs((("bf16", None), ("fp8_block", BlockFP8Linear)), wide))
+
+
+@pytest.mark.parametrize("m,k,n", [(1000, 1024, 3072), (65613, 4096, 1024), (130, 128, 128)])
+def test_cublas_scale_layouts(m, k, n):
+    """The scales block_mm hands torch._scaled_mm on sm_90, for the three GEMMs: the shapes torch's checks take
+    (meta tensors) and the strides cuBLAS reads (1x128 outer-dim-major; 128x128 reduction-blocks contiguous with a
+    16-byte leading stride), holding the same values."""
+    from gem.model.precision import _cublas_block_scales
+
+    mp, kb, nb = -(-m // 128) * 128, k // 128, n // 128
+    sx, sw = torch.rand(m, kb), torch.rand(nb, kb)
+    sg, sgt, sxt = torch.rand(m, nb), torch.rand(mp // 128, n), torch.rand(mp // 128, k)
+    for (mm, kk, nn_), sa, sb, tiles in (((m, k, n), sx, sw, True),  # forward: x @ W^T
+                                         ((m, n, k), sg, sw.t(), True),  # input gradient: g @ W
+                                         ((n, mp, k), sgt.t(), sxt.t(), False)):  # weight gradient: g^T @ x
+        scale_a, scale_b = _cublas_block_scales(sa, sb, tiles)
+        assert scale_a.stride(0) == 1 and torch.equal(scale_a, sa)
+        assert torch.equal(scale_b, sb.t())
+        if tiles:
+            assert scale_b.stride(0) == 1 and scale_b.stride(1) % 4 == 0
+        else:
+            assert scale_b.stride(1) == 1
+        a = torch.empty(mm, kk, dtype=fb.E4M3, device="meta")
+        b = torch.empty(nn_, kk, dtype=fb.E4M3, device="meta")
+        out = torch._scaled_mm(a, b.t(), scale_a=scale_a.to("meta"), scale_b=scale_b.to("meta"),
+                               out_dtype=torch.bfloat16)
+        assert out.shape == (mm, nn_)
