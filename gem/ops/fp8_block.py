@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from gem.ops._common import cdiv, resolve_kernel
 
-__all__ = ["BLOCK", "FP8_MAX", "dequantize_128x128", "dequantize_1x128", "quantize_128x128", "quantize_1x128"]
+__all__ = ["BLOCK", "FP8_MAX", "dequantize_1x128", "dequantize_128x128", "quantize_1x128", "quantize_128x128"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -69,7 +69,7 @@ def quantize_1x128_reference(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def quantize_1x128_t_reference(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> blocks of 128 along M: (uint8 codes of x^T [K, Mp], fp32 scales [Mp / 128, K]), Mp = M rounded
     up to 128, padding codes 0."""
-    m, k = x2d.shape
+    m = x2d.shape[0]
     mp = cdiv(m, BLOCK) * BLOCK
     codes, scale = quantize_1x128_reference(F.pad(x2d, (0, 0, 0, mp - m)).t())
     return codes, scale.t().contiguous()
@@ -87,7 +87,7 @@ def quantize_128x128_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def dequantize_1x128_reference(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    m, k = codes.shape
+    k = codes.shape[1]
     s = scale.repeat_interleave(BLOCK, dim=1)[:, :k]
     return (codes.view(E4M3).float() * s).to(dtype)
 
