@@ -350,8 +350,8 @@ class _BlockFP8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, dtype):
         x2 = _flat(x)
         need_w = ctx.needs_input_grad[1]
-        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2.to(dtype), need_w)
-        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight.to(dtype))
+        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
+        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight)
         y = block_mm(qx, sx, qw, sw, True, dtype)
         if bias is not None:
             y = y + bias.to(dtype)
@@ -363,7 +363,7 @@ class _BlockFP8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         qxt, sxt, qwt, sw = ctx.saved_tensors
-        g = _flat(gy).to(ctx.dtype)
+        g = _flat(gy)
         dx = dw = db = None
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_x or need_w:
