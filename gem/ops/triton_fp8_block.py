@@ -65,15 +65,15 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, MP, NKB,
         tl.store(s_ptr + rm.to(tl.int64) * NKB + pid_k, s, mask=mrow)
     if TRANS:
         s, inv, nf = _pow2_scale(tl.max(mag, axis=0))
-        code = tl.trans(_encode(x, inv[None, :], nf[None, :], EXACT))  # [128 (k), BLOCK_M (m)]
+        code = tl.trans(_encode(x, inv[None, :], nf[None, :], EXACT).to(tl.uint8))  # [128 (k), BLOCK_M (m)]
         tmask = mcol[:, None] & (rm < MP)[None, :]
-        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * MP + rm[None, :], code.to(tl.uint8), mask=tmask)
+        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * MP + rm[None, :], code, mask=tmask)
         tl.store(st_ptr + pid_m.to(tl.int64) * K + rk, s, mask=mcol)
     if WEIGHT:
         s, inv, nf = _pow2_scale(tl.max(tl.max(mag, axis=1), axis=0))
-        code = _encode(x, inv, nf, EXACT)
-        tl.store(q_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], code.to(tl.uint8), mask=mask)
-        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M + rm[None, :], tl.trans(code).to(tl.uint8),
+        code = _encode(x, inv, nf, EXACT).to(tl.uint8)
+        tl.store(q_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], code, mask=mask)
+        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M + rm[None, :], tl.trans(code),
                  mask=mcol[:, None] & mrow[None, :])
         tl.store(s_ptr + pid_m * NKB + pid_k, s)
 
