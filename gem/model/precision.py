@@ -1,4 +1,5 @@
-"""Low-precision GEMMs for the dense tower: `train.precision` bf16 | fp8 | mxfp8 and the modules it converts.
+"""Low-precision GEMMs for the dense tower: `train.precision` bf16 | fp8 | fp8_block | mxfp8 and the modules it
+converts.
 
 `apply_precision(model, precision, device, patterns)` swaps the nn.Linear modules whose names match one of the
 fnmatch `patterns` for a Linear of the same shape that shares their parameters (names `weight` / `bias`
@@ -20,6 +21,14 @@ unchanged, so checkpoints and FSDP see the same model):
   Inductor fuses it into the kernels that produce each GEMM input (norms, SwiGLU, their backwards): on the H200
   that beat quantizing the gradients with gem.ops.fp8's one-pass kernel by 3.5% of the step. Those regions compile
   without Inductor's mix-order reduction (inductor_options).
+- fp8_block (any device): block-scaled E4M3 as DeepSeek-V3 trains (gem.ops.fp8_block): activations and gradients
+  in 1x128 blocks along each GEMM's reduction axis (the weight gradient's runs over the tokens: both layouts come
+  from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
+  scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
+  torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
+  the FP8 copies of x and W. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
+  interaction's projections are converted too (BLOCK_FILTER). MoE experts named by the filter run fp8's row-wise
+  grouped recipe.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
 - bf16: nothing changes (autocast decides the GEMM dtype as before).
 """
@@ -36,18 +45,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem.config import ConfigError
+from gem.ops import fp8_block as fb
 from gem.ops import mx
 
-__all__ = ["DEFAULT_FILTER", "PRECISIONS", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
+__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
            "fp8_grouped_mm", "inductor_options"]
 
 log = logging.getLogger("gem.model")
 
-PRECISIONS = ("bf16", "fp8", "mxfp8")
+PRECISIONS = ("bf16", "fp8", "fp8_block", "mxfp8")
 # The tower's attention projections and dense FFNs; heads, routers, embedding-side and small layers stay bf16.
 # MoE experts are opt-in ("blocks.*.ffn" names the MoE layers, fp8 only): on gpu_base their fp8 GEMMs cost 1.3-1.8%
 # eval NE after 200 steps, while fp8 on the dense layers alone stays within 0.4% after 1,000 (docs/PERF.md).
 DEFAULT_FILTER = ("blocks.*.attn.qkv", "blocks.*.attn.out", "blocks.*.ffn.w1", "blocks.*.ffn.w2", "blocks.*.ffn.w3")
+# fp8_block under the default filter: the interaction's projections too (kv_proj runs over every history token)
+BLOCK_FILTER = DEFAULT_FILTER + ("interaction.q_proj", "interaction.kv_proj", "interaction.out")
 MX_BLOCK = 32
 _FP8_ALIGN = 16  # torch._scaled_mm wants the GEMM dims in multiples of 16
 
@@ -288,6 +300,96 @@ class FP8Linear(_LowPrecisionLinear):
     gemms, align = _FP8Gemms, _FP8_ALIGN
 
 
+# ---------------------------------------------------------------------------------------------------- fp8_block
+
+
+def block_gemm_supported(device: torch.device) -> bool:
+    """Block-scaled FP8 GEMMs (1x128 / 128x128 fp32 scales) in cuBLAS through torch._scaled_mm: CUDA sm_90."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _cublas_block_scales(sa: torch.Tensor, sb: torch.Tensor, b_tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """sa [M, K / 128], sb [N / 128, K / 128] (b_tiles) or [N, K / 128] -> the strides cuBLAS's block-wise recipes
+    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous, scale_b [Kb, N] with N contiguous),
+    128x128 scale_b [Kb, N / 128] with Kb contiguous and a leading stride padded to 4 (16 bytes)."""
+    scale_a = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
+    if not b_tiles:
+        return scale_a, sb.t().contiguous()
+    nb, kb = sb.shape
+    l4 = -(-kb // 4) * 4
+    if sb.stride() != (l4, 1) and not (l4 == kb and sb.is_contiguous()):
+        buf = sb.new_zeros((nb, l4))
+        buf[:, :kb] = sb
+        sb = buf
+    return scale_a, sb.t()[:kb]
+
+
+def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
+    """qa [M, K] @ qb [N, K]^T, both E4M3, blocks along K: sa [M, K / 128]; sb [N / 128, K / 128] (b_tiles:
+    128x128) or [N, K / 128] (1x128). cuBLAS on sm_90; elsewhere the dequantized operands multiplied in fp32 (the
+    same products, another accumulation order)."""
+    if 0 in qa.shape or 0 in qb.shape:
+        return qa.new_zeros((qa.shape[0], qb.shape[0]), dtype=dt)
+    if qa.is_cuda and block_gemm_supported(qa.device):
+        scale_a, scale_b = _cublas_block_scales(sa, sb, b_tiles)
+        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dt)
+    kernel = "auto" if qa.is_cuda else "reference"  # the Triton interpreter would be far too slow on CPU
+    a = fb.dequantize_1x128(qa, sa, torch.float32, kernel=kernel)
+    b = (fb.dequantize_128x128 if b_tiles else fb.dequantize_1x128)(qb, sb, torch.float32, kernel=kernel)
+    return (a @ b.t()).to(dt)
+
+
+class _BlockFP8LinearFn(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs block-scaled: x and the output gradient in 1x128 blocks along each GEMM's
+    reduction axis (features for the forward and input gradient, tokens for the weight gradient, both layouts from
+    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per forward). The backward keeps
+    only FP8 copies of x and W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        x2 = _flat(x)
+        need_w = ctx.needs_input_grad[1]
+        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
+        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight)
+        y = block_mm(qx, sx, qw, sw, True, dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(qxt, sxt, qwt, sw)
+        ctx.dtype, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = dtype, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        qxt, sxt, qwt, sw = ctx.saved_tensors
+        g = _flat(gy)
+        dx = dw = db = None
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_x or need_w:
+            qg, sg, qgt, sgt = torch.ops.gem.fp8_block_quantize_act(g, need_w)
+            if need_x:  # g [M, N] @ W [N, K]: W^T's tiles are W's, transposed
+                dx = block_mm(qg, sg, qwt, sw.t(), True, ctx.dtype).reshape(ctx.x_shape).to(ctx.x_dtype)
+            if need_w:  # g^T [N, Mp] @ x [Mp, K], blocks along the (zero-padded) tokens
+                dw = block_mm(qgt, sgt.t(), qxt, sxt.t(), False, ctx.dtype).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.float().sum(0).to(ctx.w_dtype)
+        return dx, dw, db, None
+
+
+class BlockFP8Linear(nn.Linear):
+    """nn.Linear with block-scaled FP8 GEMMs (forward, input gradient and weight gradient; see the module
+    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict."""
+
+    align = fb.BLOCK
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16  # block-scaled _scaled_mm writes bf16
+        with torch.autocast(x.device.type, enabled=False):
+            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 def inductor_options(model: nn.Module) -> dict:
     """Inductor options for compiling `model`'s regions under its precision ({} when none are needed).
 
@@ -305,7 +407,7 @@ def inductor_options(model: nn.Module) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- conversion
 
-_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear}
+_CLASSES = {"mxfp8": MXFP8Linear, "fp8": FP8Linear, "fp8_block": BlockFP8Linear}
 FP8_BACKENDS = ("gem", "torchao")
 
 
@@ -351,6 +453,12 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     check_precision_device(precision, torch.device(device))
     if precision == "bf16":
         return []
+    if precision == "fp8_block":
+        if tuple(patterns) == DEFAULT_FILTER:
+            patterns = BLOCK_FILTER
+        if not block_gemm_supported(torch.device(device)):
+            log.warning("train.precision=fp8_block: no block-scaled FP8 GEMM on %s (cuBLAS's needs sm_90); the GEMMs "
+                        "are emulated (dequantized operands, fp32 products)", device)
     cls = _CLASSES[precision]
     align = cls.align
     matched, converted, kept, torchao_names = [], [], [], []
@@ -358,7 +466,8 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
         if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue
         if hasattr(mod, "fp8_experts"):  # an MoE layer (known by its switch: moe.py imports this module)
-            if precision == "fp8" and mod.d_model % align == 0 and mod.d_ff % align == 0:
+            # experts run the row-wise fp8 grouped GEMM under fp8 and fp8_block alike (its alignment: 16)
+            if precision in ("fp8", "fp8_block") and mod.d_model % 16 == 0 and mod.d_ff % 16 == 0:
                 mod.fp8_experts = True
                 converted.append(name)
             continue

@@ -66,8 +66,9 @@ class TrainConfig:
     sparse_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "rowwise_adagrad", "lr": 0.05})
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
     # the tower GEMMs' format (gem/model/precision.py): bf16 (autocast decides) | fp8 (sm_89+) |
+    # fp8_block (1x128 / 128x128 block-scaled E4M3 in all three GEMMs; cuBLAS on sm_90, else emulated) |
     # mxfp8 (MX tensor cores on sm_100+, else emulated)
-    precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
+    precision: Literal["bf16", "fp8", "fp8_block", "mxfp8"] = "bf16"
     # fnmatch patterns over module names: the nn.Linear modules `precision` converts
     precision_filter: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER))
     fp8_backend: Literal["gem", "torchao"] = "gem"  # precision=fp8: gem's row-wise Linear or torchao's Float8Linear

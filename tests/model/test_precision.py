@@ -194,7 +194,7 @@ def test_precision_config_errors_are_one_line():
     assert str(e.value).startswith("train.precision: fp8 needs a GPU")
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"precision": "fp4"})
-    assert str(e.value) == "train.precision: must be bf16, fp8 or mxfp8 (got fp4)"
+    assert str(e.value) == "train.precision: must be bf16, fp8, fp8_block or mxfp8 (got fp4)"
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"precision_filter": "blocks.*"})
     assert str(e.value) == "train.precision_filter: expected a list (got blocks.*)"

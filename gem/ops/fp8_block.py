@@ -1,0 +1,222 @@
+"""Block-scaled FP8 (E4M3) as DeepSeek-V3 trains with it: 1 x 128 blocks for activations and gradients, 128 x 128
+for weights, one fp32 scale a block.
+
+Scale of a block: the smallest power of two s with amax / s <= 448 (E4M3's largest finite value), from amax's bits:
+amax = 1.f * 2^E gives s = 2^(E - 8 + (1.f > 1.75)), floored at 2^-126 (all-zero blocks get 2^-126).
+Codes: fp8(clamp(x / s, -448, 448)), round-to-nearest-even (torch's cast); x / s is exact (s a power of two).
+Powers of two keep the division exact and cost at most one bit of E4M3's range against s = amax / 448.
+A block holding NaN or +-inf gets scale NaN and every code 0x7F (NaN): E4M3 has no inf. Dequantize: code * s.
+
+Layouts (what torch._scaled_mm's block-wise recipes take; the token axis may be ragged):
+- quantize_1x128(x [M, K]): data [M, K], scale [M, ceil(K / 128)]; blocks along K (the reduction axis of the
+  forward and input-gradient GEMMs). A ragged K ends in a partial block (zeros count for nothing in amax).
+- transposed=True also returns the blocks along M for the weight-gradient GEMM (reduction over tokens), from the same
+  read of x: data_t [K, Mp] (x^T, Mp = M rounded up to 128, padding columns 0) and scale_t [Mp / 128, K].
+- quantize_128x128(w [N, K]): data [N, K], data_t [K, N] (w^T, the input-gradient GEMM's operand), scale
+  [ceil(N / 128), ceil(K / 128)] (w^T's scales are scale.t()).
+
+kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the reference) | "triton" | "reference"; both
+give the same bytes (NaN payloads included: codes 0x7F).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gem.ops._common import cdiv, resolve_kernel
+
+__all__ = ["BLOCK", "FP8_MAX", "dequantize_1x128", "dequantize_128x128", "quantize_1x128", "quantize_128x128"]
+
+BLOCK = 128
+FP8_MAX = 448.0
+E4M3 = torch.float8_e4m3fn
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+def pow2_scale_reference(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 amax (>= 0 or NaN) -> (scale, 1 / scale, non-finite mask), the bit arithmetic of the kernels."""
+    bits = amax.float().contiguous().view(torch.int32)
+    ex = bits >> 23
+    k = (ex - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp_min(-126)
+    nonfinite = ex >= 255
+    scale = ((k + 127) << 23).view(torch.float32)
+    scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
+    return scale, ((127 - k) << 23).view(torch.float32), nonfinite
+
+
+def _encode_reference(xf: torch.Tensor, inv: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    codes = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(E4M3).view(torch.uint8)
+    return torch.where(nonfinite, torch.full_like(codes, 0x7F), codes)
+
+
+def quantize_1x128_reference(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (uint8 codes [M, K], fp32 scales [M, ceil(K / 128)])."""
+    m, k = x2d.shape
+    nb = cdiv(k, BLOCK)
+    xf = F.pad(x2d.float(), (0, nb * BLOCK - k)).reshape(m, nb, BLOCK)
+    amax = xf.abs().amax(-1) if m * nb else xf.new_zeros(m, nb)
+    scale, inv, nonfinite = pow2_scale_reference(amax)
+    codes = _encode_reference(xf, inv[..., None], nonfinite[..., None])
+    return codes.reshape(m, nb * BLOCK)[:, :k].contiguous(), scale
+
+
+def quantize_1x128_t_reference(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> blocks of 128 along M: (uint8 codes of x^T [K, Mp], fp32 scales [Mp / 128, K]), Mp = M rounded
+    up to 128, padding codes 0."""
+    m = x2d.shape[0]
+    mp = cdiv(m, BLOCK) * BLOCK
+    codes, scale = quantize_1x128_reference(F.pad(x2d, (0, 0, 0, mp - m)).t())
+    return codes, scale.t().contiguous()
+
+
+def quantize_128x128_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (uint8 codes [N, K], fp32 scales [ceil(N / 128), ceil(K / 128)])."""
+    n, k = w.shape
+    nbn, nbk = cdiv(n, BLOCK), cdiv(k, BLOCK)
+    wf = F.pad(w.float(), (0, nbk * BLOCK - k, 0, nbn * BLOCK - n)).reshape(nbn, BLOCK, nbk, BLOCK)
+    amax = wf.abs().amax((1, 3)) if nbn * nbk else wf.new_zeros(nbn, nbk)
+    scale, inv, nonfinite = pow2_scale_reference(amax)
+    codes = _encode_reference(wf, inv[:, None, :, None], nonfinite[:, None, :, None])
+    return codes.reshape(nbn * BLOCK, nbk * BLOCK)[:n, :k].contiguous(), scale
+
+
+def dequantize_1x128_reference(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    k = codes.shape[1]
+    s = scale.repeat_interleave(BLOCK, dim=1)[:, :k]
+    return (codes.view(E4M3).float() * s).to(dtype)
+
+
+def dequantize_128x128_reference(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = codes.shape
+    s = scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:n, :k]
+    return (codes.view(E4M3).float() * s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- public API
+
+
+def _check_x(x, where: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+        raise TypeError(f"{where}: x must be a float32, bfloat16 or float16 tensor (got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})")
+    if x.dim() == 0:
+        raise ValueError(f"{where}: x must have at least one dimension (got a scalar)")
+
+
+def _impl(kernel: str, *tensors: torch.Tensor) -> str:
+    impl = resolve_kernel(kernel, *tensors)
+    return "reference" if impl == "triton" and any(t.numel() == 0 for t in tensors) else impl
+
+
+def quantize_1x128(x: torch.Tensor, transposed: bool = False, kernel: str = "auto"):
+    """x [..., K] flattened to [M, K] -> (data E4M3 [M, K], scale fp32 [M, ceil(K / 128)]); transposed=True also
+    (data_t E4M3 [K, Mp], scale_t fp32 [Mp / 128, K]) with blocks of 128 along M, from the same pass."""
+    where = "gem.ops.fp8_block.quantize_1x128"
+    _check_x(x, where)
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+    if _impl(kernel, x2d) == "triton":
+        from gem.ops.triton_fp8_block import quantize_1x128_triton
+
+        out = quantize_1x128_triton(x2d, transposed)
+    else:
+        out = quantize_1x128_reference(x2d)
+        if transposed:
+            out = out + quantize_1x128_t_reference(x2d)
+    return tuple(t.view(E4M3) if t.dtype == torch.uint8 else t for t in out)
+
+
+def quantize_128x128(w: torch.Tensor, kernel: str = "auto"):
+    """w [N, K] -> (data E4M3 [N, K], data_t E4M3 [K, N] (w^T), scale fp32 [ceil(N / 128), ceil(K / 128)])."""
+    where = "gem.ops.fp8_block.quantize_128x128"
+    _check_x(w, where)
+    if w.dim() != 2:
+        raise ValueError(f"{where}: w must be 2-d [out, in] (got shape {tuple(w.shape)})")
+    w = w.contiguous()
+    if _impl(kernel, w) == "triton":
+        from gem.ops.triton_fp8_block import quantize_128x128_triton
+
+        codes, codes_t, scale = quantize_128x128_triton(w)
+    else:
+        codes, scale = quantize_128x128_reference(w)
+        codes_t = codes.t().contiguous()
+    return codes.view(E4M3), codes_t.view(E4M3), scale
+
+
+def _check_dequant(data, scale, dtype, want, where):
+    if not isinstance(data, torch.Tensor) or data.dtype != E4M3 or data.dim() != 2:
+        raise TypeError(f"{where}: data must be a 2-d float8_e4m3fn tensor")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+        raise ValueError(f"{where}: scale must be fp32 of shape {want} for data {tuple(data.shape)} "
+                         f"(got {scale.dtype} {tuple(scale.shape)})")
+    if dtype not in _DTYPES:
+        raise TypeError(f"{where}: dtype must be float32, bfloat16 or float16 (got {dtype})")
+
+
+def dequantize_1x128(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     kernel: str = "auto") -> torch.Tensor:
+    """Inverse of quantize_1x128's first pair: data [M, K] * scale [M, ceil(K / 128)] per block, as dtype."""
+    where = "gem.ops.fp8_block.dequantize_1x128"
+    _check_dequant(data, scale, dtype, (data.shape[0], cdiv(data.shape[1], BLOCK)) if data.dim() == 2 else (), where)
+    codes, scale = data.contiguous().view(torch.uint8), scale.contiguous()
+    if _impl(kernel, codes, scale) == "triton":
+        from gem.ops.triton_fp8_block import dequantize_triton
+
+        return dequantize_triton(codes, scale, dtype, weight=False)
+    return dequantize_1x128_reference(codes, scale, dtype)
+
+
+def dequantize_128x128(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                       kernel: str = "auto") -> torch.Tensor:
+    """Inverse of quantize_128x128: data [N, K] * scale [ceil(N / 128), ceil(K / 128)] per block, as dtype."""
+    where = "gem.ops.fp8_block.dequantize_128x128"
+    want = (cdiv(data.shape[0], BLOCK), cdiv(data.shape[1], BLOCK)) if data.dim() == 2 else ()
+    _check_dequant(data, scale, dtype, want, where)
+    codes, scale = data.contiguous().view(torch.uint8), scale.contiguous()
+    if _impl(kernel, codes, scale) == "triton":
+        from gem.ops.triton_fp8_block import dequantize_triton
+
+        return dequantize_triton(codes, scale, dtype, weight=True)
+    return dequantize_128x128_reference(codes, scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- custom ops
+# Opaque to torch.compile (the Triton kernels run as they are), traceable around them.
+
+
+@torch.library.custom_op("gem::fp8_block_quantize_act", mutates_args=())
+def quantize_act_op(x2d: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """quantize_1x128(x2d, transposed) for a 2-d x2d; without transposed, the last two outputs are empty."""
+    out = quantize_1x128(x2d, transposed, kernel="auto" if x2d.is_cuda else "reference")
+    if not transposed:
+        out = out + (x2d.new_empty((0,), dtype=E4M3), x2d.new_empty((0,), dtype=torch.float32))
+    return out
+
+
+@quantize_act_op.register_fake
+def _(x2d, transposed):
+    m, k = x2d.shape
+    mp = cdiv(m, BLOCK) * BLOCK
+    q, s = x2d.new_empty((m, k), dtype=E4M3), x2d.new_empty((m, cdiv(k, BLOCK)), dtype=torch.float32)
+    if not transposed:
+        return q, s, x2d.new_empty((0,), dtype=E4M3), x2d.new_empty((0,), dtype=torch.float32)
+    return q, s, x2d.new_empty((k, mp), dtype=E4M3), x2d.new_empty((mp // BLOCK, k), dtype=torch.float32)
+
+
+@torch.library.custom_op("gem::fp8_block_quantize_weight", mutates_args=())
+def quantize_weight_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_128x128(w)."""
+    return quantize_128x128(w, kernel="auto" if w.is_cuda else "reference")
+
+
+@quantize_weight_op.register_fake
+def _(w):
+    n, k = w.shape
+    return (w.new_empty((n, k), dtype=E4M3), w.new_empty((k, n), dtype=E4M3),
+            w.new_empty((cdiv(n, BLOCK), cdiv(k, BLOCK)), dtype=torch.float32))

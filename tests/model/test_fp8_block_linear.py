@@ -1,0 +1,219 @@
+"""train.precision=fp8_block: BlockFP8Linear's three GEMMs against block-quantized references built independently
+of the kernels' layouts, the stated GEMM error bound against the exact product, ragged and empty token counts,
+the default filter, and tracing under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gem.model.precision import BLOCK_FILTER, BlockFP8Linear, apply_precision
+from gem.ops import fp8_block as fb
+
+U = 2.0**-4  # E4M3 round-to-nearest: relative error of a normal value
+
+
+def _deq_rows(t):
+    """t [R, C] quantized in 1x128 blocks along C (reference) and dequantized, fp64."""
+    q, s = fb.quantize_1x128(t, kernel="reference")
+    return fb.dequantize_1x128(q, s, torch.float32, kernel="reference").double()
+
+
+def _deq_tiles(w):
+    q, _, s = fb.quantize_128x128(w, kernel="reference")
+    return fb.dequantize_128x128(q, s, torch.float32, kernel="reference").double()
+
+
+def _linear(k, n, bias, seed):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(k, n, bias=bias))
+    assert apply_precision(m, "fp8_block", "cpu", ["0"]) == ["0"]
+    assert type(m[0]) is BlockFP8Linear
+    return m[0]
+
+
+@pytest.mark.parametrize("tokens,k,n,bias", [(130, 256, 384, False), (1, 128, 128, True), (3 * 77, 384, 128, True)])
+def test_gemms_are_block_quantized_products(tokens, k, n, bias):
+    lin = _linear(k, n, bias, tokens)
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(tokens, k, generator=g) * 3).requires_grad_()
+    gy = torch.randn(tokens, n, generator=g) * 1e-3
+    y = lin(x)
+    y.backward(gy)
+
+    # x and W quantized from their own dtype (fp32); the gradient arrives as the bf16 output's
+    xb, wb, gb = x.detach(), lin.weight.detach(), gy.bfloat16()
+    want = (_deq_rows(xb) @ _deq_tiles(wb).t()).bfloat16()
+    if bias:  # added to the GEMM's bf16 output
+        want = want + lin.bias.detach().bfloat16()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want.double(), rtol=2**-8, atol=1e-6)
+    # input gradient: g in 1x128 blocks along out-features, W's 128x128 tiles
+    dx = _deq_rows(gb) @ _deq_tiles(wb)
+    torch.testing.assert_close(x.grad.double(), dx.bfloat16().double(), rtol=2**-7, atol=1e-9)  # one bf16 ulp: fp32 vs exact sums
+    # weight gradient: g and x both in blocks of 128 tokens (zero padding adds nothing)
+    dw = _deq_rows(gb.t()) @ _deq_rows(xb.t()).t()
+    torch.testing.assert_close(lin.weight.grad.double(), dw.bfloat16().double(), rtol=2**-7, atol=1e-9)  # one bf16 ulp: fp32 vs exact sums
+    if bias:
+        torch.testing.assert_close(lin.bias.grad, gb.float().sum(0), rtol=1e-5, atol=1e-7)
+
+
+def _elem_err(t, scales_rows):
+    """Per-element bound of |fp8(t) - t| for t's blocks: u |t| for normals, half the smallest E4M3 step (2^-10 s)
+    below."""
+    return torch.maximum(t.abs() * U, scales_rows * 2.0**-10)
+
+
+def test_gemm_error_bound():
+    """|y - x W^T| <= ex |W|^T + |x| ew^T + ex ew^T (+ bf16 rounding of y, 2^-8 |y|), with ex, ew the per-element
+    quantization bounds: u = 2^-4 relative (E4M3), 2^-10 s absolute for values under a block's smallest normal."""
+    k, n, tokens = 512, 256, 300
+    lin = _linear(k, n, False, 0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, k, generator=g) * torch.exp2(torch.randint(-6, 6, (tokens, k), generator=g).float())
+    xb, wb = x.bfloat16(), lin.weight.detach().bfloat16()
+    lin.weight.data = wb
+    y = lin(xb).double()
+    exact = xb.double() @ wb.double().t()
+    _, sx = fb.quantize_1x128(xb, kernel="reference")
+    _, _, sw = fb.quantize_128x128(wb, kernel="reference")
+    ex = _elem_err(xb.double(), sx.double().repeat_interleave(128, 1))
+    ew = _elem_err(wb.double(), sw.double().repeat_interleave(128, 0).repeat_interleave(128, 1))
+    bound = ex @ wb.double().abs().t() + xb.double().abs() @ ew.t() + ex @ ew.t()
+    err = (y - exact).abs()
+    assert (err <= bound * 1.001 + exact.abs() * 2.0**-8 + 1e-30).all()
+    assert err.max() > 0.1 * bound.max() * 0.01  # the bound is not vacuous against an exact product
+    rel = (err.norm() / exact.norm()).item()
+    assert 1e-3 < rel < 0.05
+
+
+def test_empty_and_no_weight_grad():
+    lin = _linear(128, 128, True, 1)
+    x = torch.zeros(0, 128, requires_grad=True)
+    y = lin(x)
+    y.sum().backward()
+    assert y.shape == (0, 128) and x.grad.shape == (0, 128) and torch.equal(lin.weight.grad, torch.zeros(128, 128))
+    lin.weight.requires_grad_(False)
+    x = torch.randn(5, 128, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad.shape == (5, 128)
+
+
+def test_default_filter_takes_interaction_projections():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(128, 384, bias=False), nn.Linear(128, 128, bias=False)
+
+    class Inter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.kv_proj = nn.Linear(128, 128, bias=False), nn.Linear(128, 256, bias=False)
+            self.out = nn.Linear(128, 100, bias=False)  # not a multiple of 128: stays bf16
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Module()])
+    model.blocks[0].attn = Attn()
+    model.interaction = Inter()
+    model.head = nn.Linear(128, 128)
+    got = apply_precision(model, "fp8_block", "cpu", list(BLOCK_FILTER[:5]))
+    assert got == ["blocks.0.attn.qkv", "blocks.0.attn.out", "interaction.q_proj", "interaction.kv_proj"]
+    assert type(model.interaction.out) is nn.Linear and type(model.head) is nn.Linear
+
+
+def test_traces_under_compile():
+    lin = _linear(256, 128, False, 2)
+    x = torch.randn(70, 256, requires_grad=True)
+    eager = lin(x)
+    eager.sum().backward()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = None
+    lin.weight.grad = None
+    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, eager) and torch.equal(x.grad, gx) and torch.equal(lin.weight.grad, gw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [65536 + 77, 1000])
+def test_gpu_gemms_match_emulation(tokens):
+    from gem.model import precision as prec
+
+    assert prec.block_gemm_supported(torch.device("cuda"))
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(1024, 3072, bias=False)).cuda()
+    apply_precision(lin, "fp8_block", "cuda", ["0"])
+    x = torch.randn(tokens, 1024, device="cuda", requires_grad=True)
+    gy = torch.randn(tokens, 3072, device="cuda") * 1e-2
+    y = lin(x)
+    y.backward(gy)
+    xc, wc, gc = x.detach().cpu(), lin[0].weight.detach().cpu(), gy.cpu()
+    lin_cpu = nn.Sequential(nn.Linear(1024, 3072, bias=False))
+    lin_cpu[0].weight.data.copy_(wc)
+    apply_precision(lin_cpu, "fp8_block", "cpu", ["0"])
+    xc.requires_grad_()
+    yc = lin_cpu(xc)
+    yc.backward(gc)
+    for got, want in ((y, yc), (x.grad, xc.grad), (lin[0].weight.grad, lin_cpu[0].weight.grad)):
+        rel = ((got.detach().cpu().double() - want.double()).norm() / want.double().norm()).item()
+        assert rel < 2e-3, rel
+    compiled = torch.compile(lin)
+    torch.testing.assert_close(compiled(x), y, rtol=1e-2, atol=1e-2)
+
+
+def test_gpu_large_preset_builds_and_converts():
+    from gem.model import GEMModel
+    from gem.model.config import ModelConfig
+    from gem.model.moe import MoE
+    from tests.train._util import compose
+
+    cfgs = compose(["experiment=gpu_large", "train.precision=fp8_block"])
+    with torch.device("meta"):
+        model = GEMModel(ModelConfig.from_dict(cfgs.model), embedding_device="meta")
+    blocks = model.blocks
+    assert len(blocks) == 8 and sum(isinstance(m, MoE) for m in model.modules()) == 4
+    assert blocks[0].attn.qkv.weight.shape == (3 * 16 * 128, 2048) and blocks[0].ffn.w1.weight.shape == (8192, 2048)
+    got = apply_precision(model, "fp8_block", "cpu", list(cfgs.train.precision_filter))
+    assert len(got) == 8 * 2 + 4 * 3 + 3  # attention in every block, the 4 dense FFNs, the interaction projections
+    assert {"interaction.q_proj", "interaction.kv_proj", "interaction.out"} <= set(got)
+    assert all(type(model.get_submodule(n)) is BlockFP8Linear for n in got)
+
+
+@pytest.mark.slow
+def test_fp8_block_training_run_tracks_bf16():
+    """200 steps of a tiny model widened to 128-multiples (so its tower and interaction convert), fp8_block
+    (emulated GEMMs on the CPU) against the same run without it: eval NE within 1% per task."""
+    from tests.model.test_precision import _assert_ne_tracks, _training_runs
+
+    wide = ["model.d_model=128", "model.tower.head_dim=64", "model.tower.d_ff=256", "model.interaction.head_dim=64",
+            "model.tower.num_blocks=1"]
+    _assert_ne_tracks(_training_runs((("bf16", None), ("fp8_block", BlockFP8Linear)), wide))
+
+
+@pytest.mark.parametrize("m,k,n", [(1000, 1024, 3072), (65613, 4096, 1024), (130, 128, 128)])
+def test_cublas_scale_layouts(m, k, n):
+    """The scales block_mm hands torch._scaled_mm on sm_90, for the three GEMMs: the shapes torch's checks take
+    (meta tensors) and the strides cuBLAS reads (1x128 outer-dim-major; 128x128 reduction-blocks contiguous with a
+    16-byte leading stride), holding the same values."""
+    from gem.model.precision import _cublas_block_scales
+
+    mp, kb, nb = -(-m // 128) * 128, k // 128, n // 128
+    sx, sw = torch.rand(m, kb), torch.rand(nb, kb)
+    sg, sgt, sxt = torch.rand(m, nb), torch.rand(mp // 128, n), torch.rand(mp // 128, k)
+    for (mm, kk, nn_), sa, sb, tiles in (((m, k, n), sx, sw, True),  # forward: x @ W^T
+                                         ((m, n, k), sg, sw.t(), True),  # input gradient: g @ W
+                                         ((n, mp, k), sgt.t(), sxt.t(), False)):  # weight gradient: g^T @ x
+        scale_a, scale_b = _cublas_block_scales(sa, sb, tiles)
+        assert scale_a.stride(0) == 1 and torch.equal(scale_a, sa)
+        assert torch.equal(scale_b, sb.t())
+        if tiles:
+            assert scale_b.stride(0) == 1 and scale_b.stride(1) % 4 == 0
+        else:
+            assert scale_b.stride(1) == 1
+        a = torch.empty(mm, kk, dtype=fb.E4M3, device="meta")
+        b = torch.empty(nn_, kk, dtype=fb.E4M3, device="meta")
+        out = torch._scaled_mm(a, b.t(), scale_a=scale_a.to("meta"), scale_b=scale_b.to("meta"),
+                               out_dtype=torch.bfloat16)
+        assert out.shape == (mm, nn_)

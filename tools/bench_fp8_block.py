@@ -1,0 +1,136 @@
+"""Block-scaled FP8 on one GPU: the quantize kernels' GB/s against a torch copy of the same tensor, and the
+block-scaled GEMMs (torch._scaled_mm, 1x128 x 128x128 and 1x128 x 1x128) against bf16 `mm` and row-wise fp8.
+
+    python tools/bench_fp8_block.py [--sections quant,gemm,layer,sweep] [--tokens 65536]
+
+CUDA events, warmup excluded; bytes moved = input + codes + scales (both layouts when transposed).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from gem.model import precision as prec
+from gem.ops import fp8_block as fb
+from gem.ops import triton_fp8_block as tfb
+
+
+def _ms(fn, iters=50, warmup=5):
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def quant(tokens: int) -> None:
+    print("| tensor | kernel | ms | GB/s | copy GB/s | vs copy |")
+    print("|---|---|---|---|---|---|")
+    for k in (1024, 3072, 4096):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        copy = _ms(partial(y.copy_, x))
+        copy_gbs = 2 * x.nbytes / copy / 1e6
+        nb = x.numel() // 128
+        for name, fn, nbytes in (
+            ("1x128", partial(tfb.quantize_1x128_triton, x), x.nbytes + x.numel() + 4 * nb),
+            ("1x128 + transposed", partial(tfb.quantize_1x128_triton, x, True), x.nbytes + 2 * x.numel() + 8 * nb),
+            ("dequantize 1x128", None, x.numel() + 4 * nb + x.nbytes),
+        ):
+            if fn is None:
+                q, s = tfb.quantize_1x128_triton(x)
+                fn = partial(tfb.dequantize_triton, q, s, torch.bfloat16, weight=False)
+            ms = _ms(fn)
+            gbs = nbytes / ms / 1e6
+            print(f"| [{tokens}, {k}] bf16 | {name} | {ms:.3f} | {gbs:.0f} | {copy_gbs:.0f} | {gbs / copy_gbs:.2f} |")
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    wc = torch.empty_like(w)
+    copy = _ms(partial(wc.copy_, w))
+    ms = _ms(partial(tfb.quantize_128x128_triton, w))
+    gbs = (w.nbytes + 2 * w.numel()) / ms / 1e6
+    print(f"| [4096, 1024] bf16 | 128x128 + transposed | {ms:.4f} | {gbs:.0f} | {2 * w.nbytes / copy / 1e6:.0f} | |")
+
+
+def sweep(tokens: int) -> None:
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_gbs = 2 * x.nbytes / _ms(partial(y.copy_, x)) / 1e6
+    for bm in (8, 16, 32, 64, 128):
+        for warps in (2, 4, 8):
+            tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS = bm, warps
+            gbs = (x.nbytes + x.numel() * 1.03) / _ms(partial(tfb.quantize_1x128_triton, x)) / 1e6
+            print(f"rows BLOCK_M={bm} warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
+    for warps in (4, 8, 16):
+        tfb.TRANS_WARPS = warps
+        gbs = (x.nbytes + 2.06 * x.numel()) / _ms(partial(tfb.quantize_1x128_triton, x, True)) / 1e6
+        print(f"transposed warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
+
+
+def gemm(tokens: int) -> None:
+    """The shipped GEMM path (gem.model.precision.block_mm) against bf16 `mm` and row-wise fp8."""
+    print("| GEMM (M x K -> N) | bf16 ms | row-wise fp8 ms | block fp8 ms | block TFLOP/s | rel. error vs emulation |")
+    print("|---|---|---|---|---|---|")
+    for m, k, n, what in ((tokens, 1024, 3072, "qkv"), (tokens, 1024, 4096, "w1"), (tokens, 4096, 1024, "w2"),
+                          (tokens - 77, 1024, 1024, "out, ragged M"), (4096, tokens, 1024, "wgrad w2 (K = tokens)")):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf = _ms(partial(torch.mm, a, b.t()))
+        qa, sa = fb.quantize_1x128(a)
+        tiles = not what.startswith("wgrad")
+        if tiles:
+            qb, _, sb = fb.quantize_128x128(b)
+        else:
+            qb, sb = fb.quantize_1x128(b)
+        ra, rb = torch.rand(m, 1, device="cuda"), torch.rand(1, n, device="cuda")
+        row = _ms(partial(torch._scaled_mm, qa, qb.t(), scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16,
+                          use_fast_accum=True))
+        fn = partial(prec.block_mm, qa, sa, qb, sb, tiles, torch.bfloat16)
+        out = fn().double()
+        deq_b = fb.dequantize_128x128 if tiles else fb.dequantize_1x128
+        ref = fb.dequantize_1x128(qa, sa, torch.float32).double() @ deq_b(qb, sb, torch.float32).double().t()
+        err = ((out - ref).norm() / ref.norm()).item()
+        ms = _ms(fn)
+        print(f"| {what}: {m} x {k} -> {n} | {bf:.3f} | {row:.3f} | {ms:.3f} | {2 * m * k * n / ms / 1e9:.0f} | "
+              f"{err:.1e} |")
+
+
+def _fwd_bwd(lin, x, gy):
+    lin(x).backward(gy)
+
+
+def layer(tokens: int) -> None:
+    """One Linear, forward + backward (quantization included): nn.Linear bf16, fp8 (row-wise), fp8_block."""
+    print("| layer (tokens x in -> out) | bf16 ms | fp8 ms | fp8_block ms |")
+    print("|---|---|---|---|")
+    for k, n in ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        row = []
+        for precision in ("bf16", "fp8", "fp8_block"):
+            lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).cuda().bfloat16()
+            prec.apply_precision(lin, precision, "cuda", ["0"])
+
+            row.append(_ms(partial(_fwd_bwd, lin, x, gy), iters=20))
+        print(f"| {tokens} x {k} -> {n} | " + " | ".join(f"{t:.3f}" for t in row) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sections", default="gemm,quant,layer")
+    p.add_argument("--tokens", type=int, default=65536)
+    args = p.parse_args()
+    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
+    for s in args.sections.split(","):
+        {"quant": quant, "gemm": gemm, "sweep": sweep, "layer": layer}[s](args.tokens)
+
+
+if __name__ == "__main__":
+    main()
