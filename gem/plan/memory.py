@@ -104,6 +104,16 @@ class DenseMemory:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
 
+def block_saved_bytes_per_token(cfg: ModelConfig, i: int, act_bytes: int, history: str | None = None) -> float:
+    """Bytes one token of `history` (None: the first) keeps for backward in block `i` of its tower (what autograd
+    saves in the eager block).
+
+    Each norm: its input and output (act) and 1/rms (fp32). Attention: the QKV projection's input and output (q, k
+    and v are views of it), RoPE's rotated copies of q and k (jfa / swa), the kernel's output and its fp32
+    log-sum-exp per head. SwiGLU: its input, w1 and w3 outputs, silu(w1) and the product (d + 4 d_ff). MoE: the
+    router's input, its fp32 probabilities, the top_k routed rows in and out (2d each) with each expert's SwiGLU
+    (4 d_ff), the fp32 gates and the int64 routing indices.
+    """
     t = cfg.tower_for(history or cfg.histories[0])
     d, h, hk, dh = cfg.d_model, t.num_heads, t.num_kv_heads, t.head_dim
     norm = act_bytes * 2 * d + 4
@@ -144,13 +154,6 @@ def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str
         + act_bytes * (d + 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim)
     return kept + recompute + around
 
-    Each norm: its input and output (act) and 1/rms (fp32). Attention: the QKV projection's input and output (q, k
-    and v are views of it), RoPE's rotated copies of q and k (jfa / swa), the kernel's output and its fp32
-    log-sum-exp per head. SwiGLU: its input, w1 and w3 outputs, silu(w1) and the product (d + 4 d_ff). MoE: the
-    router's input, its fp32 probabilities, the top_k routed rows in and out (2d each) with each expert's SwiGLU
-    (4 d_ff), the fp32 gates and the int64 routing indices.
-    """
-@@C2@@
 
 def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int | Mapping[str, int],
                  act_bytes: int) -> DenseMemory:
