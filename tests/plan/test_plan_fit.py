@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gem.parallel.dims import validate
-from gem.plan.cli import compose, main
+from gem.cli.plan import compose, main
 from gem.plan.estimate import estimate, ref_rate
 from gem.plan.topology import ClusterSpec, PlanError
 
