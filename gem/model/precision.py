@@ -311,16 +311,9 @@ def block_gemm_supported(device: torch.device) -> bool:
 
 def _cublas_block_scales(sa: torch.Tensor, sb: torch.Tensor, b_tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """sa [M, K / 128], sb [N / 128, K / 128] (b_tiles) or [N, K / 128] -> the strides cuBLAS's block-wise recipes
-    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous and a leading stride padded to 4, scale_b
-    [Kb, N] with N contiguous),
+    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous, scale_b [Kb, N] with N contiguous),
     128x128 scale_b [Kb, N / 128] with Kb contiguous and a leading stride padded to 4 (16 bytes)."""
-    m, kb_a = sa.shape
-    if sa.stride(0) == 1 and sa.stride(1) % 4 == 0:
-        scale_a = sa
-    else:  # M-contiguous with the leading stride padded to 4 (16 bytes): a ragged M is refused otherwise
-        buf = sa.new_zeros((kb_a, -(-m // 4) * 4))
-        buf[:, :m] = sa.t()
-        scale_a = buf[:, :m].t()
+    scale_a = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
     if not b_tiles:
         return scale_a, sb.t().contiguous()
     nb, kb = sb.shape
@@ -339,8 +332,13 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     if 0 in qa.shape or 0 in qb.shape:
         return qa.new_zeros((qa.shape[0], qb.shape[0]), dtype=dt)
     if qa.is_cuda and block_gemm_supported(qa.device):
+        m = qa.shape[0]
+        if m % 4:  # torch wants 1x128 scales [M, Kb] with stride (1, M); cuBLAS wants M * 4 bytes 16-byte aligned
+            pad = 4 - m % 4
+            qa = torch.cat([qa, qa.new_zeros((pad, qa.shape[1]))])
+            sa = torch.cat([sa, sa.new_ones((pad, sa.shape[1]))])
         scale_a, scale_b = _cublas_block_scales(sa, sb, b_tiles)
-        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dt)
+        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dt)[:m]
     kernel = "auto" if qa.is_cuda else "reference"  # the Triton interpreter would be far too slow on CPU
     a = fb.dequantize_1x128(qa, sa, torch.float32, kernel=kernel)
     b = (fb.dequantize_128x128 if b_tiles else fb.dequantize_1x128)(qb, sb, torch.float32, kernel=kernel)
