@@ -172,27 +172,35 @@ class JaggedBatch:
 TABLES_MAX = 32  # tables kept per batch pair: (pass, tile) pairs of the tuned configs, a few masks
 
 
-def as_batch(offsets, max_len) -> JaggedBatch:
-    """offsets as a JaggedBatch: itself (max_len None or the batch's), or a batch for this call made of a tensor."""
+def as_batch(offsets, max_len, name: str = "max_len") -> JaggedBatch:
+    """offsets as a JaggedBatch: itself (max_len None or the batch's), or a batch for this call made of a tensor.
+    `name`: the caller's argument for max_len, in the errors."""
     if isinstance(offsets, JaggedBatch):
         if max_len is not None and max_len != offsets.max_len:
-            raise ValueError(f"max_len={max_len!r} differs from the JaggedBatch's max_len={offsets.max_len}")
+            raise ValueError(f"{name}={max_len!r} differs from the JaggedBatch's max_len={offsets.max_len}")
         return offsets
     if max_len is None:
-        raise ValueError("max_len is needed with an offsets tensor (or pass a JaggedBatch)")
+        raise ValueError(f"{name} is needed with an offsets tensor (or pass a JaggedBatch)")
     if type(offsets) is not torch.Tensor or torch.compiler.is_compiling():
-        return JaggedBatch(offsets, max_len)
+        return _new_batch(offsets, max_len, name)
     # The same offsets tensor passed call after call (a user's loop, each layer of a model) shares one batch: its
     # tables and checks follow the tensor's version counter, as a JaggedBatch the caller keeps would.
     key = (id(offsets), max_len)
     with _RECENT_LOCK:
         batch = _RECENT.pop(key, None)
         if batch is None or batch.offsets is not offsets:
-            batch = JaggedBatch(offsets, max_len)
+            batch = _new_batch(offsets, max_len, name)
         _RECENT[key] = batch
         while len(_RECENT) > RECENT_MAX:
             _RECENT.pop(next(iter(_RECENT)))
     return batch
+
+
+def _new_batch(offsets, max_len, name: str) -> JaggedBatch:
+    try:
+        return JaggedBatch(offsets, max_len)
+    except ValueError:
+        raise ValueError(f"{name}={max_len!r}: must be an int >= 0") from None
 
 
 RECENT_MAX = 8  # plain offsets tensors whose batches are kept (each keeps its tensor alive while it is kept)

@@ -193,8 +193,8 @@ def gdpa(q, k, v, offsets_q, max_len_q=None, offsets_k=None, max_len_k=None, *, 
     Lk - Lq + i; num_targets counts the key sequence's targets). HSTU itself is activation="silu",
     normalize="max_len_k".
     """
-    batch_q = as_batch(offsets_q, max_len_q)
-    batch_k = batch_q if offsets_k is None else as_batch(offsets_k, max_len_k)
+    batch_q = as_batch(offsets_q, max_len_q, "max_len_q")
+    batch_k = batch_q if offsets_k is None else as_batch(offsets_k, max_len_k, "max_len_k")
     offsets_q, offsets_k = batch_q.offsets, batch_k.offsets
     _check(q, k, v, offsets_q, offsets_k, activation, approx)
     lengths = (batch_q.max_len, batch_k.max_len)

@@ -125,8 +125,8 @@ def jagged_attention(
     queries are the last Lq tokens of each key sequence (generative-recommenders' cached form: row i sees the full
     self-attention mask's row Lk - Lq + i; num_targets counts the key sequence's targets).
     """
-    batch_q = as_batch(offsets_q, max_len_q)
-    batch_k = None if offsets_k is None else as_batch(offsets_k, max_len_k)
+    batch_q = as_batch(offsets_q, max_len_q, "max_len_q")
+    batch_k = None if offsets_k is None else as_batch(offsets_k, max_len_k, "max_len_k")
     offsets_q, max_len_q = batch_q.offsets, batch_q.max_len
     if batch_k is not None:
         offsets_k, max_len_k = batch_k.offsets, batch_k.max_len

@@ -123,7 +123,7 @@ def test_one_pass_backward_forms(monkeypatch, keys_major, kw):
     from gem.ops import triton_gdpa
 
     monkeypatch.setitem(triton_gdpa.CONFIGS, "bwd_short",
-                        [{"BLOCK_M": 16, "KT": keys_major, "num_warps": 1, "num_stages": 1}])
+                        [triton_gdpa.LaunchConfig.of(num_warps=1, num_stages=1, BLOCK_M=16, KT=keys_major)])
     monkeypatch.setattr(triton_gdpa._TUNER, "best", {})
     used = _spy_kind(monkeypatch, "bwd_short")
     _check([3, 40, 1, 0, 17, 33, 5, 2], [16, 17, 0, 5, 64, 1, 33, 32], h=4, hk=2, short_kv=True,
