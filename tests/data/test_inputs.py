@@ -263,7 +263,8 @@ def test_check_reads_a_config_dir_and_the_files_columns(tmp_path, capsys):
     bad = _write(tmp_path / "bad.parquet", rows, {"price": pa.string()})
     (tmp_path / "conf" / "data" / "ours.yaml").write_text(yaml.safe_dump(
         {"source": "parquet", "paths": [good], "eval_paths": [good], "batch_size": 4, **OURS}))
-    base = ["--check", "--config-dir", str(tmp_path / "conf"), "data=ours"]
+    # the default experiment (tiny_cpu) sets its own batch size; 12 rows need a smaller one
+    base = ["--check", "--config-dir", str(tmp_path / "conf"), "data=ours", "data.batch_size=4"]
     assert main(base) == 0
     assert capsys.readouterr().out.strip() == "gem-train: config ok"
     assert main([*base, f"data.eval_paths=[{bad}]"]) == 2

@@ -27,7 +27,7 @@ def test_byte_order_mark_is_skipped_and_no_genres_listed_is_no_genre(tmp_path, b
     mark = b"\xef\xbb\xbf" if bom else b""
     raw = _raw(tmp_path, mark + RATINGS.encode(), mark + MOVIES.encode())
     events, spec = movielens.convert(raw, "20m", BadRows())
-    genres, num_genres = spec.item_multi["cand_genres"]
+    genres, num_genres = spec.item_multi["genres"]
     assert num_genres == 2  # Action, Crime; '(no genres listed)' is not a genre
     assert sorted(len(g) for g in genres) == [0, 2]
     assert len(events.item) == 4
