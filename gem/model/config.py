@@ -22,6 +22,10 @@ TableKind = Literal["sequence", "bag"]
 Pooling = Literal["sum", "mean"]
 Norm = Literal["rmsnorm", "layernorm"]
 SeqCombine = Literal["concat", "sum"]
+# How a request's candidates meet its history (docs/DATA.md, "Requests"): rows = one tower pass per candidate
+# (a request's history is encoded once per candidate); interaction = the tower once per request, every candidate's
+# query tokens attend to its output; targets = the candidates appended to the history as HSTU target tokens.
+CandidateForm = Literal["rows", "interaction", "targets"]
 GDPAActivation = Literal["gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity"]
 KERNELS = typing.get_args(Kernel)
 ATTENTION_KINDS = typing.get_args(AttentionKind)
@@ -31,6 +35,7 @@ FFN_KINDS = ("swiglu", "moe")
 NORMS = typing.get_args(Norm)
 SEQ_COMBINE = typing.get_args(SeqCombine)
 GDPA_ACTIVATIONS = typing.get_args(GDPAActivation)
+CANDIDATE_FORMS = typing.get_args(CandidateForm)
 
 
 class ConfigError(_ConfigError):
@@ -105,6 +110,7 @@ class ModelConfig:
     interaction: InteractionConfig = field(default_factory=InteractionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     heads: HeadConfig = field(default_factory=HeadConfig)
+    candidates: CandidateForm = "rows"
     kernel: Kernel = "auto"
     name: str = "gem"
 
@@ -153,6 +159,13 @@ class ModelConfig:
     def num_query_tokens(self) -> int:
         # one per sparse feature + the dense-feature token + a learned summary token
         return len(self.sparse_features) + 2
+
+    @property
+    def head_input_dim(self) -> int:
+        """Width of the vector the over-arch reads per candidate: the query tokens after the interaction (rows,
+        interaction) or the candidate's target token from the tower (targets), and the dense-feature MLP path."""
+        tokens = self.d_model if self.candidates == "targets" else self.num_query_tokens * self.d_model
+        return tokens + (self.interaction.dense_hidden[-1] if self.interaction.dense_hidden else self.num_dense)
 
     @property
     def task_weights(self) -> list[float]:
@@ -213,6 +226,9 @@ class ModelConfig:
         if t.attention == "block":
             need(t.block_size is not None, "tower.block_size", "attention 'block' needs a block_size > 0",
                  t.block_size)
+        if self.candidates == "targets":
+            need(t.attention != "block", "candidates", "target tokens need the tower's attention to be jfa or swa "
+                 "(block attention has no target mask)", self.candidates)
         need(t.d_ff >= 0, "tower.d_ff", "must be >= 0 (0: 4 * d_model)", t.d_ff)
         need(t.moe_every >= 0, "tower.moe_every", "must be >= 0 (0: no MoE)", t.moe_every)
         m = self.moe

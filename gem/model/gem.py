@@ -2,13 +2,23 @@
 
   history tokens  : sequence features (EmbeddingCollection) concatenated (or summed) and projected to d_model,
                     then `blocks` (pre-norm causal transformer over the jagged histories) and a final norm.
-  query tokens    : per example one token per sparse feature (pooled EmbeddingBagCollection output, the candidate
+  query tokens    : per candidate one token per sparse feature (pooled EmbeddingBagCollection output, the candidate
                     item among them), one dense-feature token (MLP of the dense features) and one learned summary
-                    token, each in d_model: a jagged q stream of num_sparse + 2 tokens per example.
+                    token, each in d_model: a jagged q stream of num_sparse + 2 tokens per candidate.
   interaction     : the query tokens attend to their user's history with GDPA cross attention (pointwise
                     activation, no softmax; an empty history gives a zero update), residual added; the tokens are
                     flattened and concatenated with a dense-feature MLP path.
-  heads           : a shared MLP, then one MLP per task -> logits [B, num_tasks].
+  heads           : a shared MLP, then one MLP per task -> logits [C, num_tasks], one row per candidate.
+
+A batch holds R histories and C candidates (gem.data.Batch; the row form of the data has C = R). How the
+candidates of a request meet its history is `model.candidates`:
+  rows        : every candidate gets its own copy of its request's history through the tower (a request of k
+                candidates costs k tower passes); on one-candidate data this is the plain model.
+  interaction : the tower runs once per request; each candidate's query tokens attend to the shared tower output
+                (GDPA jagged by candidates per request). Per candidate the same function as `rows`.
+  targets     : each candidate becomes one token (a projection of its query tokens) appended to its request's
+                history as an HSTU target (gem.model.attention.Targets): it attends to the history and itself in every
+                block, and the heads read its tower output. Candidates do not see each other.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from torch import nn
 
 from gem import ops
 from gem.model import flops as flops_mod
-from gem.model.attention import build_blocks, make_norm
+from gem.model.attention import Targets, build_blocks, make_norm
 from gem.model.config import ModelConfig
 from gem.model.embeddings import build_embeddings, pooled_embeddings, sequence_embeddings
 from gem.model.heads import MultiTaskHeads, mlp, mlp_out_dim
@@ -43,19 +53,69 @@ def pooled_features(kt, names: list[str]) -> tuple[torch.Tensor, ...]:
     return tuple(pooled_embeddings(kt, names))
 
 
-def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformer blocks over the jagged histories -> (x, summed MoE aux loss fp32)."""
+def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int,
+              targets: Targets | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer blocks over the jagged sequences -> (x, summed MoE aux loss fp32)."""
     aux = torch.zeros((), dtype=torch.float32, device=x.device)
     for blk in blocks:
-        x, a = blk(x, offsets, max_len)
+        x, a = blk(x, offsets, max_len) if targets is None else blk(x, offsets, max_len, targets)
         aux = aux + a
     return x, aux
+
+
+def _request_of(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each of `rows` jagged rows, the index of its sequence ([rows] int64, no host sync)."""
+    n = offsets.numel() - 1
+    return torch.repeat_interleave(torch.arange(n, device=offsets.device), offsets[1:] - offsets[:-1],
+                                   output_size=rows)
+
+
+def expand_histories(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, cand_offsets: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The row form on a request batch: one copy of its request's history tokens per candidate -> (x [T', d],
+    offsets [C+1], max_len). Unchanged for row batches (cand_offsets None)."""
+    if cand_offsets is None:
+        return x, seq_offsets, max_seq_len
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    req = _request_of(cand_offsets, int(cand_offsets[-1]))
+    per_cand = lengths[req]
+    offsets = torch.zeros(req.numel() + 1, dtype=seq_offsets.dtype, device=seq_offsets.device)
+    torch.cumsum(per_cand, 0, out=offsets[1:])
+    total = int(offsets[-1])  # one host sync: the rows form on request data is the reference, not the fast path
+    owner = _request_of(offsets, total)
+    idx = seq_offsets[:-1][req][owner] + torch.arange(total, device=x.device) - offsets[:-1][owner]
+    return x.index_select(0, idx), offsets, max_seq_len
+
+
+def append_targets(x: torch.Tensor, tgt: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                   cand_offsets: torch.Tensor | None, max_candidates: int):
+    """The targets form's tower input: each request's history tokens x [T, d] followed by its candidates' tokens
+    tgt [C, d] -> (merged [T + C, d], offsets [R+1], max_len, Targets, rows of the targets in merged [C])."""
+    t, c = x.shape[0], tgt.shape[0]
+    dev = x.device
+    if cand_offsets is None:  # one candidate per history
+        cand_offsets = torch.arange(seq_offsets.numel(), dtype=seq_offsets.dtype, device=dev)
+        max_candidates = 1
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    req_t, req_c = _request_of(seq_offsets, t), _request_of(cand_offsets, c)
+    hist_rows = torch.arange(t, device=dev) + cand_offsets[:-1][req_t]
+    tgt_rows = torch.arange(c, device=dev) + seq_offsets[1:][req_c]
+    src = torch.empty(t + c, dtype=torch.int64, device=dev)
+    src[hist_rows] = torch.arange(t, device=dev)
+    src[tgt_rows] = torch.arange(t, t + c, device=dev)
+    positions = torch.empty(t + c, dtype=torch.int32, device=dev)
+    positions[hist_rows] = (torch.arange(t, device=dev) - seq_offsets[:-1][req_t]).to(torch.int32)
+    positions[tgt_rows] = lengths[req_c].to(torch.int32)
+    merged = torch.cat([x, tgt.to(x.dtype)]).index_select(0, src)
+    targets = Targets(cand_offsets[1:] - cand_offsets[:-1], positions)
+    return merged, seq_offsets + cand_offsets, max_seq_len + max_candidates, targets, tgt_rows
 
 
 torch.fx.wrap("history_input")
 torch.fx.wrap("pooled_features")
 torch.fx.wrap("run_tower")
+torch.fx.wrap("expand_histories")
+torch.fx.wrap("append_targets")
 
 
 @dataclass
@@ -109,13 +169,18 @@ class TargetInteraction(nn.Module):
         b, n, d = tokens.shape
         return tokens + self.out(o.reshape(b * n, self.num_heads * self.head_dim)).reshape(b, n, d)
 
-    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
-                ) -> torch.Tensor:
-        """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
+    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                cand_offsets: torch.Tensor | None = None, max_candidates: int = 1) -> torch.Tensor:
+        """tokens [C, n, d], seq [T, d] (jagged by seq_offsets [R+1]) -> tokens + attention update [C, n, d].
+        cand_offsets [R+1]: the candidates of sequence r are rows cand_offsets[r]:cand_offsets[r+1] of tokens
+        (None: one per sequence, C = R)."""
         b, n, _ = tokens.shape
         q, k, v = self._project(tokens, seq)
-        offsets_q = self._offsets_q(b, n, seq_offsets)
-        o = ops.gdpa(q, k, v, offsets_q, n, seq_offsets, max_seq_len, activation=self.activation,
+        if cand_offsets is None:
+            offsets_q, max_q = self._offsets_q(b, n, seq_offsets), n
+        else:
+            offsets_q, max_q = (cand_offsets * n).to(seq_offsets.dtype), n * max_candidates
+        o = ops.gdpa(q, k, v, offsets_q, max_q, seq_offsets, max_seq_len, activation=self.activation,
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
         return self._finish(tokens, o)
 
@@ -146,10 +211,13 @@ class GEMModel(nn.Module):
         self.sparse_proj = nn.ModuleList([nn.Linear(bag_dims[f], d) for f in self.sparse_features])
         self.dense_token = mlp(cfg.num_dense, cfg.interaction.dense_hidden, d)
         self.summary_token = nn.Parameter(torch.randn(d) * 0.02)
-        self.interaction = TargetInteraction(cfg)
+        if cfg.candidates == "targets":
+            self.target_token = nn.Linear(cfg.num_query_tokens * d, d)  # a candidate's query tokens -> its target
+        else:
+            self.interaction = TargetInteraction(cfg)
         self.dense_mlp = mlp(cfg.num_dense, cfg.interaction.dense_hidden)
 
-        z_dim = cfg.num_query_tokens * d + mlp_out_dim(cfg.num_dense, cfg.interaction.dense_hidden)
+        z_dim = cfg.head_input_dim
         self.over_arch = mlp(z_dim, cfg.heads.over_arch)
         self.heads = MultiTaskHeads(mlp_out_dim(z_dim, cfg.heads.over_arch), cfg.heads.tasks, cfg.heads.hidden)
 
@@ -162,38 +230,54 @@ class GEMModel(nn.Module):
         emb = {id(p) for p in self.ec.parameters()} | {id(p) for p in self.ebc.parameters()}
         return [p for p in self.parameters() if id(p) not in emb]
 
-    def encode_history(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tower output [T, d_model] over the jagged histories, and the summed MoE aux loss."""
-        return self._tower(self.ec(batch.sequence), batch)
-
-    def _tower(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _history_tokens(self, ec_out) -> torch.Tensor:
         # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
         x = history_input(ec_out, self.sequence_features, self.cfg.tower.seq_combine)
-        x = self.input_proj(x.to(self.input_proj.weight.dtype))
-        tower = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len)
-        return self.final_norm(tower[0]), tower[1]
+        return self.input_proj(x.to(self.input_proj.weight.dtype))
 
-    def forward(self, batch) -> ModelOutput:
-        # The embedding modules are called on the batch's attributes directly (see the note at the top).
-        seq, aux = self._tower(self.ec(batch.sequence), batch)
-        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features)
-        dense = batch.dense.to(self.input_proj.weight.dtype)
+    def _query_tokens(self, pooled, dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Per candidate its query tokens [C, n, d]."""
         b = dense.shape[0]
         # Indexing, not iterating: under tracing `pooled` is a single Proxy.
         tokens = [proj(pooled[i].to(proj.weight.dtype)) for i, proj in enumerate(self.sparse_proj)]
         tokens.append(self.dense_token(dense))
-        tokens.append(self.summary_token.to(seq.dtype).expand(b, -1))
-        tokens = torch.stack([t.to(seq.dtype) for t in tokens], dim=1)  # [B, n, d]
-        tokens = self.interaction(tokens, seq, batch.seq_offsets, batch.max_seq_len)
-        z = torch.cat([tokens.reshape(b, -1), self.dense_mlp(dense).to(tokens.dtype)], dim=-1)
+        tokens.append(self.summary_token.to(dtype).expand(b, -1))
+        return torch.stack([t.to(dtype) for t in tokens], dim=1)
+
+    def forward(self, batch) -> ModelOutput:
+        # The embedding modules are called on the batch's attributes directly (see the note at the top).
+        x = self._history_tokens(self.ec(batch.sequence))
+        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features)
+        dense = batch.dense.to(self.input_proj.weight.dtype)
+        b = dense.shape[0]
+        tokens = self._query_tokens(pooled, dense, x.dtype)  # [C, n, d]
+        if self.cfg.candidates == "targets":
+            tgt = self.target_token(tokens.reshape(b, -1))
+            merged = append_targets(x, tgt, batch.seq_offsets, batch.max_seq_len, batch.cand_offsets,
+                                    batch.max_candidates)
+            tower = run_tower(self.blocks, merged[0], merged[1], merged[2], merged[3])
+            cand = self.final_norm(tower[0].index_select(0, merged[4]))  # [C, d]: the targets' outputs
+        else:
+            if self.cfg.candidates == "rows":
+                seq = expand_histories(x, batch.seq_offsets, batch.max_seq_len, batch.cand_offsets)
+                offsets, max_len, cand_offsets = seq[1], seq[2], None
+                tower = run_tower(self.blocks, seq[0], offsets, max_len)
+            else:
+                offsets, max_len, cand_offsets = batch.seq_offsets, batch.max_seq_len, batch.cand_offsets
+                tower = run_tower(self.blocks, x, offsets, max_len)
+            tokens = self.interaction(tokens, self.final_norm(tower[0]), offsets, max_len, cand_offsets,
+                                      batch.max_candidates)
+            cand = tokens.reshape(b, -1)
+        z = torch.cat([cand, self.dense_mlp(dense).to(cand.dtype)], dim=-1)
         logits = self.heads(self.over_arch(z))
-        return ModelOutput(logits=logits, aux_loss=aux)
+        return ModelOutput(logits=logits, aux_loss=tower[1])
 
     def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile the dense parts outside the tower's blocks (the blocks compile their own regions): the final
         norm, the interaction's projections, the over-arch and the heads. The embedding modules and the kernels
         stay outside the graphs."""
-        self.interaction.compile_regions(**compile_kwargs)
+        if self.cfg.candidates != "targets":
+            self.interaction.compile_regions(**compile_kwargs)
         for m in (self.final_norm, self.over_arch, self.heads):
             m.compile(**compile_kwargs)
 
@@ -203,4 +287,4 @@ class GEMModel(nn.Module):
 
     def flops(self, batch) -> int:
         """Training FLOPs (fwd + bwd) of one step on `batch` (jagged lengths counted exactly)."""
-        return flops_mod.train_flops(self.cfg, batch.seq_offsets)
+        return flops_mod.train_flops(self.cfg, batch.seq_offsets, batch.cand_offsets)
