@@ -76,6 +76,29 @@ def _check_float(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         raise BatchError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
 
 
+def _check_requests(batch: Batch, rows: int) -> int:
+    """The request fields (gem.data.Batch): cand_offsets [R+1] from 0 to the candidate rows, at least one candidate
+    per request, max_candidates its largest count, request_ids [R]. Returns R."""
+    co = batch.cand_offsets
+    if co is None:
+        return rows
+    if co.dim() != 1 or co.numel() < 2 or co.is_floating_point():
+        raise BatchError(f"cand_offsets: expected an int tensor [R+1], got {co.dtype} {list(co.shape)}")
+    counts = co[1:] - co[:-1]
+    if int(co[0]) != 0 or int(co[-1]) != rows:
+        raise BatchError(f"cand_offsets: must run from 0 to the {rows} candidate rows, got {int(co[0])}..{int(co[-1])}")
+    if bool((counts < 1).any()):
+        r = _first_bad(counts < 1)[0]
+        raise BatchError(f"cand_offsets: request {r} has {int(counts[r])} candidates; every request needs one")
+    if batch.max_candidates != int(counts.max()):
+        raise BatchError(f"max_candidates: {batch.max_candidates} but the most candidates of a request is "
+                         f"{int(counts.max())}")
+    nreq = co.numel() - 1
+    if batch.request_ids is not None and tuple(batch.request_ids.shape) != (nreq,):
+        raise BatchError(f"request_ids: expected shape [{nreq}], got {list(batch.request_ids.shape)}")
+    return nreq
+
+
 def validate_batch(batch: Batch, schema: DataSchema) -> None:
     """Raises BatchError on the first problem found; returns None for a valid batch."""
     bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
@@ -84,8 +107,9 @@ def validate_batch(batch: Batch, schema: DataSchema) -> None:
     cards = schema.cardinalities()
     _check_keys("sequence", batch.sequence, schema.sequence_names)
     _check_keys("sparse", batch.sparse, schema.sparse_names)
+    nreq = _check_requests(batch, bsz)
 
-    seq_lengths = _check_kjt("sequence", batch.sequence, bsz, cards)
+    seq_lengths = _check_kjt("sequence", batch.sequence, nreq, cards)
     keys = list(batch.sequence.keys())
     if len(keys) > 1:
         differ = seq_lengths[1:] != seq_lengths[:1]
@@ -97,8 +121,8 @@ def validate_batch(batch: Batch, schema: DataSchema) -> None:
             )
     hist = seq_lengths[0]
     offsets = batch.seq_offsets
-    if tuple(offsets.shape) != (bsz + 1,):
-        raise BatchError(f"seq_offsets: expected shape [{bsz + 1}], got {list(offsets.shape)}")
+    if tuple(offsets.shape) != (nreq + 1,):
+        raise BatchError(f"seq_offsets: expected shape [{nreq + 1}], got {list(offsets.shape)}")
     if int(offsets[0]) != 0 or not torch.equal(offsets[1:] - offsets[:-1], hist.to(offsets.dtype)):
         raise BatchError("seq_offsets: not the cumulative sum of the history lengths starting at 0")
     longest = int(hist.max())

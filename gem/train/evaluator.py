@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from gem.data import validate_batch
 from gem.train.metrics import TaskMetrics
@@ -10,7 +11,8 @@ from gem.train.step import StepConfig, autocast
 
 
 class Evaluator:
-    """NE / AUC / calibration / log-loss per task over one pass of `dataset` (see TaskMetrics)."""
+    """NE / AUC / calibration / log-loss per task over one pass of `dataset` (see TaskMetrics), over candidates;
+    GAUC by request too when the batches are requests (cand_offsets)."""
 
     def __init__(self, par, dataset, schema, cfg: StepConfig, device: torch.device) -> None:
         self.par, self.dataset, self.schema, self.cfg, self.device = par, dataset, schema, cfg, device
@@ -21,6 +23,7 @@ class Evaluator:
         model = self.par.model
         model.eval()
         self.metrics.reset()
+        seen = 0  # requests of this pass on this rank: their ids where the data gives none
         if self.par.embeddings is not None and self.par.embeddings.n_replicas > 1:
             self.par.sync_embeddings()  # every replica evaluates the same tables
         for batch in self.dataset:
@@ -28,6 +31,13 @@ class Evaluator:
             batch = batch.to(self.device, non_blocking=True)
             with autocast(self.cfg):
                 out = model(batch)
-            self.metrics.update(out.logits.float(), batch.labels)
+            groups = None
+            if batch.cand_offsets is not None:
+                groups = batch.candidate_groups()
+                if batch.request_ids is None:  # unique over batches and ranks
+                    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+                    groups = (groups + seen) * world + rank
+                seen += batch.num_requests
+            self.metrics.update(out.logits.float(), batch.labels, groups=groups)
         model.train()
         return self.metrics.compute()

@@ -228,7 +228,7 @@ class Trainer:
                 out = loop.step(batches, self.step + 1)
                 self.step += 1
                 self.par.after_step(self.step)
-                self.reporter.step_done(out.loss, batches.flops.popleft())
+                self.reporter.step_done(out.loss, batches.flops.popleft(), batches.samples.popleft())
                 do_eval = (tc.eval_every and self.step % tc.eval_every == 0) or self.step == end
                 if self.step % tc.log_every == 0 or self.step == end or do_eval:
                     self.reporter.log_window(self.step, out, self.last_eval)
