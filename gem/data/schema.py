@@ -4,7 +4,8 @@ Layout of the `data:` group (configs/data/*.yaml)::
 
     source: synthetic | parquet
     seed: int                 # synthetic: the hidden world and the sample streams derive from it
-    batch_size: int           # examples per rank per step
+    batch_size: int           # examples (requests when max_candidates > 1) per rank per step
+    max_candidates: int       # candidates per request, 1..max (default 1: one candidate per history)
     eval_batches: int         # batches per rank in one evaluation pass
     paths: [..]               # parquet only: training files (globs allowed)
     eval_paths: [..]          # parquet only: held-out files
@@ -223,12 +224,14 @@ class DataConfig:
     eval_paths: tuple[str, ...] = ()
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
     allow_extra_columns: bool = False  # parquet: columns the schema does not name are ignored instead of an error
+    max_candidates: int = 1  # candidates per request (synthetic: uniform 1..max); 1: one candidate per history
 
     def __post_init__(self) -> None:
         need = Checker("data").need
         need(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
         need(self.eval_batches >= 0, "eval_batches", "must be >= 0", self.eval_batches)
         need(self.num_workers >= 0, "num_workers", "must be >= 0", self.num_workers)
+        need(self.max_candidates >= 1, "max_candidates", "must be >= 1", self.max_candidates)
         need(self.source != "parquet" or bool(self.paths), "paths", "the parquet source needs a training file",
              list(self.paths))
 

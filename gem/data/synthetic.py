@@ -14,6 +14,13 @@ Labels (the model can only see the features, and the truth uses only the feature
     task t>0 (e.g. conversion) = task 0 * Bernoulli(sigmoid(c_t + affinity + dense @ w_t))
 `batch(i, return_truth=True)` also returns the true probabilities P(task = 1) [B, num_tasks].
 
+Requests (`max_candidates` K > 1): each of a batch's `batch_size` users is one request with k ~ uniform{1..K}
+candidates (mean (K + 1) / 2), each drawn from the favourite cluster with probability `cand_in_cluster` and labelled
+by the same hidden model (affinity to the one taste of the request's history). The request's own features (the
+sparse features other than `cand_item`, the dense features) are drawn once per request and repeat on each of its
+candidates. Request ids are global: batch g's requests are g * batch_size + 0 .. batch_size - 1. With K = 1 the
+batches are exactly the row-form batches (no cand_offsets).
+
 Streams. Examples come in global batches g = 0, 1, 2, ...; rank r of a world of size W takes g = i * W + r as its
 i-th batch, so the union over ranks is the same stream for any world size. Batch g is generated from a generator
 seeded by (seed, split, g) alone: deterministic, random-access and resumable by batch index. `eval` draws from a
@@ -148,8 +155,11 @@ class SyntheticDataset(IterableDataset):
         world_size: int = 1,
         split: str = "train",
         num_batches: int | None = None,
+        max_candidates: int = 1,
     ) -> None:
         super().__init__()
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         if split not in _SPLITS:
             raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -160,6 +170,7 @@ class SyntheticDataset(IterableDataset):
             raise ValueError(f"num_batches must be >= 0 or None, got {num_batches}")
         self.schema, self.seed, self.batch_size = schema, int(seed), int(batch_size)
         self.rank, self.world_size, self.split, self.num_batches = rank, world_size, split, num_batches
+        self.max_candidates = int(max_candidates)
         self.world = _HiddenWorld(schema, self.seed)
         self._position = 0
 
@@ -170,7 +181,7 @@ class SyntheticDataset(IterableDataset):
 
     def global_batch(self, g: int, return_truth: bool = False):
         gen = torch.Generator().manual_seed(_stream_seed(self.seed, _SPLITS[self.split], g, 0xBA7C))
-        return _generate(self.schema, self.world, self.batch_size, gen, return_truth)
+        return _generate(self.schema, self.world, self.batch_size, gen, return_truth, self.max_candidates, g)
 
     # ---- streaming and position ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -203,7 +214,26 @@ def _segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int)
     return out.index_add_(0, segment, values)
 
 
-def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool):
+def sample_candidate_counts(max_candidates: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Candidates per request [n] (int64), uniform over 1..max_candidates."""
+    return torch.randint(1, max_candidates + 1, (n,), generator=gen, dtype=torch.int64)
+
+
+def _per_candidate(lens: torch.Tensor, vals: torch.Tensor, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A jagged per-request feature (lengths [R], values) repeated on each candidate (req [C]: its request)."""
+    offs = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=offs[1:])
+    out_lens = lens[req]
+    total = int(out_lens.sum())
+    owner = torch.repeat_interleave(torch.arange(req.numel()), out_lens, output_size=total)
+    out_offs = torch.zeros(req.numel() + 1, dtype=torch.int64)
+    torch.cumsum(out_lens, 0, out=out_offs[1:])
+    idx = offs[:-1][req][owner] + torch.arange(total) - out_offs[:-1][owner]
+    return out_lens, vals[idx]
+
+
+def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool,
+              max_candidates: int = 1, global_index: int = 0):
     alpha = schema.zipf_alpha
     lengths = sample_lengths(schema, bsz, gen)
     total = int(lengths.sum())
@@ -233,30 +263,37 @@ def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generato
     wsum = per_cluster.sum(1, keepdim=True)
     taste = (per_cluster / wsum.clamp_min(1e-12)) @ w.centers
 
-    cand_rank = w.sample_items(u_cluster, w.cand_in_cluster, alpha, gen)
-    affinity = (taste * w.centers[cand_rank % w.k]).sum(1)
+    # Requests: k candidates each (row form: one); req [C] = each candidate's request.
+    counts = sample_candidate_counts(max_candidates, bsz, gen) if max_candidates > 1 else None
+    req = torch.arange(bsz) if counts is None else torch.repeat_interleave(torch.arange(bsz), counts)
+    c = req.numel()
+    cand_rank = w.sample_items(u_cluster[req], w.cand_in_cluster, alpha, gen)
+    affinity = (taste[req] * w.centers[cand_rank % w.k]).sum(1)
 
-    dense = torch.randn(bsz, schema.num_dense, generator=gen)
+    dense = torch.randn(bsz, schema.num_dense, generator=gen)[req]
     sparse_vals, sparse_lens = [], []
     sparse_effect = torch.zeros(bsz)
     for f in schema.sparse_features:
         if f.name == CAND_ITEM:
-            lens, vals = torch.ones(bsz, dtype=torch.int64), w.rank_to_id(cand_rank)
+            lens, vals = torch.ones(c, dtype=torch.int64), w.rank_to_id(cand_rank)
         else:
             lens = torch.randint(f.min_hot, f.max_hot + 1, (bsz,), generator=gen)
             vals = torch.randint(f.num_embeddings, (int(lens.sum()),), generator=gen)
             eff = w.sparse_scale * (2.0 * _hash01(vals, w.sparse_salts[f.name]) - 1.0)
             owner = torch.repeat_interleave(torch.arange(bsz), lens, output_size=vals.numel())
             sparse_effect += _segment_sum(eff, owner, bsz) / lens.clamp_min(1)
+            if counts is not None:
+                lens, vals = _per_candidate(lens, vals, req)
         sparse_vals.append(vals)
         sparse_lens.append(lens)
+    sparse_effect = sparse_effect[req]
 
-    dense_logits = dense @ w.dense_w.T  # [B, num_tasks]
+    dense_logits = dense @ w.dense_w.T  # [C, num_tasks]
     logit0 = w.affinity_scale * affinity + w.popularity_effect(cand_rank) + sparse_effect
     logit0 = logit0 + dense_logits[:, 0] + w.task_bias[0]
     p0 = torch.sigmoid(logit0)
     p_cond = torch.sigmoid(w.task_bias[1:] + affinity[:, None] + dense_logits[:, 1:])
-    draws = torch.rand(bsz, schema.num_tasks, generator=gen)
+    draws = torch.rand(c, schema.num_tasks, generator=gen)
     first = draws[:, 0] < p0
     labels = torch.cat([first[:, None], first[:, None] & (draws[:, 1:] < p_cond)], 1).to(torch.float32)
 
@@ -275,6 +312,11 @@ def _generate(schema: DataSchema, w: _HiddenWorld, bsz: int, gen: torch.Generato
         seq_offsets=offsets,
         max_seq_len=int(lengths.max()) if bsz else 0,
     )
+    if counts is not None:
+        batch.cand_offsets = torch.zeros(bsz + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=batch.cand_offsets[1:])
+        batch.max_candidates = int(counts.max())
+        batch.request_ids = global_index * bsz + torch.arange(bsz)
     if not return_truth:
         return batch
     truth = torch.cat([p0[:, None], p0[:, None] * p_cond], 1)
