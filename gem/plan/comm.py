@@ -156,9 +156,10 @@ def table_shards(plan, model_cfg: ModelConfig) -> list[TableShards]:
 
 
 def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tuple[int, ...]], batch: int,
-                          ids_per_example: Mapping[str, float], emb_bytes: int = 4, length_bytes: int = 8
-                          ) -> list[Collective]:
-    """Embedding all-to-alls over the sharding group of g ranks, per rank and step (batch = examples per rank).
+                          ids_per_example: Mapping[str, float], emb_bytes: int = 4, length_bytes: int = 8,
+                          candidates: int | None = None) -> list[Collective]:
+    """Embedding all-to-alls over the sharding group of g ranks, per rank and step (batch = examples per rank;
+    with requests, batch = histories and `candidates` = the candidate rows the pooled features are looked up for).
 
     Input dist: every feature's ids (int64) go to the ranks holding its shards (once per column shard; split by
     row range otherwise), with one length per example for every receiving rank (all g ranks for row-wise);
@@ -172,17 +173,18 @@ def embedding_collectives(tables: Sequence[TableShards], groups: Mapping[str, tu
     ids = lengths = seq = pooled = rs = 0.0
     lengths += len({(t.kind, t.sharding_type) for t in tables}) * g * KJT_SPLITS * 8
     for t in tables:
+        rows = batch if t.kind == "sequence" or candidates is None else candidates
         for f in t.features:
-            n = batch * ids_per_example[f]
+            n = rows * ids_per_example[f]
             ids += t.copies * n * ID_BYTES
             receivers = g if t.sharding_type in ("row_wise", "table_row_wise") else t.copies
-            lengths += receivers * batch * length_bytes
+            lengths += receivers * rows * length_bytes
             if t.kind == "sequence":
                 seq += 2 * n * t.dim * emb_bytes
             elif t.sharding_type in ("row_wise", "table_row_wise"):
-                rs += g * batch * t.dim * emb_bytes
+                rs += g * rows * t.dim * emb_bytes
             else:
-                pooled += 2 * batch * t.dim * emb_bytes
+                pooled += 2 * rows * t.dim * emb_bytes
     out = [Collective("embedding input dist (ids)", ALL_TO_ALL, "emb_shard", ranks, ids),
            Collective("embedding input dist (lengths, splits)", ALL_TO_ALL, "emb_shard", ranks, lengths),
            Collective("sequence embedding all-to-all (fwd+bwd)", ALL_TO_ALL, "emb_shard", ranks, seq),

@@ -62,25 +62,39 @@ class PlanOptions:
 
 @dataclass
 class Workload:
-    """What one rank processes per step, from the data config (history lengths sampled like the synthetic data)."""
+    """What one rank processes per step, from the data config (history lengths and candidates per request sampled
+    like the synthetic data). `batch`: histories (requests); `tokens`: what the tower runs on, by the model's
+    candidate form (rows: a copy of the history per candidate; interaction: each history once; targets: each
+    history and its candidates' target tokens)."""
 
     batch: int
     tokens: int
     flops: int
     ids_per_example: dict[str, float]
+    candidates: int | None = None  # candidate rows (pooled lookups) per step; None: one per history
 
 
 def workload(cfgs, seed: int = 0) -> Workload:
-    from gem.data.synthetic import sample_lengths
+    from gem.data.synthetic import sample_candidate_counts, sample_lengths
     from gem.model.flops import train_flops
 
     b = cfgs.data.batch_size
-    lengths = sample_lengths(cfgs.data.schema, b, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = sample_lengths(cfgs.data.schema, b, gen)
     offsets = torch.zeros(b + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
-    tokens = int(offsets[-1])
-    ids = comm.expected_ids_per_example(cfgs.data.schema, cfgs.model, tokens / b)
-    return Workload(batch=b, tokens=tokens, flops=train_flops(cfgs.model, offsets), ids_per_example=ids)
+    k = cfgs.data.max_candidates
+    counts = sample_candidate_counts(k, b, gen) if k > 1 else torch.ones(b, dtype=torch.int64)
+    cand_offsets = None
+    if k > 1:
+        cand_offsets = torch.zeros(b + 1, dtype=torch.int64)
+        cand_offsets[1:] = torch.cumsum(counts, 0)
+    history = int(offsets[-1])
+    tokens = {"rows": int((lengths * counts).sum()), "interaction": history,
+              "targets": history + int(counts.sum())}[cfgs.model.candidates]
+    ids = comm.expected_ids_per_example(cfgs.data.schema, cfgs.model, history / b)
+    return Workload(batch=b, tokens=tokens, flops=train_flops(cfgs.model, offsets, cand_offsets),
+                    ids_per_example=ids, candidates=None if k == 1 else int(counts.sum()))
 
 
 def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
@@ -179,7 +193,8 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
     tables = comm.table_shards(emb.plan, cfgs.model)
     opt = dict(cfgs.train.sparse_optimizer).get("name", "rowwise_adagrad")
     out.collectives = [
-        *comm.embedding_collectives(tables, groups, work.batch, work.ids_per_example),
+        *comm.embedding_collectives(tables, groups, work.batch, work.ids_per_example,
+                                    candidates=work.candidates),
         *comm.expert_collectives(cfgs.model, par, groups, work.tokens, act),
         *comm.dense_collectives(units, par, groups, _BYTES[par.param_dtype], _BYTES[par.reduce_dtype]),
         *comm.replica_sync_collectives(tables, groups, opt, par.emb_sync_every),
