@@ -193,7 +193,8 @@ class SyntheticDataset(IterableDataset):
         return self.num_batches
 
     def state_dict(self) -> dict[str, int]:
-        return {"batch_index": self._position, "world_size": self.world_size, "seed": self.seed}
+        return {"batch_index": self._position, "world_size": self.world_size, "seed": self.seed,
+                "max_candidates": self.max_candidates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position. A position saved at another world size is rescaled by global batches."""
@@ -201,6 +202,9 @@ class SyntheticDataset(IterableDataset):
         saved_world = int(state.get("world_size", self.world_size))
         if "seed" in state and int(state["seed"]) != self.seed:
             raise ValueError(f"state was saved with seed {state['seed']}, this dataset has seed {self.seed}")
+        if int(state.get("max_candidates", 1)) != self.max_candidates:
+            raise ValueError(f"state was saved with max_candidates {state['max_candidates']}, this dataset has "
+                             f"{self.max_candidates}: its batches would be different ones")
         global_done = index * saved_world
         if global_done % self.world_size:
             raise ValueError(

@@ -65,3 +65,13 @@ def test_labels_follow_the_hidden_model_within_requests():
         assert abs(float(y[:, t].sum() - p[:, t].sum())) < 4 * sd
     gauc, counted = gauc_with_ties(p[:, 0], y[:, 0], g)
     assert counted > 100 and gauc > 0.65, (gauc, counted, n)
+
+
+def test_a_position_resumes_only_with_the_same_max_candidates():
+    import pytest
+
+    ds = SyntheticDataset(SCHEMA, seed=0, batch_size=8, max_candidates=4)
+    ds.load_state_dict({"batch_index": 3, "seed": 0, "max_candidates": 4})
+    assert ds.state_dict()["batch_index"] == 3
+    with pytest.raises(ValueError, match="max_candidates 2"):
+        ds.load_state_dict({"batch_index": 3, "seed": 0, "max_candidates": 2})

@@ -13,7 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05):
+def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05,
+                       candidates: str = "rows"):
     """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON."""
     import torch.distributed as dist
 
@@ -22,12 +23,12 @@ def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "
 
     device = init_distributed()
     torch.manual_seed(0)
-    model = GEMModel(model_cfg(moe_every=moe_every), embedding_device=device)
+    model = GEMModel(model_cfg(moe_every=moe_every, candidates=candidates), embedding_device=device)
     p = parallelize(model, json.loads(parallel), sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
     return device, dist.get_rank(), dist.get_world_size(), p, torch.optim.SGD(p.dense_parameters(), lr=lr)
 
 
-def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2):
+def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2, candidates: str = "rows"):
     from omegaconf import OmegaConf
 
     from gem.model import ModelConfig
@@ -38,12 +39,13 @@ def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks
     c["tower"]["moe_every"] = moe_every
     c["moe"]["num_experts"] = num_experts
     c["moe"]["aux_loss_coef"] = aux
+    c["candidates"] = candidates
     for t in c["tables"]:
         t["num_embeddings"] = min(t["num_embeddings"], 500)
     return ModelConfig.from_dict(c)
 
 
-def dataset(batch_size: int, seed: int = 0):
+def dataset(batch_size: int, seed: int = 0, max_candidates: int = 1):
     from omegaconf import OmegaConf
 
     from gem.data import DataConfig, SyntheticDataset
@@ -54,7 +56,7 @@ def dataset(batch_size: int, seed: int = 0):
     c["batch_size"] = batch_size
     c["seed"] = seed
     d = DataConfig.from_dict(c)
-    return SyntheticDataset(d.schema, d.seed, batch_size)
+    return SyntheticDataset(d.schema, d.seed, batch_size, max_candidates=max_candidates)
 
 
 def _slice_kjt(kjt, a: int, b: int):
@@ -70,18 +72,24 @@ def _slice_kjt(kjt, a: int, b: int):
 
 
 def slice_batch(batch, a: int, b: int):
-    """Rows [a, b) of a Batch as a Batch of its own."""
+    """Rows (requests) [a, b) of a Batch as a Batch of its own, with their candidates."""
     from gem.data import Batch
 
     off = batch.seq_offsets[a:b + 1]
     lens = off[1:] - off[:-1]
+    co = batch.cand_offsets
+    ca, cb = (a, b) if co is None else (int(co[a]), int(co[b]))
+    counts = None if co is None else co[a + 1:b + 1] - co[a:b]
     return Batch(
         sequence=_slice_kjt(batch.sequence, a, b),
-        sparse=_slice_kjt(batch.sparse, a, b),
-        dense=batch.dense[a:b],
-        labels=batch.labels[a:b],
+        sparse=_slice_kjt(batch.sparse, ca, cb),
+        dense=batch.dense[ca:cb],
+        labels=batch.labels[ca:cb],
         seq_offsets=off - off[0],
         max_seq_len=int(lens.max()) if lens.numel() else 0,
+        cand_offsets=None if co is None else co[a:b + 1] - co[a],
+        max_candidates=1 if co is None else int(counts.max()),
+        request_ids=None if batch.request_ids is None else batch.request_ids[a:b],
     )
 
 

@@ -112,14 +112,16 @@ def test_throughput_counts_candidates_scored():
 
 
 @pytest.mark.parametrize("form", ["interaction", "targets"])
-def test_request_training_through_the_sparse_dist_pipeline_matches_the_plain_loop(tmp_path, form):
-    """torchrec's TrainPipelineSparseDist traces each form's forward (the request fields reach the fx-wrapped
-    helpers as batch attributes) and trains the same steps as the plain loop; evaluation reports GAUC."""
+def test_request_training_pipelined_and_resumed_follows_the_plain_loop(tmp_path, form):
+    """Requests through torchrec's TrainPipelineSparseDist (each form's forward traced: the request fields reach
+    the fx-wrapped helpers as batch attributes) and from a checkpoint: the plain loop's steps, and GAUC."""
+    import shutil
+
     from tests.train.test_trainer import _fit
 
-    common = ("train.steps=4", "train.eval_every=2", "data.max_candidates=5", f"model.candidates={form}",
-              "data.batch_size=8")
-    plain, _ = _fit(tmp_path / "plain", *common, "train.pipeline=none")
+    common = ("train.steps=4", "train.eval_every=0", "data.max_candidates=5", f"model.candidates={form}",
+              "data.batch_size=8", "train.seed=3")
+    plain, _ = _fit(tmp_path / "plain", *common, "train.pipeline=none", "train.checkpoint.every=2")
     piped, t = _fit(tmp_path / "piped", *common, "train.pipeline=sparse_dist")
     assert t.loop == "sparse_dist"
     assert max(plain.losses) - min(plain.losses) > 1e-4
@@ -127,3 +129,7 @@ def test_request_training_through_the_sparse_dist_pipeline_matches_the_plain_loo
     assert "click/gauc" in plain.eval_metrics
     for k, v in plain.eval_metrics.items():
         assert piped.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
+    shutil.rmtree(tmp_path / "plain" / "checkpoints" / "step_4")
+    resumed, t = _fit(tmp_path / "plain", *common, "train.pipeline=none", "train.resume=true")
+    assert t.step == 4 and len(resumed.losses) == 2
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(plain.losses[2:]), rtol=0, atol=1e-6)
