@@ -202,7 +202,7 @@ class SyntheticDataset(IterableDataset):
         saved_world = int(state.get("world_size", self.world_size))
         if "seed" in state and int(state["seed"]) != self.seed:
             raise ValueError(f"state was saved with seed {state['seed']}, this dataset has seed {self.seed}")
-        if int(state.get("max_candidates", 1)) != self.max_candidates:
+        if "max_candidates" in state and int(state["max_candidates"]) != self.max_candidates:
             raise ValueError(f"state was saved with max_candidates {state['max_candidates']}, this dataset has "
                              f"{self.max_candidates}: its batches would be different ones")
         global_done = index * saved_world
