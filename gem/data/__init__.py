@@ -33,8 +33,14 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
         raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
     num_batches = None if split == "train" else cfg.eval_batches
     if cfg.source == "synthetic":
-        return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches)
+        return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches,
+                                max_candidates=cfg.max_candidates)
     from gem.data.parquet import ParquetDataset
+    if cfg.max_candidates > 1:
+        from gem.config import ConfigError
+
+        raise ConfigError("data.max_candidates", "request-level Parquet files are not read yet: use the synthetic "
+                          "source for requests", cfg.max_candidates)
 
     paths = cfg.paths if split == "train" else cfg.eval_paths
     key = "data.paths" if split == "train" else "data.eval_paths"
