@@ -36,11 +36,6 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
         return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches,
                                 max_candidates=cfg.max_candidates)
     from gem.data.parquet import ParquetDataset
-    if cfg.max_candidates > 1:
-        from gem.config import ConfigError
-
-        raise ConfigError("data.max_candidates", "request-level Parquet files are not read yet: use the synthetic "
-                          "source for requests", cfg.max_candidates)
 
     paths = cfg.paths if split == "train" else cfg.eval_paths
     key = "data.paths" if split == "train" else "data.eval_paths"
@@ -51,4 +46,5 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
     return ParquetDataset(
         cfg.schema, list(paths), cfg.batch_size, rank, world_size, num_batches=num_batches, cycle=split == "train",
         allow_extra_columns=cfg.allow_extra_columns, check_rows="sample" if split == "train" else "all", key=key,
+        max_candidates=cfg.max_candidates,
     )

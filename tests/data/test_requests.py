@@ -72,3 +72,88 @@ def test_a_position_resumes_only_with_the_same_max_candidates():
     assert ds.state_dict()["batch_index"] == 3
     with pytest.raises(ValueError, match="max_candidates 2"):
         ds.load_state_dict({"batch_index": 3, "seed": 0, "max_candidates": 2})
+
+
+# ---- request-level Parquet: one row per request, candidates and labels as aligned lists ----------------------------
+
+def _request_files(tmp_path, k=5, batches=2, bsz=16):
+    import pyarrow.parquet as pq
+
+    from gem.data.parquet import write_parquet
+
+    src = SyntheticDataset(SCHEMA, seed=2, batch_size=bsz, max_candidates=k)
+    path = str(tmp_path / "requests.parquet")
+    assert write_parquet(src, path, batches) == batches * bsz
+    return path, [src.batch(i) for i in range(batches)], pq.read_table(path)
+
+
+def _assert_same_requests(a, b):
+    assert_batches_equal(a, b)
+    assert torch.equal(a.cand_offsets, b.cand_offsets) and a.max_candidates == b.max_candidates
+
+
+def test_request_parquet_round_trip_and_layout(tmp_path):
+    import pyarrow as pa
+
+    from gem.data import build_dataset
+    from tests.data._util import schema_dict
+
+    path, ref, table = _request_files(tmp_path)
+    assert pa.types.is_list(table.schema.field("cand_item").type)
+    assert pa.types.is_list(table.schema.field("click").type)
+    row = table.slice(0, 1).to_pylist()[0]
+    assert len(row["cand_item"]) == len(row["click"]) == int(ref[0].num_candidates[0])
+    assert len(row["user_segment"]) == 1 and len(row["dense"]) == 4  # the request's own features, once
+    cfg = {"source": "parquet", "batch_size": 16, "max_candidates": 5, "eval_batches": 2, "paths": [path],
+           "eval_paths": [path], **schema_dict(max_len=20)}
+    got = list(build_dataset(cfg, split="eval"))
+    assert len(got) == 2
+    for a, b in zip(ref, got):
+        _assert_same_requests(a, b)
+        validate_batch(b, SCHEMA)
+
+
+def test_request_parquet_last_partial_round_counts_candidates(tmp_path):
+    from gem.data.parquet import ParquetDataset
+
+    path, ref, _ = _request_files(tmp_path, batches=2, bsz=16)
+    reader = ParquetDataset(SCHEMA, path, batch_size=12, max_candidates=5)  # 32 requests: 2 batches + 8 requests
+    tail, real = reader.last_rows()
+    assert tail.num_requests == 8 and real == tail.batch_size
+    assert torch.equal(tail.labels, ref[1].labels[int(ref[1].cand_offsets[8]):])
+
+
+def test_request_parquet_errors_name_file_row_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from gem.data.parquet import DataFileError, ParquetDataset
+
+    path, ref, table = _request_files(tmp_path, batches=1)
+    rows = SyntheticDataset(SCHEMA, seed=2, batch_size=16).batch(0)
+    from gem.data.parquet import batch_to_table
+
+    row_file = str(tmp_path / "rows.parquet")
+    pq.write_table(batch_to_table(rows, SCHEMA), row_file)
+    with pytest.raises(DataFileError, match="feature 'cand_item': column 'cand_item' must be a list of integers"):
+        ParquetDataset(SCHEMA, row_file, batch_size=8, max_candidates=5)
+
+    def broken(column, values, name):
+        out = str(tmp_path / name)
+        i = table.column_names.index(column)
+        pq.write_table(table.set_column(i, column, pa.array(values, type=table.schema.field(column).type)), out)
+        return out
+
+    clicks = table.column("click").to_pylist()
+    r = next(i for i, c in enumerate(clicks) if len(c) > 1)
+    short = [c[:-1] if i == r else c for i, c in enumerate(clicks)]
+    with pytest.raises(DataFileError, match=rf"short.parquet:{r}: label 'click': {len(clicks[r]) - 1} labels for "
+                                            rf"{len(clicks[r])} candidates"):
+        ParquetDataset(SCHEMA, broken("click", short, "short.parquet"), batch_size=16, max_candidates=5)
+    bad = [[2.0] * len(c) if i == r else c for i, c in enumerate(clicks)]
+    with pytest.raises(DataFileError, match=rf"bad.parquet:{r}: label 'click' must be 0 or 1"):
+        ParquetDataset(SCHEMA, broken("click", bad, "bad.parquet"), batch_size=16, max_candidates=5)
+    with pytest.raises(DataFileError, match=r"requests.parquet:\d+: feature 'cand_item': a request has "
+                                            r"1..data.max_candidates=2 candidates"):
+        ParquetDataset(SCHEMA, path, batch_size=16, max_candidates=2)
