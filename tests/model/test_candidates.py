@@ -253,3 +253,30 @@ def test_flops_count_what_each_form_computes(form):
     row = make_batch(cfg, lengths, seed=2)
     assert F.train_flops(cfg, row.history_offsets, lengths_to_offsets(torch.ones(3, dtype=torch.int64))) == \
         F.train_flops(cfg, row.history_offsets)
+
+
+def test_histories_merged_by_time_under_both_request_forms():
+    """history_merge=time (one tower over two time-stamped histories): interaction is the row form's function and
+    targets scores each candidate as it would alone, on synthetic requests."""
+    from gem.data import Schema, SyntheticDataset
+
+    data = two_histories()
+    data["histories"]["events"]["timestamp"] = "ts_events"
+    data["histories"]["searches"]["timestamp"] = "ts_searches"
+    data["histories"]["events"]["max_len"] = 8
+    batch = SyntheticDataset(Schema.from_dict(data), seed=1, batch_size=4, max_candidates=6).batch(0)
+    assert batch.max_candidates > 1 and len(batch.history_times) == 2
+
+    def cfg(form):
+        c = tiny_cfg(data=data, num_blocks=1)
+        c.candidates, c.history_merge = form, "time"
+        c.validate()
+        return c
+
+    rows, inter = _models(cfg("rows"), cfg("interaction"))
+    expect = _logits_and_grads(rows, one_history_per_candidate(batch, rows.cfg, as_requests=False))
+    _assert_same(_logits_and_grads(inter, batch), expect)
+    torch.manual_seed(0)
+    m = GEMModel(cfg("targets"))
+    _assert_same(_logits_and_grads(m, batch),
+                 _logits_and_grads(m, one_history_per_candidate(batch, m.cfg, as_requests=True)))

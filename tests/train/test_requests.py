@@ -130,7 +130,7 @@ def test_request_training_pipelined_and_resumed_follows_the_plain_loop(tmp_path,
     from tests.train.test_trainer import _fit
 
     common = ("train.steps=4", "train.eval_every=0", "data.max_candidates=5", f"model.candidates={form}",
-              "data.batch_size=8", "train.seed=3")
+              "data.batch_size=8", "train.seed=3", "model.kernel=reference")  # the kernels: tests/model
     plain, _ = _fit(tmp_path / "plain", *common, "train.pipeline=none", "train.checkpoint.every=2")
     piped, t = _fit(tmp_path / "piped", *common, "train.pipeline=sparse_dist")
     assert t.loop == "sparse_dist"
