@@ -168,7 +168,14 @@ def merge_by_time(xs: list[torch.Tensor], offsets: list[torch.Tensor], times: li
     return torch.cat(xs)[order]
 
 
+def final_norm(norms: nn.ModuleDict, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Tower `name`'s final norm. Called through this wrapped function: TorchRec's pipeline tracer treats only the
+    top-level `final_norms` as a leaf, and would otherwise trace into the compiled norm."""
+    return norms[name](x)
+
+
 torch.fx.wrap("merge_by_time")
+torch.fx.wrap("final_norm")
 torch.fx.wrap("pooled_features")
 torch.fx.wrap("candidate_features")
 torch.fx.wrap("merge_histories")
@@ -326,12 +333,12 @@ class GEMModel(nn.Module):
             x = merge_by_time(xs, batch.history_offsets, batch.history_times)
             x, offsets = expand_histories(x, batch.seq_offsets, cand)
             x, aux = run_tower(self.blocks, x, offsets, batch.max_seq_len, self.tower_spans[0])
-            return self.final_norms[MERGED](x), aux, offsets
+            return final_norm(self.final_norms, MERGED, x), aux, offsets
         outs, offs, aux = [], [], None
         for i, h in enumerate(self.histories):
             x, off = expand_histories(xs[i], batch.history_offsets[i], cand)
             x, a_loss = run_tower(self.blocks, x, off, batch.history_max_lens[i], self.tower_spans[i])
-            outs.append(self.final_norms[h](x))
+            outs.append(final_norm(self.final_norms, h, x))
             offs.append(off)
             aux = a_loss if aux is None else aux + a_loss
         if len(outs) == 1:
@@ -346,7 +353,7 @@ class GEMModel(nn.Module):
         merged, offsets, max_len, targets, rows = append_targets(x, tgt, batch.seq_offsets, batch.max_seq_len,
                                                                  batch.cand_offsets, batch.max_candidates)
         out, aux = run_tower(self.blocks, merged, offsets, max_len, self.tower_spans[0], targets)
-        return self.final_norms[self.towers[0]](out.index_select(0, rows)), aux
+        return final_norm(self.final_norms, self.towers[0], out.index_select(0, rows)), aux
 
     def _query_tokens(self, ec_out, batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per candidate its query tokens [C, n, d] and its request's dense features [C, num_dense]."""
