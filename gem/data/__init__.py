@@ -33,7 +33,8 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
         raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
     num_batches = None if split == "train" else cfg.eval_batches
     if cfg.source == "synthetic":
-        return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches)
+        return SyntheticDataset(cfg.schema, cfg.seed, cfg.batch_size, rank, world_size, split, num_batches,
+                                max_candidates=cfg.max_candidates)
     from gem.data.parquet import ParquetDataset
 
     paths = cfg.paths if split == "train" else cfg.eval_paths
@@ -45,4 +46,5 @@ def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train")
     return ParquetDataset(
         cfg.schema, list(paths), cfg.batch_size, rank, world_size, num_batches=num_batches, cycle=split == "train",
         allow_extra_columns=cfg.allow_extra_columns, check_rows="sample" if split == "train" else "all", key=key,
+        max_candidates=cfg.max_candidates,
     )

@@ -95,7 +95,8 @@ class InOrder:
 
 
 class ValidatedBatches:
-    """Iterates a dataset's batches, validating each (before it reaches the model) and noting its FLOPs.
+    """Iterates a dataset's batches, validating each (before it reaches the model) and noting its FLOPs and
+    candidate rows.
 
     `validate=False`: the batches were validated where they were made (DataLoader workers), which send a
     FailedBatch in place of a bad one; it raises here, in the training process, with the same message as inline
@@ -111,6 +112,7 @@ class ValidatedBatches:
         self._next_step = first_step
         self._validate = validate
         self.flops: collections.deque[float] = collections.deque()  # per batch handed out, oldest first
+        self.samples: collections.deque[int] = collections.deque()  # candidate rows per batch handed out
 
     def __iter__(self) -> ValidatedBatches:
         return self
@@ -129,6 +131,7 @@ class ValidatedBatches:
             except ValueError as e:
                 raise BadBatchError(f"training batch of step {step + 1}: {e}") from None
         self.flops.append(self._flops_of(batch))
+        self.samples.append(batch.batch_size)
         return batch
 
 

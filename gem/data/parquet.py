@@ -11,12 +11,17 @@ File layout: one row = one user-candidate example; every column is named by the 
 Several features may read one column. Other columns are an error unless `data.allow_extra_columns=true` (then they
 are not read). `write_parquet` writes this layout from any Batch source.
 
+Requests (`data.max_candidates` K > 1): one row = one request (one user's histories and own features, 1..K
+candidates, docs/DATA.md): every candidate feature is a list<integer> of one id per candidate, every label column a
+list of 0/1 (numbers or booleans) as long as the candidate lists, in the same order; the other columns as above,
+once per request.
+
 Checks, each failing with one line `<file>:<row>: <feature>: <what> (got <value>)` (row: 0-based, in the file): on
 opening, every file's column names and types (from its metadata) and a sample of its row groups (the first and the
 last; `check_rows="all"`: every row a pass reads, as for evaluation); then every batch as it is read: no nulls, the
 sequence columns of a history equally long and at most its max_len, candidates one id, sparse ids per row within
 [min_hot, max_hot], ids inside their table (raw-id tables: hashed instead), dense lists of their size with finite
-values, labels 0 or 1.
+values, labels 0 or 1 (requests: 1..K candidates, every candidate and label list of a row equally long).
 
 Reading: the files (in the given order) form one stream of rows cut into global batches of `batch_size` rows;
 rank r of W takes global batches r, r + W, ... (the same convention as the synthetic stream, so a world of W
@@ -38,7 +43,7 @@ from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.config import UserError
-from gem.data.batch import Batch, history_fields, stream_batches
+from gem.data.batch import Batch, history_fields, request_fields, stream_batches
 from gem.data.schema import Schema, expand_paths
 
 
@@ -57,7 +62,9 @@ def _list_array(lengths: torch.Tensor, values: torch.Tensor) -> pa.ListArray:
 
 
 def batch_to_table(batch: Batch, schema: Schema) -> pa.Table:
-    """A Batch as rows of the layout above (candidates as integer columns, dense lists fixed-size)."""
+    """A Batch as rows of the layout above (candidates as integer columns, dense lists fixed-size; a request batch
+    as request rows, candidates and labels as lists)."""
+    requests = batch.cand_offsets is not None
     cols: dict[str, Any] = {}
     dense = batch.dense.to(torch.float32).numpy()
     d0 = 0
@@ -69,7 +76,7 @@ def batch_to_table(batch: Batch, schema: Schema) -> pa.Table:
                 pa.array(block.reshape(-1)), f.size)
             continue
         jt = (batch.sequence if f.kind != "sparse" else batch.sparse)[f.name]
-        if f.kind == "candidate":
+        if f.kind == "candidate" and not requests:
             cols[f.column] = pa.array(jt.values().to(torch.int64).numpy())
         else:
             cols[f.column] = _list_array(jt.lengths(), jt.values())
@@ -79,7 +86,9 @@ def batch_to_table(batch: Batch, schema: Schema) -> pa.Table:
                                                          pa.array(t.to(torch.float64).numpy()))
     labels = batch.labels.to(torch.float32).numpy()
     for t, (_, col) in enumerate(schema.labels):
-        cols[col] = pa.array(np.ascontiguousarray(labels[:, t]))
+        values = pa.array(np.ascontiguousarray(labels[:, t]))
+        cols[col] = pa.ListArray.from_arrays(pa.array(batch.cand_offsets.to(torch.int32).numpy()), values) \
+            if requests else values
     return pa.table(cols)
 
 
@@ -129,8 +138,11 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_floating(t) or pa.types.is_integer(t)
 
 
-def _type_problem(f, t: pa.DataType) -> str | None:
-    """Why column type `t` cannot hold feature `f` (None: it can)."""
+def _type_problem(f, t: pa.DataType, requests: bool = False) -> str | None:
+    """Why column type `t` cannot hold feature `f` (None: it can); `requests`: request rows (module doc)."""
+    if f.kind == "candidate" and requests:
+        return None if _is_int_list(t) else "must be a list of integers (one id per candidate of the request: " \
+            "data.max_candidates > 1)"
     if f.kind == "sequence":
         return None if _is_int_list(t) else "must be a list of integers"
     if f.kind == "candidate" or (f.kind == "sparse" and f.max_hot == 1):
@@ -147,8 +159,10 @@ def _type_problem(f, t: pa.DataType) -> str | None:
 
 
 def check_columns(names: list[str], types: list[pa.DataType], schema: Schema, where: str,
-                  allow_extra: bool = False) -> None:
-    """Column names and types (a file's metadata or a table's schema) against the layout above."""
+                  allow_extra: bool = False, max_candidates: int = 1) -> None:
+    """Column names and types (a file's metadata or a table's schema) against the layout above (request rows when
+    max_candidates > 1)."""
+    requests = max_candidates > 1
     have = dict(zip(names, types))
     for c in columns(schema):
         if c not in have:
@@ -161,7 +175,7 @@ def check_columns(names: list[str], types: list[pa.DataType], schema: Schema, wh
             raise DataFileError(where, f"column '{extra[0]}' is not in the schema (data.allow_extra_columns=true "
                                 "ignores it)", extra)
     for f in schema.features:
-        why = _type_problem(f, have[f.column])
+        why = _type_problem(f, have[f.column], requests)
         if why:
             raise DataFileError(where, f"feature '{f.name}': column '{f.column}' {why}", have[f.column])
     for h in schema.histories:
@@ -169,8 +183,13 @@ def check_columns(names: list[str], types: list[pa.DataType], schema: Schema, wh
             raise DataFileError(where, f"history '{h.name}': timestamp column '{h.timestamp}' must be a list of "
                                 "numbers", have[h.timestamp])
     for task, c in schema.labels:
-        if not (_is_number(have[c]) or pa.types.is_boolean(have[c])):
-            raise DataFileError(where, f"label '{task}': column '{c}' must be numbers 0 or 1", have[c])
+        t = have[c]
+        if requests:
+            if not (_is_list(t) and (_is_number(t.value_type) or pa.types.is_boolean(t.value_type))):
+                raise DataFileError(where, f"label '{task}': column '{c}' must be a list of 0/1, one per candidate "
+                                    "(data.max_candidates > 1)", t)
+        elif not (_is_number(t) or pa.types.is_boolean(t)):
+            raise DataFileError(where, f"label '{task}': column '{c}' must be numbers 0 or 1", t)
 
 
 def _first(mask: np.ndarray) -> int:
@@ -223,10 +242,14 @@ def _floats(col: pa.Array, name: str, size: int, where: Callable[[int], str]) ->
     return v
 
 
-def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> dict[str, Any]:
-    """The rows of `table` checked and decoded: feature -> (lengths, ids) / float block, label block, and each
-    history's lengths. `where(i)` names row i (e.g. 'file.parquet:17')."""
-    check_columns(table.column_names, [f.type for f in table.schema], schema, where(0), allow_extra=True)
+def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str], max_candidates: int = 1
+               ) -> dict[str, Any]:
+    """The rows of `table` checked and decoded: feature -> (lengths, ids) / float block, label block, each
+    history's lengths and, for request rows (max_candidates > 1), the candidates per row. `where(i)` names row i
+    (e.g. 'file.parquet:17')."""
+    requests = max_candidates > 1
+    check_columns(table.column_names, [f.type for f in table.schema], schema, where(0), allow_extra=True,
+                  max_candidates=max_candidates)
     cards, hashed = schema.cardinalities(), schema.hashed()
     cols = {c: table.column(c).combine_chunks() for c in columns(schema)}
     out: dict[str, Any] = {}
@@ -235,12 +258,13 @@ def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> 
             out[f.name] = _floats(cols[f.column], f.name, f.size, where)
             continue
         lengths, ids = _ids(cols[f.column], f.name, where)
-        lo, hi = (1, 1) if f.kind == "candidate" else (f.min_hot, f.max_hot)
+        lo, hi = ((1, max_candidates) if requests else (1, 1)) if f.kind == "candidate" else (f.min_hot, f.max_hot)
         if f.kind != "sequence":
             bad = (lengths < lo) | (lengths > hi)
             if bad.any():
                 i = _first(bad)
-                what = "a candidate has exactly one id" if f.kind == "candidate" else \
+                what = f"a request has 1..data.max_candidates={hi} candidates" if requests and f.kind == "candidate" \
+                    else "a candidate has exactly one id" if f.kind == "candidate" else \
                     f"{'more' if lengths[i] > hi else 'fewer'} ids than {'max_hot' if lengths[i] > hi else 'min_hot'}" \
                     f"={hi if lengths[i] > hi else lo}"
                 raise DataFileError(where(i), f"feature '{f.name}': {what}", int(lengths[i]))
@@ -288,32 +312,56 @@ def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> 
             raise DataFileError(where(i), f"feature '{names[0]}': history '{h.name}' is longer than "
                                 f"data.histories.{h.name}.max_len={h.max_len}", int(first[i]))
         hist[h.name] = first
+    counts = None
+    if requests:  # every candidate feature and label list of a row: one entry per candidate
+        cands = schema.candidate_names
+        counts = out[cands[0]][0]
+        for n in cands[1:]:
+            if not np.array_equal(out[n][0], counts):
+                i = _first(out[n][0] != counts)
+                raise DataFileError(where(i), f"feature '{n}': {int(out[n][0][i])} candidates but "
+                                    f"'{cands[0]}' has {int(counts[i])} (one id per candidate)", int(out[n][0][i]))
     labels = []
     for task, c in schema.labels:
         col = cols[c]
         if col.null_count:
             raise DataFileError(where(_first(col.is_null().to_numpy(zero_copy_only=False))), f"label '{task}' is "
                                 "null", None)
+        row_of = (lambda k: k) if counts is None else (lambda k: _row_of(counts, k))
+        if counts is not None:
+            n = col.value_lengths().to_numpy(zero_copy_only=False)
+            if not np.array_equal(n, counts):
+                i = _first(n != counts)
+                raise DataFileError(where(i), f"label '{task}': {int(n[i])} labels for {int(counts[i])} candidates",
+                                    int(n[i]))
+            col = col.flatten()
+            if col.null_count:
+                k = _first(col.is_null().to_numpy(zero_copy_only=False))
+                raise DataFileError(where(row_of(k)), f"label '{task}' is null", None)
         v = col.to_numpy(zero_copy_only=False).astype(np.float32)
         bad = (v != 0) & (v != 1)
         if bad.any():
-            i = _first(bad)
-            raise DataFileError(where(i), f"label '{task}' must be 0 or 1", float(v[i]))
+            k = _first(bad)
+            raise DataFileError(where(row_of(k)), f"label '{task}' must be 0 or 1", float(v[k]))
         labels.append(v)
     out["__labels__"] = np.stack(labels, 1) if labels else np.zeros((table.num_rows, 0), np.float32)
+    out["__candidates__"] = counts
     out["__histories__"] = hist
     out["__times__"] = times
     return out
 
 
-def check_rows(table: pa.Table, schema: Schema, where: Callable[[int], str]) -> None:
+def check_rows(table: pa.Table, schema: Schema, where: Callable[[int], str], max_candidates: int = 1) -> None:
     """The values of rows in the layout above; raises DataFileError naming file:row and feature."""
-    read_table(table, schema, where)
+    read_table(table, schema, where, max_candidates)
 
 
-def table_to_batch(table: pa.Table, schema: Schema, where: Callable[[int], str] | None = None) -> Batch:
-    """A Batch from rows in the layout above (columns by name), checked first; `where(i)` names row i in errors."""
-    r = read_table(table, schema, where or (lambda i: f"parquet row {i}"))
+def table_to_batch(table: pa.Table, schema: Schema, where: Callable[[int], str] | None = None,
+                   max_candidates: int = 1) -> Batch:
+    """A Batch from rows in the layout above (columns by name), checked first; `where(i)` names row i in errors.
+    max_candidates > 1: request rows (a request batch)."""
+    r = read_table(table, schema, where or (lambda i: f"parquet row {i}"), max_candidates)
+    counts = r["__candidates__"]
     bsz = table.num_rows
 
     def kjt(names: list[str]) -> KeyedJaggedTensor:
@@ -332,6 +380,7 @@ def table_to_batch(table: pa.Table, schema: Schema, where: Callable[[int], str] 
         **history_fields([torch.from_numpy(r["__histories__"][h]) for h in schema.history_names]),
         history_times=tuple(torch.from_numpy(r["__times__"][h]) for h in schema.history_names)
         if schema.has_times else (),
+        **request_fields(None if counts is None else torch.from_numpy(counts)),
     )
 
 
@@ -346,7 +395,7 @@ def check_files(cfg) -> None:
                 arrow = pq.ParquetFile(path).metadata.schema.to_arrow_schema()
             except (OSError, pa.ArrowException) as e:
                 raise DataFileError(path, "not a readable Parquet file", str(e).splitlines()[0]) from None
-            check_columns(arrow.names, arrow.types, cfg.schema, path, cfg.allow_extra_columns)
+            check_columns(arrow.names, arrow.types, cfg.schema, path, cfg.allow_extra_columns, cfg.max_candidates)
 
 
 class ParquetDataset(IterableDataset):
@@ -370,6 +419,7 @@ class ParquetDataset(IterableDataset):
         allow_extra_columns: bool = False,
         check_rows: Literal["sample", "all"] = "sample",
         key: str = "data.paths",
+        max_candidates: int = 1,
     ) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
@@ -379,6 +429,7 @@ class ParquetDataset(IterableDataset):
         self.schema, self.batch_size, self.rank, self.world_size = schema, batch_size, rank, world_size
         self.paths = expand_paths(paths, key)
         self.cycle = cycle
+        self.max_candidates = max_candidates  # > 1: request rows
         self._columns = columns(schema)
         # Row-group index over all files: global row start of each (file, row group), and its start in its file.
         self._groups: list[tuple[int, int]] = []
@@ -391,7 +442,7 @@ class ParquetDataset(IterableDataset):
             except (OSError, pa.ArrowException) as e:
                 raise DataFileError(path, "not a readable Parquet file", str(e).splitlines()[0]) from None
             arrow = meta.schema.to_arrow_schema()
-            check_columns(arrow.names, arrow.types, schema, path, allow_extra_columns)
+            check_columns(arrow.names, arrow.types, schema, path, allow_extra_columns, max_candidates)
             in_file = 0
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
@@ -426,7 +477,7 @@ class ParquetDataset(IterableDataset):
                 last_of_file[f] = i
             picked = sorted(set(first_of_file.values()) | set(last_of_file.values()))
         for i in picked:
-            check_rows(self._row_group(i), self.schema, self._where([(0, i, 0)]))
+            check_rows(self._row_group(i), self.schema, self._where([(0, i, 0)]), self.max_candidates)
 
     def _where(self, spans: list[tuple[int, int, int]]) -> Callable[[int], str]:
         """Row r of a table made of row-group slices -> 'file:row'; spans: (first table row, group, first group row)."""
@@ -467,14 +518,14 @@ class ParquetDataset(IterableDataset):
             raise IndexError(f"batch {index} is past the end ({self.batches_per_pass} batches per rank)")
         g = (index % self.batches_per_pass) * self.world_size + self.rank
         table, where = self._rows(g * self.batch_size, (g + 1) * self.batch_size)
-        return table_to_batch(table, self.schema, where)
+        return table_to_batch(table, self.schema, where, self.max_candidates)
 
     def __iter__(self) -> Iterator[Batch]:
         return stream_batches(self, None if self.cycle else self.batches_per_pass)
 
     def last_rows(self) -> tuple[Batch, int] | None:
         """This rank's share of the rows past the last whole round of a pass over all the files, as (batch, real
-        rows): every rank gets a batch of the same size (collectives of sharded models need every rank's forward),
+        rows, or of request rows their candidates: the label rows that count): every rank gets a batch of the same size (collectives of sharded models need every rank's forward),
         its first `real rows` its own share in order, the rest repeats rows of the round (to be ignored). None on
         every rank when there are no such rows, or the pass stops earlier."""
         whole = self.batches_per_pass * self.world_size * self.batch_size
@@ -493,7 +544,9 @@ class ParquetDataset(IterableDataset):
         def where(r: int) -> str:
             return wheres[0](r) if r < first else wheres[-1](r - first)
 
-        return table_to_batch(table, self.schema, where), stop - start
+        batch = table_to_batch(table, self.schema, where, self.max_candidates)
+        real = stop - start  # rows; of a request batch, their candidates
+        return batch, real if batch.cand_offsets is None else int(batch.cand_offsets[real])
 
     def __len__(self) -> int:
         if self.cycle:

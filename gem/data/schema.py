@@ -4,7 +4,8 @@ Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
 
     source: synthetic | parquet
     seed: int                   # synthetic: the hidden world and the sample streams derive from it
-    batch_size: int             # examples per rank per step
+    batch_size: int             # examples (requests) per rank per step
+    max_candidates: int         # candidates per request, 1..max (default 1: one per example, the row form)
     eval_batches: int           # batches per rank in one evaluation pass
     paths: [..]                 # parquet only: training files (globs allowed)
     eval_paths: [..]            # parquet only: held-out files
@@ -16,11 +17,12 @@ Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
         table: <tables key>     # sequence / candidate / sparse; several features may share one table
         history: <histories key>  # sequence only (may be left out when there is one history)
         max_hot: 1              # sparse: ids per example in [min_hot, max_hot]; a candidate has exactly one
+                                # per candidate (requests: a list column, one id per candidate)
         min_hot: 1
         size: 1                 # dense: a number column (1) or a fixed-size list of numbers (n)
     histories:                  # each with its own length per example, oldest event first
       <name>: {max_len, min_len, distribution, sparsity, mu, sigma, timestamp}
-    labels:                     # task -> 0/1 column, in head order
+    labels:                     # task -> 0/1 column, in head order (requests: a list, one per candidate)
       <task>: <column>
     tables:                     # TorchRec EmbeddingConfig / EmbeddingBagConfig fields
       <name>: {num_embeddings, embedding_dim, pooling: sum | mean, init_range, ids: dense | raw, hash: modulo | zch}
@@ -408,12 +410,14 @@ class DataConfig:
     eval_paths: tuple[str, ...] = ()
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
     allow_extra_columns: bool = False  # parquet: columns no feature names are ignored instead of an error
+    max_candidates: int = 1  # candidates per request (synthetic: uniform 1..max); 1: one candidate per example
 
     def __post_init__(self) -> None:
         need = Checker("data").need
         need(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
         need(self.eval_batches >= 0, "eval_batches", "must be >= 0", self.eval_batches)
         need(self.num_workers >= 0, "num_workers", "must be >= 0", self.num_workers)
+        need(self.max_candidates >= 1, "max_candidates", "must be >= 1", self.max_candidates)
         need(self.source != "parquet" or bool(self.paths), "paths", "the parquet source needs a training file",
              list(self.paths))
 

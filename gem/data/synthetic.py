@@ -17,7 +17,13 @@ Labels (the model can only see the features, and the truth uses only the feature
     logit_0   = affinity_scale * affinity + popularity(cand) + dense @ w_0 + sum of sparse-feature effects + bias
     task 0 (e.g. click)        ~ Bernoulli(sigmoid(logit_0))
     task t>0 (e.g. conversion) = task 0 * Bernoulli(sigmoid(c_t + affinity + dense @ w_t))
-`batch(i, return_truth=True)` also returns the true probabilities P(task = 1) [B, num_tasks].
+`batch(i, return_truth=True)` also returns the true probabilities P(task = 1) [C, num_tasks].
+
+Requests (`max_candidates` K > 1): each of a batch's `batch_size` users is one request with k ~ uniform{1..K}
+candidates (mean (K + 1) / 2), each drawn as the one candidate of the row form is (from the favourite cluster with
+probability `cand_in_cluster`) and labelled by the same hidden model. The request's own features (sparse, dense)
+are drawn once per request. Request ids are global: batch g's requests are g * batch_size + 0 .. batch_size - 1.
+With K = 1 the batches are exactly the row-form batches (no cand_offsets).
 
 Streams. Examples come in global batches g = 0, 1, 2, ...; rank r of a world of size W takes g = i * W + r as its
 i-th batch, so the union over ranks is the same stream for any world size. Batch g is generated from a generator
@@ -41,7 +47,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.batch import Batch, history_fields, stream_batches
+from gem.data.batch import Batch, history_fields, request_fields, stream_batches
 from gem.data.schema import HistorySpec, Schema
 
 _SPLITS = {"train": 0, "eval": 1}
@@ -164,8 +170,11 @@ class SyntheticDataset(IterableDataset):
         world_size: int = 1,
         split: str = "train",
         num_batches: int | None = None,
+        max_candidates: int = 1,
     ) -> None:
         super().__init__()
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         if split not in _SPLITS:
             raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -176,6 +185,7 @@ class SyntheticDataset(IterableDataset):
             raise ValueError(f"num_batches must be >= 0 or None, got {num_batches}")
         self.schema, self.seed, self.batch_size = schema, int(seed), int(batch_size)
         self.rank, self.world_size, self.split, self.num_batches = rank, world_size, split, num_batches
+        self.max_candidates = int(max_candidates)
         self.world = _HiddenWorld(schema, self.seed)
         self._position = 0
 
@@ -186,7 +196,7 @@ class SyntheticDataset(IterableDataset):
 
     def global_batch(self, g: int, return_truth: bool = False):
         gen = torch.Generator().manual_seed(_stream_seed(self.seed, _SPLITS[self.split], g, 0xBA7C))
-        return _generate(self.schema, self.world, self.batch_size, gen, return_truth)
+        return _generate(self.schema, self.world, self.batch_size, gen, return_truth, self.max_candidates, g)
 
     # ---- streaming and position ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -198,7 +208,8 @@ class SyntheticDataset(IterableDataset):
         return self.num_batches
 
     def state_dict(self) -> dict[str, int]:
-        return {"batch_index": self._position, "world_size": self.world_size, "seed": self.seed}
+        return {"batch_index": self._position, "world_size": self.world_size, "seed": self.seed,
+                "max_candidates": self.max_candidates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position. A position saved at another world size is rescaled by global batches."""
@@ -206,6 +217,9 @@ class SyntheticDataset(IterableDataset):
         saved_world = int(state.get("world_size", self.world_size))
         if "seed" in state and int(state["seed"]) != self.seed:
             raise ValueError(f"state was saved with seed {state['seed']}, this dataset has seed {self.seed}")
+        if "max_candidates" in state and int(state["max_candidates"]) != self.max_candidates:
+            raise ValueError(f"state was saved with max_candidates {state['max_candidates']}, this dataset has "
+                             f"{self.max_candidates}: its batches would be different ones")
         global_done = index * saved_world
         if global_done % self.world_size:
             raise ValueError(
@@ -219,7 +233,13 @@ def _segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int)
     return out.index_add_(0, segment, values)
 
 
-def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool):
+def sample_candidate_counts(max_candidates: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Candidates per request [n] (int64), uniform over 1..max_candidates."""
+    return torch.randint(1, max_candidates + 1, (n,), generator=gen, dtype=torch.int64)
+
+
+def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, return_truth: bool,
+              max_candidates: int = 1, global_index: int = 0):
     alpha = schema.synthetic.zipf_alpha
     u_cluster = None
     seq_values: dict[str, torch.Tensor] = {}
@@ -268,8 +288,11 @@ def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, r
     wsum = per_cluster.sum(1, keepdim=True)
     taste = (per_cluster / wsum.clamp_min(1e-12)) @ w.centers
 
-    cand_rank = w.sample_items(u_cluster, w.cand_in_cluster, alpha, gen)
-    affinity = (taste * w.centers[cand_rank % w.k]).sum(1)
+    # Requests: k candidates each (the row form: one); req [C] = each candidate's request.
+    counts = sample_candidate_counts(max_candidates, bsz, gen) if max_candidates > 1 else None
+    req = torch.arange(bsz) if counts is None else torch.repeat_interleave(torch.arange(bsz), counts)
+    cand_rank = w.sample_items(u_cluster[req], w.cand_in_cluster, alpha, gen)
+    affinity = (taste[req] * w.centers[cand_rank % w.k]).sum(1)
     cand_values = {f.name: w.rank_to_id(cand_rank) if f.table == w.item_table else w.attribute(cand_rank, f.table)
                    for f in schema.of_kind("candidate")}
 
@@ -285,24 +308,24 @@ def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, r
         sparse_vals.append(vals)
         sparse_lens.append(lens)
 
-    dense_logits = dense @ w.dense_w.T  # [B, num_tasks]
-    logit0 = w.affinity_scale * affinity + w.popularity_effect(cand_rank) + sparse_effect
+    dense_logits = (dense @ w.dense_w.T)[req]  # [C, num_tasks]
+    logit0 = w.affinity_scale * affinity + w.popularity_effect(cand_rank) + sparse_effect[req]
     logit0 = logit0 + dense_logits[:, 0] + w.task_bias[0]
     p0 = torch.sigmoid(logit0)
     p_cond = torch.sigmoid(w.task_bias[1:] + affinity[:, None] + dense_logits[:, 1:])
-    draws = torch.rand(bsz, schema.num_tasks, generator=gen)
+    draws = torch.rand(req.numel(), schema.num_tasks, generator=gen)
     first = draws[:, 0] < p0
     labels = torch.cat([first[:, None], first[:, None] & (draws[:, 1:] < p_cond)], 1).to(torch.float32)
 
     hist_of = {n: i for i, h in enumerate(schema.histories) for n in schema.history_features(h.name)}
     unpooled = schema.unpooled_names
-    ones = torch.ones(bsz, dtype=torch.int64)
+    per_request = torch.ones(bsz, dtype=torch.int64) if counts is None else counts  # candidates per request
     empty = torch.zeros(0, dtype=torch.int64)
     batch = Batch(
         sequence=KeyedJaggedTensor(
             keys=unpooled,
             values=torch.cat([seq_values[n] if n in seq_values else cand_values[n] for n in unpooled]),
-            lengths=torch.cat([hist_lengths[hist_of[n]] if n in hist_of else ones for n in unpooled]),
+            lengths=torch.cat([hist_lengths[hist_of[n]] if n in hist_of else per_request for n in unpooled]),
         ),
         sparse=KeyedJaggedTensor(
             keys=schema.sparse_names, values=torch.cat(sparse_vals) if sparse_vals else empty,
@@ -312,6 +335,7 @@ def _generate(schema: Schema, w: _HiddenWorld, bsz: int, gen: torch.Generator, r
         labels=labels,
         **history_fields(hist_lengths),
         history_times=tuple(hist_times),
+        **request_fields(counts, None if counts is None else global_index * bsz + torch.arange(bsz)),
     )
     if not return_truth:
         return batch

@@ -76,6 +76,30 @@ def _check_float(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         raise BatchError(f"{name}: non-finite value {float(t[idx])} at index {list(idx)}")
 
 
+def _check_requests(batch: Batch, nreq: int) -> torch.Tensor:
+    """The request fields (gem.data.Batch): cand_offsets [R+1] from 0, at least one candidate per request,
+    max_candidates its largest count, request_ids [R]. Returns candidates per request [R]."""
+    co = batch.cand_offsets
+    if co is None:
+        if batch.request_ids is not None:
+            raise BatchError("request_ids: given without cand_offsets")
+        return torch.ones(nreq, dtype=torch.int64)
+    if co.dim() != 1 or co.is_floating_point() or co.numel() != nreq + 1:
+        raise BatchError(f"cand_offsets: expected an int tensor [{nreq + 1}], got {co.dtype} {list(co.shape)}")
+    counts = (co[1:] - co[:-1]).to(torch.int64)
+    if int(co[0]) != 0:
+        raise BatchError(f"cand_offsets: must start at 0, got {int(co[0])}")
+    if bool((counts < 1).any()):
+        r = _first_bad(counts < 1)[0]
+        raise BatchError(f"cand_offsets: request {r} has {int(counts[r])} candidates; every request needs one")
+    if batch.max_candidates != int(counts.max()):
+        raise BatchError(f"max_candidates: {batch.max_candidates} but the most candidates of a request is "
+                         f"{int(counts.max())}")
+    if batch.request_ids is not None and tuple(batch.request_ids.shape) != (nreq,):
+        raise BatchError(f"request_ids: expected shape [{nreq}], got {list(batch.request_ids.shape)}")
+    return counts
+
+
 def validate_batch(batch: Batch, schema: Schema) -> None:
     """Raises BatchError on the first problem found; returns None for a valid batch."""
     bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
@@ -84,14 +108,16 @@ def validate_batch(batch: Batch, schema: Schema) -> None:
     cards = schema.cardinalities()
     _check_keys("sequence", batch.sequence, schema.unpooled_names)
     _check_keys("sparse", batch.sparse, schema.sparse_names)
+    counts = _check_requests(batch, bsz)
 
     seq_lengths = _check_kjt("sequence", batch.sequence, bsz, cards)
     row = {k: i for i, k in enumerate(batch.sequence.keys())}
     for name in schema.candidate_names:
         n = seq_lengths[row[name]]
-        if bool((n != 1).any()):
-            b = _first_bad(n != 1)[0]
-            raise BatchError(f"candidate feature '{name}': {int(n[b])} ids at example {b} (a candidate has one)")
+        if bool((n != counts).any()):
+            b = _first_bad(n != counts)[0]
+            raise BatchError(f"candidate feature '{name}': {int(n[b])} ids at example {b}, which has "
+                             f"{int(counts[b])} candidate(s) (one id each)")
     if len(batch.history_offsets) != len(schema.histories) or len(batch.history_max_lens) != len(schema.histories):
         raise BatchError(f"history_offsets: {len(batch.history_offsets)} histories, the schema has "
                          f"{len(schema.histories)}")
@@ -144,7 +170,7 @@ def validate_batch(batch: Batch, schema: Schema) -> None:
                              f"[min_hot={f.min_hot}, max_hot={f.max_hot}]")
 
     _check_float("dense", batch.dense, (bsz, schema.num_dense))
-    _check_float("labels", batch.labels, (bsz, schema.num_tasks))
+    _check_float("labels", batch.labels, (int(counts.sum()), schema.num_tasks))
     not_binary = (batch.labels != 0) & (batch.labels != 1)
     if bool(not_binary.any()):
         b, t = _first_bad(not_binary)

@@ -7,13 +7,24 @@ Attention kinds: "jfa" (causal softmax, optional RoPE through gem.ops.rope), "sw
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
-from gem.ops.rotary import RopeConfig, qkv_rope, rope_tables
+from gem.ops.rotary import RopeConfig, cos_sin_table, qkv_rope, rope_tables
+
+
+class Targets(NamedTuple):
+    """Target tokens at the end of each tower sequence (generative-recommenders' HSTU targets): they see their
+    sequence's history and themselves, not each other, and all sit at the first target's position, so a target's
+    output does not depend on how many targets share its sequence or in which order."""
+
+    num_targets: torch.Tensor  # [B] int: the last num_targets[b] tokens of sequence b
+    positions: torch.Tensor  # [T] int32: each token's RoPE position (a target's: its history length)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -60,9 +71,16 @@ class JaggedSelfAttention(nn.Module):
         return q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
-               roped: bool = False) -> torch.Tensor:
-        """The attention op (RoPE included unless `roped`: q and k already rotated) -> [T, H * D]."""
-        if self.kind == "block":
+               roped: bool = False, num_targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention op (RoPE included unless `roped`: q and k already rotated) -> [T, H * D]. `num_targets`:
+        the HSTU target mask (q and k must then be rotated already; swa's window becomes its max_attn_len)."""
+        if num_targets is not None:
+            if self.kind == "block" or (self.rope is not None and not roped):
+                raise ValueError("target tokens need jfa or swa attention with q and k rotated at their positions")
+            window = self.window if self.kind == "swa" else None
+            o = ops.jagged_attention(q, k, v, offsets, max_len, causal=True, num_targets=num_targets,
+                                     max_attn_len=window, kernel=self.kernel)
+        elif self.kind == "block":
             o = ops.block_attention(q, k, v, offsets, max_len, block_size=self.block_size, causal=True,
                                     rope=self.rope, kernel=self.kernel)
         else:
@@ -111,13 +129,17 @@ class TransformerBlock(nn.Module):
             y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
         return x + y, aux
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rope = None
-        if self._rope_in_qkv:
-            a = self.attn
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, targets: Targets | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        a, rope = self.attn, None
+        if targets is not None and a.rope is not None:  # targets share a position: RoPE from explicit positions
+            cos, sin = cos_sin_table(max(max_len, 1), a.rope.resolve_dim(a.head_dim), a.rope.base, x.device)
+            rope = (targets.positions, cos, sin)
+        elif self._rope_in_qkv:
             rope = rope_tables(offsets, x.shape[0], max_len, a.rope.resolve_dim(a.head_dim), a.rope.base)
         q, k, v = self._qkv(x, rope)
-        return self._finish(x, self.attn.attend(q, k, v, offsets, max_len, roped=rope is not None))
+        return self._finish(x, a.attend(q, k, v, offsets, max_len, roped=rope is not None,
+                                        num_targets=None if targets is None else targets.num_targets))
 
     def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile `_qkv` and `_finish` (the token count varies per batch: dynamic after the first)."""

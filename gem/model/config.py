@@ -26,6 +26,10 @@ Kernel = Literal["auto", "triton", "reference"]
 AttentionKind = Literal["jfa", "swa", "block"]
 Norm = Literal["rmsnorm", "layernorm"]
 SeqCombine = Literal["concat", "sum"]
+# How a request's candidates meet its history (docs/DATA.md, "Requests"): rows = one tower pass per candidate
+# (a request's history is encoded once per candidate); interaction = the tower once per request, every candidate's
+# query tokens attend to its output; targets = the candidates appended to the history as HSTU target tokens.
+CandidateForm = Literal["rows", "interaction", "targets"]
 GDPAActivation = Literal["gelu", "gelu_tanh", "silu", "relu", "relu2", "leaky_relu", "identity"]
 KERNELS = typing.get_args(Kernel)
 ATTENTION_KINDS = typing.get_args(AttentionKind)
@@ -33,6 +37,7 @@ FFN_KINDS = ("swiglu", "moe")
 NORMS = typing.get_args(Norm)
 SEQ_COMBINE = typing.get_args(SeqCombine)
 GDPA_ACTIVATIONS = typing.get_args(GDPAActivation)
+CANDIDATE_FORMS = typing.get_args(CandidateForm)
 
 
 class ConfigError(_ConfigError):
@@ -103,6 +108,7 @@ class ModelConfig:
     interaction: InteractionConfig = field(default_factory=InteractionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     heads: HeadConfig = field(default_factory=HeadConfig)
+    candidates: CandidateForm = "rows"
     kernel: Kernel = "auto"
     name: str = "gem"
 
@@ -208,6 +214,18 @@ class ModelConfig:
         return len(self.query_features) + 2
 
     @property
+    def head_input_dim(self) -> int:
+        """Width of the vector the over-arch reads per candidate: the query tokens after the interaction (rows,
+        interaction) or the candidate's target token from the tower (targets), and the dense-feature MLP path."""
+        tokens = self.d_model if self.candidates == "targets" else self.num_query_tokens * self.d_model
+        return tokens + (self.interaction.dense_hidden[-1] if self.interaction.dense_hidden else self.num_dense)
+
+    @property
+    def towers_built(self) -> list[str | None]:
+        """The towers the model builds: one per history, or one (None) over the histories merged by time."""
+        return [None] if self.merged else list(self.histories)
+
+    @property
     def task_weights(self) -> list[float]:
         w = self.heads.weights or {}
         return [float(w.get(t, 1.0)) for t in self.tasks]
@@ -259,6 +277,12 @@ class ModelConfig:
                      "history (data.histories.<name>.timestamp)", [h for h in hists if not self.schema.history[h].timestamp])
                 need(not self.towers, "history_merge", "merged histories share the one tower `model.tower` (drop "
                      "model.towers)", sorted(self.towers))
+            if self.candidates == "targets":
+                need(len(self.towers_built) == 1, "candidates", "target tokens join one tower: use one history "
+                     "or model.history_merge=time", self.histories)
+                t = self.tower_for(None if self.merged else self.histories[0])
+                need(t.attention != "block", "candidates", "target tokens need the tower's attention to be jfa or "
+                     "swa (block attention has no target mask)", t.attention)
             if self.heads.weights:
                 for task in self.heads.weights:
                     need(task in self.tasks, f"heads.weights.{task}",

@@ -10,6 +10,14 @@ over blocks of size^2 / 2.
 MoE counts the router and the top_k active experts only. Several histories: each tower counts on its own
 history's lengths (merged by time: the one tower's attention on every example's summed length); the target
 interaction's K/V and attention on all of an example's history tokens.
+
+Per candidate form (`model.candidates`, gem.model.gem), for R requests with histories L_r (all histories of
+request r) and k_r candidates: `rows` runs every candidate's own copy of its request's histories through the towers
+(sum_r k_r L_r tokens after the input projection, which runs once per history token; pairs per copy) and the GDPA
+of its query tokens over its copy; `interaction` runs each history once (sum_r L_r tokens) and the GDPA of every
+candidate's query tokens over its request's history (n_q k_r L_r pairs); `targets` runs each history once plus one
+token per candidate through the one tower's blocks (not the input projection, no interaction), a target seeing its
+history (or the last `window` of it) and itself: k_r (min(L_r, W) + 1) visible pairs, less half the diagonal.
 """
 
 from __future__ import annotations
@@ -28,33 +36,49 @@ def _mlp_weights(in_dim: int, hidden: Sequence[int], out_dim: int | None = None)
     return sum(a * b for a, b in itertools.pairwise(dims))
 
 
-def tower_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int:
-    """Matmul weights each token of a history passes through (input projection, its tower's blocks, interaction
-    K/V). `history` None: the first history."""
+def input_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int:
+    """Matmul weights of a history's input projection (its sequence embeddings -> d_model) per token."""
     history = history or cfg.histories[0]
-    d, t = cfg.d_model, cfg.tower_for(history)
     dims = [cfg.embedding_dim(f) for f in cfg.history_features(history)]
-    n = (sum(dims) if t.seq_combine == "concat" else dims[0]) * d
+    return (sum(dims) if cfg.tower.seq_combine == "concat" else dims[0]) * cfg.d_model
+
+
+def block_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int:
+    """Matmul weights of a history's tower blocks per token (`history` None: the first history's tower)."""
+    d, t = cfg.d_model, cfg.tower_for(history or cfg.histories[0])
     h, hk, dh = t.num_heads, t.num_kv_heads, t.head_dim
+    n = 0
     for i in range(t.num_blocks):
         n += d * (h + 2 * hk) * dh + h * dh * d
         if cfg.is_moe_block(i, t):
             n += d * cfg.moe.num_experts + cfg.moe.top_k * 3 * d * cfg.moe_d_ff_for(t)
         else:
             n += 3 * d * t.d_ff
-    n += d * 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim
+    return n
+
+
+def tower_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int:
+    """Matmul weights each token of a history passes through (input projection, its tower's blocks, interaction
+    K/V except in the targets form, which has no interaction). `history` None: the first history."""
+    n = input_weights_per_token(cfg, history) + block_weights_per_token(cfg, history)
+    if cfg.candidates != "targets":
+        n += cfg.d_model * 2 * cfg.interaction_kv_heads * cfg.interaction_head_dim
     return n
 
 
 def weights_per_example(cfg: ModelConfig) -> int:
-    """Matmul weights applied once per example (query tokens, interaction q/out, dense MLPs, heads)."""
+    """Matmul weights applied once per candidate outside the towers (query tokens, interaction q/out or the target
+    token's projection, dense MLPs, heads)."""
     d, it = cfg.d_model, cfg.interaction
     n = sum(cfg.embedding_dim(f) * d for f in cfg.query_features)
     n += _mlp_weights(cfg.num_dense, it.dense_hidden, d)  # dense token
-    hd = it.num_heads * cfg.interaction_head_dim
-    n += cfg.num_query_tokens * (d * hd + hd * d)  # q projection and output projection per query token
+    if cfg.candidates == "targets":
+        n += cfg.num_query_tokens * d * d  # query tokens -> target token
+    else:
+        hd = it.num_heads * cfg.interaction_head_dim
+        n += cfg.num_query_tokens * (d * hd + hd * d)  # q projection and output projection per query token
     n += _mlp_weights(cfg.num_dense, it.dense_hidden)  # dense path
-    z = cfg.num_query_tokens * d + mlp_out_dim(cfg.num_dense, it.dense_hidden)
+    z = cfg.head_input_dim
     n += _mlp_weights(z, cfg.heads.over_arch)
     n += len(cfg.tasks) * _mlp_weights(mlp_out_dim(z, cfg.heads.over_arch), cfg.heads.hidden, 1)
     return n
@@ -80,28 +104,55 @@ def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor, history: str | None
     return float((full * s * s / 2 + rest * rest / 2).sum())
 
 
-def train_flops(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor]) -> int:
-    """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [B+1] (one tensor per history,
-    schema order; a single tensor for one history)."""
+def target_pairs(cfg: ModelConfig, lengths: torch.Tensor, num_targets: torch.Tensor, history: str | None = None
+                 ) -> float:
+    """Visible (query, key) pairs of the target rows of one tower attention layer (module doc): each target sees
+    its history, up to the window, and itself; half the diagonal off."""
+    L = lengths.to(torch.float64)
+    t = cfg.tower_for(history or cfg.histories[0])
+    if t.attention == "swa":
+        L = L.clamp_max(float(t.window))
+    return float((num_targets.to(torch.float64) * (L + 0.5)).sum())
+
+
+def _lengths(offsets: torch.Tensor) -> torch.Tensor:
+    off = offsets.detach().to("cpu", torch.int64)
+    return off[1:] - off[:-1]
+
+
+def train_flops(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor],
+                cand_offsets: torch.Tensor | None = None) -> int:
+    """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [R+1] (one tensor per history,
+    schema order; a single tensor for one history) and candidates per request (cand_offsets [R+1]; None: one
+    candidate per example), computed as `cfg.candidates` computes them (module doc)."""
     per_history = [offsets] if isinstance(offsets, torch.Tensor) else list(offsets)
     if len(per_history) != len(cfg.histories):
         raise ValueError(f"train_flops: {len(per_history)} offsets for {len(cfg.histories)} histories")
+    lengths = [_lengths(o) for o in per_history]
+    counts = torch.ones_like(lengths[0]) if cand_offsets is None else _lengths(cand_offsets)
+    # the tokens each tower runs per request: its history once, or once per candidate (rows)
+    copies = counts if cfg.candidates == "rows" else torch.ones_like(counts)
     it = cfg.interaction
-    total = 0.0
+    total = 6.0 * weights_per_example(cfg) * int(counts.sum())
     merged = 0
-    for h, off in zip(cfg.histories, per_history):
-        off = off.detach().to("cpu", torch.int64)
-        lengths = off[1:] - off[:-1]
-        merged = merged + lengths
-        tokens = int(lengths.sum())
+    for h, n in zip(cfg.histories, lengths):
+        merged = merged + n
         t = cfg.tower_for(h)
-        total += 6 * tower_weights_per_token(cfg, h) * tokens
+        rows = torch.repeat_interleave(n, copies)  # the sequences this history's tower runs
+        inp = input_weights_per_token(cfg, h)  # the input projection runs before any copy
+        total += 6 * (inp * int(n.sum()) + (tower_weights_per_token(cfg, h) - inp) * int(rows.sum()))
         if not cfg.merged:
-            total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, lengths, h) * t.num_blocks
-        total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * tokens
+            total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, rows, h) * t.num_blocks
+    one = cfg.towers_built[0]
     if cfg.merged:  # one tower over every example's merged events (no per-history towers)
         t = cfg.tower_for()
-        total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, merged, None) * t.num_blocks
-    b = per_history[0].numel() - 1
-    total += 6 * weights_per_example(cfg) * b
+        rows = torch.repeat_interleave(merged, copies) if cfg.candidates == "rows" else merged
+        total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, rows, None) * t.num_blocks
+    if cfg.candidates == "targets":  # one token per candidate through the blocks; no interaction
+        t = cfg.tower_for(one)
+        total += 6 * block_weights_per_token(cfg, one) * int(counts.sum())
+        total += 3 * 4 * t.num_heads * t.head_dim * target_pairs(cfg, merged, counts, one) * t.num_blocks
+        return round(total)
+    # GDPA: every candidate's query tokens over all of its request's history tokens
+    total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * int((merged * counts).sum())
     return round(total)

@@ -10,7 +10,19 @@
                     after another) with GDPA cross attention (pointwise activation, no softmax; no history gives a
                     zero update), residual added; the tokens are flattened and concatenated with a dense-feature
                     MLP path.
-  heads           : a shared MLP, then one MLP per task -> logits [B, num_tasks].
+  heads           : a shared MLP, then one MLP per task -> logits [C, num_tasks], one row per candidate.
+
+A batch holds R examples (requests), each with its histories and 1 or more candidates, C candidates in all
+(gem.data.Batch; the row form has C = R). The request's own features (sparse, dense) are looked up once per request
+and repeated on its candidates. How the candidates of a request meet its history is `model.candidates`:
+  rows        : every candidate gets its own copy of its request's histories through the towers (a request of k
+                candidates costs k tower passes); on one-candidate data this is the plain model.
+  interaction : the towers run once per request; each candidate's query tokens attend to the shared tower output
+                (GDPA jagged by candidates per request). Per candidate the same function as `rows`.
+  targets     : each candidate becomes one token (a projection of its query tokens) appended to its request's
+                history as an HSTU target (gem.model.attention.Targets): it attends to the history and itself in every
+                block of the one tower (one history, or the histories merged by time), and the heads read its tower
+                output. Candidates do not see each other.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from torch import nn
 
 from gem import ops
 from gem.model import flops as flops_mod
-from gem.model.attention import build_blocks, make_norm
+from gem.model.attention import Targets, build_blocks, make_norm
 from gem.model.config import ModelConfig
 from gem.model.embeddings import build_embeddings, pooled_embeddings, sequence_embeddings
 from gem.model.heads import MultiTaskHeads, mlp, mlp_out_dim
@@ -67,16 +79,82 @@ def merge_histories(xs: list[torch.Tensor], offsets: list[torch.Tensor], total: 
 
 
 def run_tower(blocks: nn.ModuleList, x: torch.Tensor, offsets: torch.Tensor, max_len: int,
-              span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              span: tuple[int, int] | None = None, targets: Targets | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [span) (default: all) over the jagged histories -> (x, summed MoE aux loss fp32). The whole
     ModuleList travels with the span: the tracer can only name a registered module. The blocks share one
-    JaggedBatch: their kernels' tables and offsets checks are built once per batch."""
+    JaggedBatch: their kernels' tables and offsets checks are built once per batch. `targets`: the last tokens of
+    each sequence are HSTU targets (the targets form)."""
     aux = torch.zeros((), dtype=torch.float32, device=x.device)
     hist = ops.JaggedBatch(offsets, max_len)
     for blk in (blocks if span is None else blocks[span[0]:span[1]]):
-        x, a = blk(x, hist, max_len)
+        x, a = blk(x, hist, max_len) if targets is None else blk(x, hist, max_len, targets)
         aux = aux + a
     return x, aux
+
+
+def _owner(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each of `rows` jagged rows, the index of its sequence ([rows] int64)."""
+    n = offsets.numel() - 1
+    return torch.repeat_interleave(torch.arange(n, device=offsets.device), offsets[1:] - offsets[:-1],
+                                   output_size=rows)
+
+
+def per_candidate(xs: tuple[torch.Tensor, ...], cand_offsets: torch.Tensor | None, num_candidates: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """Per-request rows [R, ...] repeated on each of the request's candidates -> [C, ...] (unchanged in the row
+    form, cand_offsets None)."""
+    if cand_offsets is None:
+        return tuple(xs)
+    req = _owner(cand_offsets, num_candidates)
+    return tuple(x.index_select(0, req) for x in xs)
+
+
+def expand_offsets(offsets: torch.Tensor, cand_offsets: torch.Tensor | None) -> torch.Tensor:
+    """Offsets [R+1] of the requests' histories -> offsets [C+1] of one copy per candidate (the rows form)."""
+    if cand_offsets is None:
+        return offsets
+    req = _owner(cand_offsets, int(cand_offsets[-1]))
+    out = torch.zeros(req.numel() + 1, dtype=offsets.dtype, device=offsets.device)
+    torch.cumsum((offsets[1:] - offsets[:-1])[req], 0, out=out[1:])
+    return out
+
+
+def expand_histories(x: torch.Tensor, offsets: torch.Tensor, cand_offsets: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows form on a request batch: one copy of each request's history tokens x [T, d] (jagged by offsets
+    [R+1]) per candidate -> (x [T', d], offsets [C+1]). Unchanged in the row form (cand_offsets None)."""
+    if cand_offsets is None:
+        return x, offsets
+    out = expand_offsets(offsets, cand_offsets)
+    total = int(out[-1])  # a host sync: the rows form on request data is the reference, not the fast path
+    owner = _owner(out, total)
+    req = _owner(cand_offsets, out.numel() - 1)
+    idx = offsets[:-1][req][owner] + torch.arange(total, device=x.device) - out[:-1][owner]
+    return x.index_select(0, idx), out
+
+
+def append_targets(x: torch.Tensor, tgt: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                   cand_offsets: torch.Tensor | None, max_candidates: int):
+    """The targets form's tower input: each request's history tokens x [T, d] followed by its candidates' tokens
+    tgt [C, d] -> (merged [T + C, d], offsets [R+1], max_len, Targets, rows of the targets in merged [C])."""
+    t, c = x.shape[0], tgt.shape[0]
+    dev = x.device
+    if cand_offsets is None:  # one candidate per example
+        cand_offsets = torch.arange(seq_offsets.numel(), dtype=seq_offsets.dtype, device=dev)
+        max_candidates = 1
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    req_t, req_c = _owner(seq_offsets, t), _owner(cand_offsets, c)
+    hist_rows = torch.arange(t, device=dev) + cand_offsets[:-1][req_t]
+    tgt_rows = torch.arange(c, device=dev) + seq_offsets[1:][req_c]
+    src = torch.empty(t + c, dtype=torch.int64, device=dev)
+    src[hist_rows] = torch.arange(t, device=dev)
+    src[tgt_rows] = torch.arange(t, t + c, device=dev)
+    positions = torch.empty(t + c, dtype=torch.int32, device=dev)
+    positions[hist_rows] = (torch.arange(t, device=dev) - seq_offsets[:-1][req_t]).to(torch.int32)
+    positions[tgt_rows] = lengths[req_c].to(torch.int32)
+    merged = torch.cat([x, tgt.to(x.dtype)]).index_select(0, src)
+    targets = Targets(cand_offsets[1:] - cand_offsets[:-1], positions)
+    return merged, seq_offsets + cand_offsets, max_seq_len + max_candidates, targets, tgt_rows
 
 
 torch.fx.wrap("history_input")
@@ -102,6 +180,10 @@ torch.fx.wrap("pooled_features")
 torch.fx.wrap("candidate_features")
 torch.fx.wrap("merge_histories")
 torch.fx.wrap("run_tower")
+torch.fx.wrap("per_candidate")
+torch.fx.wrap("expand_offsets")
+torch.fx.wrap("expand_histories")
+torch.fx.wrap("append_targets")
 
 
 MERGED = "merged"  # the one tower's name when the histories are merged by time
@@ -109,7 +191,7 @@ MERGED = "merged"  # the one tower's name when the histories are merged by time
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, num_tasks]
+    logits: torch.Tensor  # [C, num_tasks], one row per candidate
     aux_loss: torch.Tensor  # scalar fp32 (sum of MoE load-balancing losses; 0 without MoE)
 
 
@@ -147,13 +229,19 @@ class TargetInteraction(nn.Module):
         b, n, d = tokens.shape
         return tokens + self.out(o.reshape(b * n, self.num_heads * self.head_dim)).reshape(b, n, d)
 
-    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int
-                ) -> torch.Tensor:
-        """tokens [B, n, d], seq [T, d] (jagged by seq_offsets) -> tokens + attention update [B, n, d]."""
+    def forward(self, tokens: torch.Tensor, seq: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                cand_offsets: torch.Tensor | None = None, max_candidates: int = 1) -> torch.Tensor:
+        """tokens [C, n, d], seq [T, d] (jagged by seq_offsets [R+1]) -> tokens + attention update [C, n, d].
+        cand_offsets [R+1]: the candidates of sequence r are rows cand_offsets[r]:cand_offsets[r+1] of tokens
+        (None: one per sequence, C = R)."""
         b, n, _ = tokens.shape
         q, k, v = self._project(tokens, seq)
-        offsets_q = torch.arange(b + 1, device=seq_offsets.device, dtype=seq_offsets.dtype) * n
-        o = ops.gdpa(q, k, v, offsets_q, n, seq_offsets, max_seq_len, activation=self.activation,
+        if cand_offsets is None:
+            offsets_q = torch.arange(b + 1, device=seq_offsets.device, dtype=seq_offsets.dtype) * n
+            max_q = n
+        else:
+            offsets_q, max_q = (cand_offsets * n).to(seq_offsets.dtype), n * max_candidates
+        o = ops.gdpa(q, k, v, offsets_q, max_q, seq_offsets, max_seq_len, activation=self.activation,
                      approx=self.approx, normalize=self.normalize, kernel=self.kernel)
         return self._finish(tokens, o)
 
@@ -198,10 +286,13 @@ class GEMModel(nn.Module):
         self.query_proj = nn.ModuleList([nn.Linear(cfg.embedding_dim(f), d) for f in self.query_features])
         self.dense_token = mlp(cfg.num_dense, cfg.interaction.dense_hidden, d)
         self.summary_token = nn.Parameter(torch.randn(d) * 0.02)
-        self.interaction = TargetInteraction(cfg)
+        if cfg.candidates == "targets":
+            self.target_token = nn.Linear(cfg.num_query_tokens * d, d)  # a candidate's query tokens -> its target
+        else:
+            self.interaction = TargetInteraction(cfg)
         self.dense_mlp = mlp(cfg.num_dense, cfg.interaction.dense_hidden)
 
-        z_dim = cfg.num_query_tokens * d + mlp_out_dim(cfg.num_dense, cfg.interaction.dense_hidden)
+        z_dim = cfg.head_input_dim
         self.over_arch = mlp(z_dim, cfg.heads.over_arch)
         self.heads = MultiTaskHeads(mlp_out_dim(z_dim, cfg.heads.over_arch), cfg.tasks, cfg.heads.hidden)
 
@@ -221,7 +312,8 @@ class GEMModel(nn.Module):
     def _dense_dtype(self) -> torch.dtype:
         return self.summary_token.dtype
 
-    def _towers(self, ec_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _history_tokens(self, ec_out) -> list[torch.Tensor]:
+        """Per history its tokens [T_h, d_model] (the input projection of its sequence features)."""
         combine = self.cfg.tower.seq_combine
         xs = []
         for i, h in enumerate(self.histories):
@@ -229,28 +321,47 @@ class GEMModel(nn.Module):
             proj = self.input_projs[h]
             x = history_input(ec_out, self.history_features[i], combine)
             xs.append(proj(x.to(proj.weight.dtype)))
+        return xs
+
+    def _towers(self, xs: list[torch.Tensor], batch, per_candidate_copy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every history through its tower -> (output [T, d] with an example's histories one after another, MoE
+        aux loss, its offsets). `per_candidate_copy` (the rows form): one copy of a request's histories per
+        candidate, offsets [C+1]; else offsets [R+1] (batch.seq_offsets)."""
+        cand = batch.cand_offsets if per_candidate_copy else None
         if self.cfg.merged:
             x = merge_by_time(xs, batch.history_offsets, batch.history_times)
-            x, aux = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len, self.tower_spans[0])
-            return final_norm(self.final_norms, MERGED, x), aux
-        outs, aux = [], None
+            x, offsets = expand_histories(x, batch.seq_offsets, cand)
+            x, aux = run_tower(self.blocks, x, offsets, batch.max_seq_len, self.tower_spans[0])
+            return final_norm(self.final_norms, MERGED, x), aux, offsets
+        outs, offs, aux = [], [], None
         for i, h in enumerate(self.histories):
-            x, a_loss = run_tower(self.blocks, xs[i], batch.history_offsets[i], batch.history_max_lens[i],
-                                  self.tower_spans[i])
+            x, off = expand_histories(xs[i], batch.history_offsets[i], cand)
+            x, a_loss = run_tower(self.blocks, x, off, batch.history_max_lens[i], self.tower_spans[i])
             outs.append(final_norm(self.final_norms, h, x))
+            offs.append(off)
             aux = a_loss if aux is None else aux + a_loss
         if len(outs) == 1:
-            return outs[0], aux
-        return merge_histories(outs, batch.history_offsets, batch.seq_offsets), aux
+            return outs[0], aux, offs[0]
+        total = expand_offsets(batch.seq_offsets, cand)
+        return merge_histories(outs, offs, total), aux, total
 
-    def forward(self, batch) -> ModelOutput:
-        # The embedding modules are called on the batch's attributes directly (see the note at the top).
-        ec_out = self.ec(batch.sequence)
-        seq, aux = self._towers(ec_out, batch)
-        cands = candidate_features(ec_out, self.candidate_features)
+    def _target_tower(self, xs: list[torch.Tensor], tgt: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The targets form: the one tower over each request's history followed by its candidates' tokens tgt
+        [C, d] -> (the candidates' outputs [C, d], MoE aux loss)."""
+        x = merge_by_time(xs, batch.history_offsets, batch.history_times) if self.cfg.merged else xs[0]
+        merged, offsets, max_len, targets, rows = append_targets(x, tgt, batch.seq_offsets, batch.max_seq_len,
+                                                                 batch.cand_offsets, batch.max_candidates)
+        out, aux = run_tower(self.blocks, merged, offsets, max_len, self.tower_spans[0], targets)
+        return final_norm(self.final_norms, self.towers[0], out.index_select(0, rows)), aux
+
+    def _query_tokens(self, ec_out, batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per candidate its query tokens [C, n, d] and its request's dense features [C, num_dense]."""
+        cands = candidate_features(ec_out, self.candidate_features)  # [C, dim] each
+        c = cands[0].shape[0]
         pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features) if self.ebc is not None else ()
-        dense = batch.dense.to(self._dense_dtype())
-        b = dense.shape[0]
+        pooled = per_candidate(pooled, batch.cand_offsets, c)  # a request's features on each of its candidates
+        dense = per_candidate((batch.dense,), batch.cand_offsets, c)[0].to(self._dense_dtype())
         # Indexing, not iterating: under tracing `cands` / `pooled` are single Proxies.
         ci, si, tokens = 0, 0, []
         for f, proj in zip(self.query_features, self.query_proj):
@@ -260,10 +371,27 @@ class GEMModel(nn.Module):
                 e, si = pooled[si], si + 1
             tokens.append(proj(e.to(proj.weight.dtype)))
         tokens.append(self.dense_token(dense))
-        tokens.append(self.summary_token.to(seq.dtype).expand(b, -1))
-        tokens = torch.stack([t.to(seq.dtype) for t in tokens], dim=1)  # [B, n, d]
-        tokens = self.interaction(tokens, seq, batch.seq_offsets, batch.max_seq_len)
-        z = torch.cat([tokens.reshape(b, -1), self.dense_mlp(dense).to(tokens.dtype)], dim=-1)
+        tokens.append(self.summary_token.to(dtype).expand(c, -1))
+        return torch.stack([t.to(dtype) for t in tokens], dim=1), dense
+
+    def forward(self, batch) -> ModelOutput:
+        # The embedding modules are called on the batch's attributes directly (see the note at the top).
+        ec_out = self.ec(batch.sequence)
+        xs = self._history_tokens(ec_out)
+        tokens, dense = self._query_tokens(ec_out, batch, xs[0].dtype)
+        c = tokens.shape[0]
+        form = self.cfg.candidates
+        if form == "targets":
+            out, aux = self._target_tower(xs, self.target_token(tokens.reshape(c, -1)), batch)
+        else:
+            seq, aux, offsets = self._towers(xs, batch, per_candidate_copy=form == "rows")
+            if form == "rows":  # one history copy per candidate: one set of query tokens per sequence
+                tokens = self.interaction(tokens, seq, offsets, batch.max_seq_len)
+            else:
+                tokens = self.interaction(tokens, seq, offsets, batch.max_seq_len, batch.cand_offsets,
+                                          batch.max_candidates)
+            out = tokens.reshape(c, -1)
+        z = torch.cat([out, self.dense_mlp(dense).to(out.dtype)], dim=-1)
         logits = self.heads(self.over_arch(z))
         return ModelOutput(logits=logits, aux_loss=aux)
 
@@ -271,7 +399,8 @@ class GEMModel(nn.Module):
         """torch.compile the dense parts outside the tower's blocks (the blocks compile their own regions): the final
         norm, the interaction's projections, the over-arch and the heads. The embedding modules and the kernels
         stay outside the graphs."""
-        self.interaction.compile_regions(**compile_kwargs)
+        if self.cfg.candidates != "targets":
+            self.interaction.compile_regions(**compile_kwargs)
         for m in (*self.final_norms.values(), self.over_arch, self.heads):
             m.compile(**compile_kwargs)
 
@@ -281,4 +410,4 @@ class GEMModel(nn.Module):
 
     def flops(self, batch) -> int:
         """Training FLOPs (fwd + bwd) of one step on `batch` (jagged lengths counted exactly)."""
-        return flops_mod.train_flops(self.cfg, batch.history_offsets)
+        return flops_mod.train_flops(self.cfg, batch.history_offsets, batch.cand_offsets)

@@ -213,15 +213,17 @@ def replica_sync_collectives(tables: Sequence[TableShards], groups: Mapping[str,
                        4.0 * elems / sync_every)]
 
 
-def expected_ids_per_example(schema, mean_lengths: Mapping[str, float]) -> dict[str, float]:
-    """Mean ids per example of every feature of a gem.data.Schema: its history's mean length (`mean_lengths`:
-    history -> mean) for sequence features, 1 for candidates, (min_hot+max_hot)/2 for sparse ones."""
+def expected_ids_per_example(schema, mean_lengths: Mapping[str, float], mean_candidates: float = 1.0
+                             ) -> dict[str, float]:
+    """Mean ids per example (request) of every feature of a gem.data.Schema: its history's mean length
+    (`mean_lengths`: history -> mean) for sequence features, the mean candidates per request for candidate
+    features, (min_hot+max_hot)/2 for sparse ones."""
     out = {}
     for f in schema.features:
         if f.kind == "sequence":
             out[f.name] = float(mean_lengths[f.history])
         elif f.kind == "candidate":
-            out[f.name] = 1.0
+            out[f.name] = float(mean_candidates)
         elif f.kind == "sparse":
             out[f.name] = (f.min_hot + f.max_hot) / 2
     return out

@@ -80,17 +80,21 @@ class PlanOptions:
 
 @dataclass
 class Workload:
-    """What one rank processes per step, from the data config (history lengths sampled like the synthetic data)."""
+    """What one rank processes per step, from the data config (history lengths and candidates per request sampled
+    like the synthetic data). `tokens`: what the towers run, by `model.candidates`: rows, a copy of each history per
+    candidate; interaction, each history once; targets, each history once and one token per candidate."""
 
     batch: int
     tokens: int
     flops: int
     ids_per_example: dict[str, float]
-    history_tokens: dict[str, int] = field(default_factory=dict)  # tokens per history (they sum to `tokens`)
+    history_tokens: dict[str, int] = field(default_factory=dict)  # tower tokens per history (they sum to `tokens`)
+    candidates: int = 0  # candidates scored per step (= batch in the row form)
 
 
 def workload(cfgs, seed: int = 0) -> Workload:
-    from gem.data.synthetic import sample_lengths
+    from gem.data.batch import lengths_to_offsets
+    from gem.data.synthetic import sample_candidate_counts, sample_lengths
     from gem.model.flops import train_flops
 
     b = cfgs.data.batch_size
@@ -98,14 +102,20 @@ def workload(cfgs, seed: int = 0) -> Workload:
     offsets, means = [], {}
     for h in cfgs.data.schema.histories:
         lengths = sample_lengths(h, b, gen)
-        off = torch.zeros(b + 1, dtype=torch.int64)
-        off[1:] = torch.cumsum(lengths, 0)
-        offsets.append(off)
-        means[h.name] = int(off[-1]) / b
-    per_history = {h.name: int(o[-1]) for h, o in zip(cfgs.data.schema.histories, offsets)}
-    ids = comm.expected_ids_per_example(cfgs.data.schema, means)
-    return Workload(batch=b, tokens=sum(per_history.values()), flops=train_flops(cfgs.model, offsets),
-                    ids_per_example=ids, history_tokens=per_history)
+        offsets.append(lengths_to_offsets(lengths))
+        means[h.name] = int(offsets[-1][-1]) / b
+    k = cfgs.data.max_candidates
+    counts = sample_candidate_counts(k, b, gen) if k > 1 else torch.ones(b, dtype=torch.int64)
+    form = cfgs.model.candidates
+    copies = counts if form == "rows" else torch.ones_like(counts)
+    per_history = {h.name: int(((o[1:] - o[:-1]) * copies).sum()) for h, o in zip(cfgs.data.schema.histories, offsets)}
+    if form == "targets":  # the candidates' tokens join the one tower (the first history's)
+        first = cfgs.data.schema.histories[0].name
+        per_history[first] += int(counts.sum())
+    ids = comm.expected_ids_per_example(cfgs.data.schema, means, float(counts.float().mean()))
+    flops = train_flops(cfgs.model, offsets, lengths_to_offsets(counts) if k > 1 else None)
+    return Workload(batch=b, tokens=sum(per_history.values()), flops=flops, ids_per_example=ids,
+                    history_tokens=per_history, candidates=int(counts.sum()))
 
 
 def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:

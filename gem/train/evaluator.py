@@ -4,6 +4,7 @@ batches (eval files: every row counts); the metrics are aggregated over all rank
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from gem.data import validate_batch
 from gem.train.metrics import TaskMetrics
@@ -11,7 +12,8 @@ from gem.train.step import StepConfig, autocast
 
 
 class Evaluator:
-    """NE / AUC / calibration / log-loss per task over one pass of `dataset` (see TaskMetrics)."""
+    """NE / AUC / calibration / log-loss per task over one pass of `dataset` (see TaskMetrics), over candidates;
+    GAUC by request too when the batches are requests (cand_offsets)."""
 
     def __init__(self, par, dataset, schema, cfg: StepConfig, device: torch.device) -> None:
         self.par, self.dataset, self.schema, self.cfg, self.device = par, dataset, schema, cfg, device
@@ -22,6 +24,7 @@ class Evaluator:
         model = self.par.model
         model.eval()
         self.metrics.reset()
+        seen = 0  # requests of this pass on this rank: their ids where the data gives none
         if self.par.embeddings is not None and self.par.embeddings.n_replicas > 1:
             self.par.sync_embeddings()  # every replica evaluates the same tables
         for batch, real in self._batches():
@@ -30,7 +33,15 @@ class Evaluator:
             with autocast(self.cfg):
                 out = model(batch)
             if real:
-                self.metrics.update(out.logits.float()[:real], batch.labels[:real])
+                groups = None
+                if batch.cand_offsets is not None:
+                    groups = batch.candidate_groups()
+                    if batch.request_ids is None:  # unique over batches and ranks
+                        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+                        groups = (groups + seen) * world + rank
+                    seen += batch.num_requests
+                    groups = groups[:real]
+                self.metrics.update(out.logits.float()[:real], batch.labels[:real], groups=groups)
         model.train()
         return self.metrics.compute()  # `num_samples`: the rows evaluated on all ranks
 

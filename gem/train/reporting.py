@@ -59,6 +59,7 @@ class MetricsReporter:
         """A new run of steps: clears the per-step losses and the clocks."""
         self.window_t0 = self.run_t0 = time.perf_counter()
         self.window_steps, self.window_flops, self.run_steps, self.train_time = 0, 0.0, 0, 0.0
+        self.window_samples, self.run_samples = 0, 0.0  # candidates scored: this rank's window, all ranks' run
         self._window_losses: list[torch.Tensor] = []
         self._step_losses: list[torch.Tensor] = []  # kept on device: no host sync per step
 
@@ -76,13 +77,15 @@ class MetricsReporter:
             self._probe_due = False
             self._probe_left = k
 
-    def step_done(self, loss: torch.Tensor, flops: float) -> None:
+    def step_done(self, loss: torch.Tensor, flops: float, samples: int | None = None) -> None:
+        """`samples`: candidates this rank scored in the step (None: the configured batch size)."""
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:
                 self.exposed_comm_fraction, self.comm_fraction = self.probe.stop()
                 self.window_t0 += self.probe.overhead_s  # reading the profile is not training time
         self.window_flops += flops
+        self.window_samples += self.global_batch // self.world_size if samples is None else samples
         self.window_steps += 1
         self.run_steps += 1
         self._window_losses.append(loss)
@@ -99,7 +102,7 @@ class MetricsReporter:
     @property
     def samples_per_s(self) -> float:
         """Training throughput since `start()`: evaluation and checkpoint time left out."""
-        return self.run_steps * self.global_batch / self.train_time if self.train_time > 0 else 0.0
+        return self.run_samples / self.train_time if self.train_time > 0 else 0.0
 
     def log_window(self, step: int, out: StepOutput, last_eval: dict[str, float]) -> dict[str, float]:
         """The window of steps since the last one ended; `out`: its last step's losses. Returns the window's
@@ -110,11 +113,13 @@ class MetricsReporter:
         self.train_time += dt
         steps, flops = self.window_steps, self.window_flops
         loss = float(torch.stack(self._window_losses).mean())
-        if self.world_size > 1:  # mean over ranks for the log
-            t = torch.tensor([loss], device=self.device if self.is_cuda else "cpu")
+        samples = float(self.window_samples)
+        if self.world_size > 1:  # loss: mean over ranks for the log; candidates scored: summed
+            t = torch.tensor([loss, samples], dtype=torch.float64, device=self.device if self.is_cuda else "cpu")
             dist.all_reduce(t)
-            loss = float(t) / self.world_size
-        samples_per_s = steps * self.global_batch / dt
+            loss, samples = float(t[0]) / self.world_size, float(t[1])
+        self.run_samples += samples
+        samples_per_s = samples / dt
         scalars = {
             "train/loss": loss,
             "train/task_loss": float(out.task_loss),
@@ -162,7 +167,7 @@ class MetricsReporter:
         )
         self._write_jsonl({"step": step, **scalars})
         self._window_losses = []
-        self.window_steps, self.window_flops = 0, 0.0
+        self.window_steps, self.window_flops, self.window_samples = 0, 0.0, 0
         self.restart_window()
         self._schedule_probe(step)
         return scalars
@@ -178,7 +183,9 @@ class MetricsReporter:
     def log_eval(self, step: int, m: dict[str, float]) -> None:
         self.logger.scalars({f"eval/{k}": v for k, v in m.items()}, step)
         parts = [
-            f"{t} NE {m[f'{t}/ne']:.4f} AUC {m[f'{t}/auc']:.4f} cal {m[f'{t}/calibration']:.3f}" for t in self.tasks
+            f"{t} NE {m[f'{t}/ne']:.4f} AUC {m[f'{t}/auc']:.4f}"
+            + (f" GAUC {m[f'{t}/gauc']:.4f}" if f"{t}/gauc" in m else "") + f" cal {m[f'{t}/calibration']:.3f}"
+            for t in self.tasks
         ]
         self.logger.info(f"eval @ step {step} ({int(m['num_samples'])} samples): " + " | ".join(parts))
         self._write_jsonl({"step": step, **{f"eval/{k}": v for k, v in m.items()}})

@@ -272,7 +272,7 @@ class Trainer:
                 self.par.after_step(self.step)
                 for hook in self.on_step_end:
                     hook(self.step)
-                self.reporter.step_done(out.loss, batches.flops.popleft())
+                self.reporter.step_done(out.loss, batches.flops.popleft(), batches.samples.popleft())
                 do_eval = (tc.eval_every and self.step % tc.eval_every == 0) or self.step == end
                 logged = self.step % tc.log_every == 0 or self.step == end or do_eval
                 if logged:

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05,
-                       data: dict | None = None):
+                       data: dict | None = None, candidates: str = "rows"):
     """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON
-    (`data`: a data group's declaration instead of the default one)."""
+    (`data`: a data group's declaration instead of the default one; `candidates`: model.candidates)."""
     import torch.distributed as dist
 
     from gem.model import GEMModel
@@ -24,12 +24,13 @@ def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "
 
     device = init_distributed()
     torch.manual_seed(0)
-    model = GEMModel(model_cfg(moe_every=moe_every, data=data), embedding_device=device)
+    model = GEMModel(model_cfg(moe_every=moe_every, data=data, candidates=candidates), embedding_device=device)
     p = parallelize(model, json.loads(parallel), sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
     return device, dist.get_rank(), dist.get_world_size(), p, torch.optim.SGD(p.dense_parameters(), lr=lr)
 
 
-def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2, data: dict | None = None):
+def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks: int = 2, data: dict | None = None,
+              candidates: str = "rows"):
     from omegaconf import OmegaConf
 
     from gem.model import ModelConfig
@@ -40,6 +41,7 @@ def model_cfg(moe_every: int = 2, num_experts: int = 4, aux: float = 0.0, blocks
     c["tower"]["moe_every"] = moe_every
     c["moe"]["num_experts"] = num_experts
     c["moe"]["aux_loss_coef"] = aux
+    c["candidates"] = candidates
     return ModelConfig.from_dict(c, data if data is not None else data_dict())
 
 
@@ -56,12 +58,12 @@ def data_dict(batch_size: int = 128, seed: int = 0) -> dict:
     return c
 
 
-def dataset(batch_size: int, seed: int = 0, data: dict | None = None):
+def dataset(batch_size: int, seed: int = 0, data: dict | None = None, max_candidates: int = 1):
     from gem.data import DataConfig, SyntheticDataset
 
     d = DataConfig.from_dict({**data, "batch_size": batch_size, "seed": seed} if data is not None
                              else data_dict(batch_size, seed))
-    return SyntheticDataset(d.schema, d.seed, batch_size)
+    return SyntheticDataset(d.schema, d.seed, batch_size, max_candidates=max_candidates)
 
 
 def _slice_kjt(kjt, a: int, b: int):
@@ -77,17 +79,21 @@ def _slice_kjt(kjt, a: int, b: int):
 
 
 def slice_batch(batch, a: int, b: int):
-    """Rows [a, b) of a Batch as a Batch of its own."""
+    """Rows (requests) [a, b) of a Batch as a Batch of its own, with their candidates."""
     from gem.data import Batch
-    from gem.data.batch import history_fields
+    from gem.data.batch import history_fields, request_fields
 
     lengths = [(o[1:] - o[:-1])[a:b] for o in batch.history_offsets]
+    co = batch.cand_offsets
+    ca, cb = (a, b) if co is None else (int(co[a]), int(co[b]))
+    counts = None if co is None else co[a + 1:b + 1] - co[a:b]
     return Batch(
         sequence=_slice_kjt(batch.sequence, a, b),
         sparse=_slice_kjt(batch.sparse, a, b),
         dense=batch.dense[a:b],
-        labels=batch.labels[a:b],
+        labels=batch.labels[ca:cb],
         **history_fields(lengths),
+        **request_fields(counts, None if batch.request_ids is None else batch.request_ids[a:b]),
     )
 
 

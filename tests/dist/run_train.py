@@ -25,20 +25,26 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--moe-every", type=int, default=2)
     ap.add_argument("--data", default=None, help="a data group's declaration (JSON) instead of the default one")
+    ap.add_argument("--max-candidates", type=int, default=1)
+    ap.add_argument("--candidates", default="rows")
     a = ap.parse_args()
     data = json.loads(a.data) if a.data else None
 
     from gem.model import multitask_loss
 
     device, rank, world, p, opt = sharded_tiny_model(a.parallel, moe_every=a.moe_every, sparse_opt=a.sparse_opt,
-                                                     lr=a.lr, data=data)
-    ds = dataset(a.global_batch, data=data)
+                                                     lr=a.lr, data=data, candidates=a.candidates)
+    ds = dataset(a.global_batch, data=data, max_candidates=a.max_candidates)
     per = a.global_batch // world
     losses = []
     for step in range(a.steps):
-        b = slice_batch(ds.global_batch(step), rank * per, (rank + 1) * per).to(device)
+        full = ds.global_batch(step)
+        b = slice_batch(full, rank * per, (rank + 1) * per).to(device)
         out = p.model(b)
         loss, _ = multitask_loss(out.logits, b.labels)
+        # requests: ranks score different numbers of candidates; weight each rank's mean by its share of the global
+        # batch's candidates, so the average over ranks (the gradients' and the logged loss's) is the global mean
+        loss = loss * (b.batch_size * world / full.batch_size)
         loss = loss + out.aux_loss
         loss.backward()
         if step == 0:

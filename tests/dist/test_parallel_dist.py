@@ -70,6 +70,23 @@ def test_parity_with_one_rank(tmp_path, ref_adagrad, nproc, parallel):
         assert got["plan"][table] in allowed, (table, got["plan"][table])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["interaction", "targets"])
+def test_request_batches_parity_with_one_rank(tmp_path, form):
+    """Requests of 1..5 candidates: the ranks score different numbers of candidates (every KJT has one row per
+    request; the candidate ids are jagged on them) and train as one rank on the whole batch, sharded row-, column-
+    and table-wise."""
+    kw = {"max_candidates": 5, "candidates": form}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    ref = _train(tmp_path / "one", 1, {}, "rowwise_adagrad", **kw)
+    plan = {"item": ["row_wise"], "action": ["column_wise"], "user_segment": ["row_wise"], "context": ["table_wise"]}
+    got = _train(tmp_path / "two", 2, {"dense": "ddp", "sharding_types": plan}, "rowwise_adagrad", **kw)
+    for table, allowed in plan.items():
+        assert got["plan"][table] in allowed, (table, got["plan"][table])
+    assert_parity(ref, got)
+
+
 def test_parity_5d_strided_groups_sync_every_step(tmp_path, ref_sgd):
     par = {"dense": "fsdp", "dp_replicate": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 1,
            "emb_group_layout": "strided"}

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from torchrec import KeyedJaggedTensor
 
 from gem.data import Batch, Schema
-from gem.data.batch import history_fields
+from gem.data.batch import history_fields, request_fields
 from gem.model import ModelConfig
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "model" / "gem_tiny.yaml"
@@ -41,9 +41,10 @@ def tiny_cfg(kernel: str = "reference", *, data: dict | None = None, **tower) ->
 
 
 def make_batch(cfg: ModelConfig, lengths: list[int] | list[list[int]], *, seed: int = 0,
-               hots: list[int] | None = None, dtype=torch.float32) -> Batch:
+               hots: list[int] | None = None, dtype=torch.float32, candidates: list[int] | None = None) -> Batch:
     """A batch with these history lengths (one list per history, or one list for a single history); sparse
-    features get `hots[i]` ids per example (default 1..2)."""
+    features get `hots[i]` ids per example (default 1..2). `candidates`: candidates per example (requests; None:
+    the row form)."""
     g = torch.Generator().manual_seed(seed)
     per_hist = [lengths] if not lengths or not isinstance(lengths[0], (list, tuple)) else lengths
     b = len(per_hist[0])
@@ -55,10 +56,12 @@ def make_batch(cfg: ModelConfig, lengths: list[int] | list[list[int]], *, seed: 
             keys.append(k)
             vals.append(torch.randint(0, card[k], (int(n.sum()),), generator=g))
             lns.append(n)
+    counts = torch.ones(b, dtype=torch.int64) if candidates is None else torch.tensor(candidates, dtype=torch.int64)
+    c = int(counts.sum())
     for k in cfg.candidate_features:
         keys.append(k)
-        vals.append(torch.randint(0, card[k], (b,), generator=g))
-        lns.append(torch.ones(b, dtype=torch.int64))
+        vals.append(torch.randint(0, card[k], (c,), generator=g))
+        lns.append(counts)
     sequence = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lns))
     sp_keys = cfg.sparse_features
     sp_lens = []
@@ -69,4 +72,6 @@ def make_batch(cfg: ModelConfig, lengths: list[int] | list[list[int]], *, seed: 
         sp_vals.append(torch.randint(0, card[k], (int(n.sum()),), generator=g))
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=sp_keys, values=torch.cat(sp_vals), lengths=torch.cat(sp_lens))
     return Batch(sequence=sequence, sparse=sparse, dense=torch.randn(b, cfg.num_dense, generator=g, dtype=dtype),
-                 labels=torch.randint(0, 2, (b, len(cfg.tasks)), generator=g).float(), **history_fields(lens))
+                 labels=torch.randint(0, 2, (c, len(cfg.tasks)), generator=g).float(), **history_fields(lens),
+                 **request_fields(None if candidates is None else counts,
+                                  None if candidates is None else torch.arange(b) + 1000))

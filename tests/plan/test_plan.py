@@ -168,3 +168,39 @@ def test_a_group_that_spans_hosts_sets_the_bandwidth():
     assert groups["dp_shard"] == (2, 3)
     assert groups["emb_shard"] == (0, 1, 2) and groups["emb_replicate"] == (0, 3)
     assert groups["dp_replicate"] == (0, 2, 4)
+
+
+@pytest.mark.parametrize("form", ["rows", "interaction", "targets"])
+def test_request_workload_counts_what_the_form_runs(form):
+    """Requests of 1..8 candidates: the tower's tokens are a copy of the history per candidate (rows), each history
+    once (interaction) or each history and its target tokens (targets); the FLOPs are the form's own count; the
+    request's pooled features are looked up once per request (their all-to-all as in the row form), the candidate
+    ids once per candidate (the sequence all-to-all grows with them)."""
+    import torch
+
+    from gem.data.batch import lengths_to_offsets
+    from gem.data.synthetic import sample_candidate_counts, sample_lengths
+    from gem.model.flops import train_flops
+    from gem.plan.estimate import workload
+
+    cfgs = compose(LAYOUT + ["data.max_candidates=8", f"model.candidates={form}"])
+    work = workload(cfgs, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    lengths = sample_lengths(cfgs.data.schema.histories[0], B, gen)
+    counts = sample_candidate_counts(8, B, gen)
+    assert int(counts.max()) > 1
+    expect = {"rows": (lengths * counts).sum(), "interaction": lengths.sum(),
+              "targets": lengths.sum() + counts.sum()}[form]
+    assert work.batch == B and work.tokens == int(expect)
+    assert work.flops == train_flops(cfgs.model, lengths_to_offsets(lengths), lengths_to_offsets(counts))
+    assert work.candidates == int(counts.sum())
+    assert work.ids_per_example["hist_item"] == pytest.approx(float(lengths.double().mean()))
+    assert work.ids_per_example["cand_item"] == pytest.approx(float(counts.double().mean()))
+    if form == "rows":
+        par = validate(cfgs.parallel, CLUSTER.world)
+        rows = estimate(compose(LAYOUT), par, CLUSTER, 1.0, seed=3)
+        reqs = estimate(cfgs, par, CLUSTER, 1.0, seed=3)
+        size = {c.name: c.bytes for c in reqs.collectives}
+        base = {c.name: c.bytes for c in rows.collectives}
+        assert size["pooled embedding all-to-all (fwd+bwd)"] == base["pooled embedding all-to-all (fwd+bwd)"]
+        assert size["sequence embedding all-to-all (fwd+bwd)"] > base["sequence embedding all-to-all (fwd+bwd)"]
