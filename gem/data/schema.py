@@ -9,6 +9,7 @@ Layout of the `data:` group (configs/data/*.yaml)::
     paths: [..]               # parquet only: training files (globs allowed)
     eval_paths: [..]          # parquet only: held-out files
     allow_extra_columns: bool # parquet only: columns the schema does not name are not read (default: an error)
+    balance: none | cost      # several ranks: each global batch split into equal-count parts of near-equal cost
     schema:
       num_items: int          # item vocabulary shared by `hist_item` and `cand_item`
       zipf_alpha: float       # item popularity: P(popularity rank k) ~ (k+1)^-alpha (0 = uniform)
@@ -16,14 +17,16 @@ Layout of the `data:` group (configs/data/*.yaml)::
       tasks: [click, conversion]
       sequence_features: [{name, num_embeddings}]            # must include hist_item
       sparse_features: [{name, num_embeddings, max_hot, min_hot}]  # must include cand_item (one-hot)
-      history: {max_len, min_len, distribution: uniform | lognormal, sparsity, mu, sigma}
+      history: {max_len, min_len, distribution: uniform | lognormal | zipf, sparsity, mu, sigma, alpha}
 
 `num_embeddings` may be omitted for `hist_item` / `cand_item` (it is `num_items`).
 
 History lengths. Sparsity follows the jagged-attention literature: s = 1 - E[L] / max_len, the fraction of a
 padded [B, max_len] buffer that would be padding. `uniform`: L ~ U{lo..hi}, the widest integer range inside
 [min_len, max_len] whose mean is (1 - s) * max_len (s = 0.5, min_len = 0 gives U{0..max_len}; with min_len = 1,
-U{1..max_len - 1}). `lognormal`: L = round(exp(mu + sigma * N(0, 1))) clipped to [min_len, max_len].
+U{1..max_len - 1}). `lognormal`: L = round(exp(mu + sigma * N(0, 1))) clipped to [min_len, max_len]. `zipf`:
+P(L = k) ~ (k - lo + 1)^-alpha on k in [lo, max_len], lo = max(min_len, 1): most histories short, a heavy tail of
+long ones.
 """
 
 from __future__ import annotations
@@ -89,13 +92,15 @@ class HistoryConfig:
     sparsity: float = 0.5
     mu: float = 3.0
     sigma: float = 1.0
+    alpha: float = 1.0  # zipf exponent
 
     def __post_init__(self) -> None:
         need = Checker("data.schema.history").need
         need(self.max_len >= 1, "max_len", "must be >= 1", self.max_len)
         need(0 <= self.min_len <= self.max_len, "min_len", f"must be in [0, max_len={self.max_len}]", self.min_len)
-        need(self.distribution in ("uniform", "lognormal"), "distribution", "must be uniform or lognormal",
-             self.distribution)
+        need(self.distribution in ("uniform", "lognormal", "zipf"), "distribution",
+             "must be uniform, lognormal or zipf", self.distribution)
+        need(self.alpha >= 0, "alpha", "must be >= 0", self.alpha)
         need(0.0 <= self.sparsity < 1.0, "sparsity", "must be in [0, 1)", self.sparsity)
         need(self.sigma >= 0, "sigma", "must be >= 0", self.sigma)
 
@@ -223,6 +228,9 @@ class DataConfig:
     eval_paths: tuple[str, ...] = ()
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
     allow_extra_columns: bool = False  # parquet: columns the schema does not name are ignored instead of an error
+    # training batches on several ranks: cost = each global batch split into equal-count parts of near-equal
+    # cost (gem/data/balance.py); none = rank r trains the r-th batch of the step as drawn
+    balance: Literal["none", "cost"] = "cost"
 
     def __post_init__(self) -> None:
         need = Checker("data").need

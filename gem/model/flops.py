@@ -12,8 +12,9 @@ MoE counts the router and the top_k active experts only.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -62,29 +63,53 @@ def dense_flops_per_token(cfg: ModelConfig) -> int:
     return 6 * tower_weights_per_token(cfg)
 
 
-def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor) -> float:
-    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+def attention_pairs_per_example(cfg: ModelConfig, lengths: torch.Tensor) -> torch.Tensor:
+    """Visible (query, key) pairs of one tower attention layer per sequence (float64 [B]; see module doc)."""
     L = lengths.to(torch.float64)
     t = cfg.tower
     if t.attention == "jfa":
-        return float((L * L / 2).sum())
+        return L * L / 2
     if t.attention == "swa":  # a row sees itself and up to `window` keys before it
         w = float(t.window)
-        return float(torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2).sum())
+        return torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2)
     s = float(t.block_size)
     full = torch.floor(L / s)
     rest = L - full * s
-    return float((full * s * s / 2 + rest * rest / 2).sum())
+    return full * s * s / 2 + rest * rest / 2
+
+
+def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor) -> float:
+    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+    return float(attention_pairs_per_example(cfg, lengths).sum())
+
+
+def example_flops(cfg: ModelConfig, lengths: Mapping[str, torch.Tensor],
+                  candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Training FLOPs (fwd + bwd) of each example (float64 [B]) from its history lengths {history name: [B]}.
+
+    The tower runs once per example on its history; the per-candidate work (query tokens, interaction attention
+    over the history, heads) runs `candidates` times (int [B]; None: one candidate per example).
+    """
+    if len(lengths) != 1:
+        raise ValueError(f"the model has one history tower; got lengths of {sorted(lengths)}")
+    (L,) = lengths.values()
+    L = L.detach().to("cpu", torch.float64)
+    t, it = cfg.tower, cfg.interaction
+    tower = 6 * tower_weights_per_token(cfg) * L
+    tower = tower + 3 * 4 * t.num_heads * cfg.tower_head_dim * t.num_blocks * attention_pairs_per_example(cfg, L)
+    per_candidate = 6 * weights_per_example(cfg) + 3 * 4 * it.num_heads * cfg.interaction_head_dim * \
+        cfg.num_query_tokens * L
+    if candidates is not None:
+        per_candidate = per_candidate * candidates.detach().to("cpu", torch.float64)
+    return tower + per_candidate
+
+
+def example_cost(cfg: ModelConfig) -> functools.partial:
+    """`example_flops` of this model as a picklable callable of the lengths (data.balance's cost per example)."""
+    return functools.partial(example_flops, cfg)
 
 
 def train_flops(cfg: ModelConfig, seq_offsets: torch.Tensor) -> int:
     """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [B+1]."""
     offsets = seq_offsets.detach().to("cpu", torch.int64)
-    lengths = offsets[1:] - offsets[:-1]
-    b, tokens = lengths.numel(), int(lengths.sum())
-    total = 6 * tower_weights_per_token(cfg) * tokens + 6 * weights_per_example(cfg) * b
-    t = cfg.tower
-    total += 3 * 4 * t.num_heads * cfg.tower_head_dim * attention_pairs(cfg, lengths) * t.num_blocks
-    it = cfg.interaction
-    total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * tokens
-    return round(total)
+    return round(float(example_flops(cfg, {"history": offsets[1:] - offsets[:-1]}).sum()))
