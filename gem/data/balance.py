@@ -88,7 +88,8 @@ def _rounds_heap(cs: np.ndarray, parts: int) -> np.ndarray:
 def _swap(c: np.ndarray, part: np.ndarray, parts: int, load: np.ndarray, max_swaps: int) -> None:
     """Exchange one item of the heaviest part with one of the lightest while that lowers the largest load by at
     least 1e-3 of the mean load (a swap moving cost d = c_x - c_y, 0 < d < gap, leaves the pair |gap - 2d| apart)."""
-    members = np.split(np.argsort(part, kind="stable"), parts)  # equal counts: `parts` equal slices
+    small = part.astype(np.int16) if parts <= np.iinfo(np.int16).max else part  # numpy radix-sorts 16-bit ints
+    members = np.split(np.argsort(small, kind="stable"), parts)  # equal counts: `parts` equal slices
     min_gain = 1e-3 * load.mean()
     for _ in range(max_swaps):
         hi, lo = int(np.argmax(load)), int(np.argmin(load))
