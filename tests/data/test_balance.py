@@ -198,3 +198,18 @@ def test_zipf_lengths_follow_the_law(lo, hi, alpha):
     assert float(L.double().mean()) == pytest.approx(mean, rel=0.02)
     freq = torch.bincount(L - first, minlength=hi - first + 1).double() / n
     assert torch.allclose(freq[:8], pmf[:8], atol=4 * float(pmf[0].sqrt()) / n**0.5)
+
+
+def test_balanced_stream_through_dataloader_workers():
+    from gem.data import TrainBatches
+
+    cfg = {"source": "synthetic", "seed": 4, "batch_size": 4, "schema": schema_dict(max_len=40)}
+    ds = build_dataset(cfg, 1, 2, cost=_cost)
+    want = [ds.batch(i) for i in range(3, 7)]
+    batches = TrainBatches(build_dataset(cfg, 1, 2, cost=_cost), ds.schema, lambda b: 0.0, position=3, first_step=3,
+                           num_workers=2)
+    try:
+        for w in want:
+            assert_batches_equal(next(batches), w)
+    finally:
+        batches.close()
