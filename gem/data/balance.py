@@ -12,13 +12,14 @@ Cost per example: the model's FLOP model (gem.model.flops.example_flops) on the 
 `BalancedDataset` as a callable of {history name: lengths [B]}.
 
 `partition`: balanced largest-first greedy with equal counts (each round of W items, taken in descending cost,
-gives the largest to the part with the lowest load so far), then up to 64 swaps of one item between the heaviest and
-the lightest part while one lowers the largest load. Deterministic (stable sorts, ties by index), O(n log n).
+gives the largest to the part with the lowest load so far; past the first 256 rounds the parts' order is refreshed
+64 times rather than every round), then up to 64 swaps of one item between the heaviest and the lightest part
+while one lowers the largest load. Deterministic (stable sorts, ties by index), O(n log n).
 """
 
 from __future__ import annotations
 
-import heapq
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,9 +50,7 @@ def partition(costs: Any, parts: int, max_swaps: int = 64) -> np.ndarray:
         return out
     order = np.argsort(-c, kind="stable")  # largest first, ties by index
     cs = c[order]
-    # rounds of `parts` items: the j-th largest of a round goes to the part with the j-th lowest load so far (ties
-    # by part id). Few parts (many rounds): a heap in Python; many parts: one argsort per round.
-    assigned = _rounds_heap(cs, parts) if parts < 16 else _rounds_numpy(cs, parts)
+    assigned = _rounds(cs, parts)
     load = np.bincount(assigned, weights=cs, minlength=parts)
     out[order] = assigned
     if max_swaps:
@@ -59,30 +58,24 @@ def partition(costs: Any, parts: int, max_swaps: int = 64) -> np.ndarray:
     return out
 
 
-def _rounds_numpy(cs: np.ndarray, parts: int) -> np.ndarray:
+def _rounds(cs: np.ndarray, parts: int, exact: int = 256, refreshes: int = 64) -> np.ndarray:
+    """Part of each item of `cs` (sorted descending) by rounds of `parts` items: the j-th largest of a round goes to
+    the part with the j-th lowest load (ties by part id). The order of the parts is recomputed every round for the
+    first `exact` rounds (the large items), then `refreshes` times over the rest (the small items, which move the
+    loads little per round), so the work is O(n) after the sort whatever the number of rounds."""
     m = cs.size // parts
     rounds = cs.reshape(m, parts)
     assigned = np.empty((m, parts), dtype=np.int64)
     load = np.zeros(parts)
-    for k in range(m):
+    head = min(m, exact)
+    bounds = [*range(head + 1), *np.linspace(head, m, refreshes + 1).astype(np.int64)[1:].tolist()]
+    for a, b in itertools.pairwise(bounds):
+        if b <= a:
+            continue
         lightest = np.argsort(load, kind="stable")
-        assigned[k] = lightest
-        load[lightest] += rounds[k]
+        assigned[a:b] = lightest
+        load[lightest] += rounds[a:b].sum(0)
     return assigned.reshape(-1)
-
-
-def _rounds_heap(cs: np.ndarray, parts: int) -> np.ndarray:
-    """`_rounds_numpy`'s assignment (same ties: (load, part) order) in O(n log parts) Python steps."""
-    values = cs.tolist()
-    out = [0] * len(values)
-    heap = [(0.0, p) for p in range(parts)]
-    pop, push = heapq.heappop, heapq.heappush
-    for base in range(0, len(values), parts):
-        lightest = [pop(heap) for _ in range(parts)]
-        for j, (load, p) in enumerate(lightest):
-            out[base + j] = p
-            push(heap, (load + values[base + j], p))
-    return np.asarray(out, dtype=np.int64)
 
 
 def _swap(c: np.ndarray, part: np.ndarray, parts: int, load: np.ndarray, max_swaps: int) -> None:

@@ -12,8 +12,6 @@ import torch
 from gem.data import SyntheticDataset, build_dataset, validate_batch
 from gem.data.balance import (
     BalancedDataset,
-    _rounds_heap,
-    _rounds_numpy,
     concat_batches,
     example_lengths,
     imbalance,
@@ -89,12 +87,31 @@ def test_partition_near_brute_force_optimum():
     assert np.mean(none) > 1.1  # the batches as drawn are far from it
 
 
-def test_rounds_heap_equals_numpy():
+def _greedy_rounds(c: np.ndarray, parts: int) -> np.ndarray:
+    """The rounds greedy written plainly: items by descending cost (ties by index), a round's j-th largest to the
+    part with the j-th lowest load (ties by part id)."""
+    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    load, out = [0.0] * parts, np.empty(len(c), dtype=np.int64)
+    for k in range(0, len(c), parts):
+        lightest = sorted(range(parts), key=lambda p: (load[p], p))
+        for j, p in enumerate(lightest):
+            out[order[k + j]] = p
+            load[p] += c[order[k + j]]
+    return out
+
+
+def test_partition_is_the_rounds_greedy_then_swaps():
     rng = np.random.default_rng(3)
-    for parts in (1, 2, 3, 8, 15, 16, 40):
-        c = np.sort(_heavy(rng, parts * 37))[::-1].copy()
+    for parts, m in ((2, 40), (3, 17), (8, 256), (40, 5)):
+        c = _heavy(rng, parts * m)
         c[5:9] = c[5]  # ties
-        assert np.array_equal(_rounds_heap(c, parts), _rounds_numpy(c, parts))
+        # up to 256 rounds the parts' order is recomputed every round: the plain greedy exactly
+        assert np.array_equal(partition(c, parts, max_swaps=0), _greedy_rounds(c, parts))
+        swapped = partition(c, parts)
+        assert imbalance(c, swapped, parts) <= imbalance(c, _greedy_rounds(c, parts), parts)
+    # past 256 rounds (the small items: order refreshed 64 times) it stays as even as the plain greedy
+    c = _heavy(rng, 2 * 3000)
+    assert imbalance(c, partition(c, 2), 2) <= imbalance(c, _greedy_rounds(c, 2), 2) + 1e-6
 
 
 @pytest.mark.parametrize("parts", [2, 8, 128, 512])
