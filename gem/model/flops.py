@@ -14,8 +14,9 @@ interaction's K/V and attention on all of an example's history tokens.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -65,43 +66,74 @@ def dense_flops_per_token(cfg: ModelConfig, history: str | None = None) -> int:
     return 6 * tower_weights_per_token(cfg, history)
 
 
-def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> float:
-    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+def attention_pairs_per_example(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> torch.Tensor:
+    """Visible (query, key) pairs of one attention layer of `history`'s tower per sequence (float64 [B]; see module
+    doc). `history` None: the first history's tower (merged histories: the one tower)."""
     L = lengths.to(torch.float64)
     t = cfg.tower_for(history or cfg.histories[0])
     if t.attention == "jfa":
-        return float((L * L / 2).sum())
+        return L * L / 2
     if t.attention == "swa":  # a row sees itself and up to `window` keys before it
         w = float(t.window)
-        return float(torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2).sum())
+        return torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2)
     s = float(t.block_size)
     full = torch.floor(L / s)
     rest = L - full * s
-    return float((full * s * s / 2 + rest * rest / 2).sum())
+    return full * s * s / 2 + rest * rest / 2
+
+
+def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> float:
+    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+    return float(attention_pairs_per_example(cfg, lengths, history).sum())
+
+
+def example_flops(cfg: ModelConfig, lengths: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Training FLOPs (fwd + bwd) of each example (float64 [B]) from its history lengths {history name: [B]}, one
+    entry per history of the model.
+
+    Each history's tokens pass through its own tower (projection, blocks, attention on that history's length under
+    its tower's mask and window; merged by time: the one tower's attention on the summed length) and the target
+    interaction's K/V and attention; the per-example part (query tokens, interaction q / out, dense MLPs, heads)
+    once. Every term is a whole number of FLOPs, so float64 sums over a batch are exact below 2^53.
+    """
+    missing = [h for h in cfg.histories if h not in lengths]
+    if missing or len(lengths) != len(cfg.histories):
+        raise ValueError(f"example_flops: lengths of {sorted(lengths)} for the histories {cfg.histories}")
+    it = cfg.interaction
+    per_history = [lengths[h].detach().to("cpu", torch.float64) for h in cfg.histories]
+    b = per_history[0].numel()
+    total = torch.full((b,), 6.0 * weights_per_example(cfg), dtype=torch.float64)
+    gdpa = 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens
+    for h, L in zip(cfg.histories, per_history):
+        total += (6 * tower_weights_per_token(cfg, h) + gdpa) * L
+        if not cfg.merged:
+            t = cfg.tower_for(h)
+            total += 3 * 4 * t.num_heads * t.head_dim * t.num_blocks * attention_pairs_per_example(cfg, L, h)
+    if cfg.merged:  # one tower over every example's merged events (no per-history towers)
+        t = cfg.tower_for()
+        total += 3 * 4 * t.num_heads * t.head_dim * t.num_blocks * attention_pairs_per_example(cfg, sum(per_history))
+    return total
+
+
+def example_cost(cfg: ModelConfig) -> functools.partial:
+    """`example_flops` of this model as a picklable callable of the lengths (data.balance's cost per example)."""
+    return functools.partial(example_flops, cfg)
+
+
+def _history_lengths(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{history name: lengths [B]} from offsets [B+1] (one tensor per history, schema order; a single tensor for one
+    history)."""
+    per_history = [offsets] if isinstance(offsets, torch.Tensor) else list(offsets)
+    if len(per_history) != len(cfg.histories):
+        raise ValueError(f"train_flops: {len(per_history)} offsets for {len(cfg.histories)} histories")
+    out = {}
+    for h, off in zip(cfg.histories, per_history):
+        off = off.detach().to("cpu", torch.int64)
+        out[h] = off[1:] - off[:-1]
+    return out
 
 
 def train_flops(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor]) -> int:
     """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [B+1] (one tensor per history,
     schema order; a single tensor for one history)."""
-    per_history = [offsets] if isinstance(offsets, torch.Tensor) else list(offsets)
-    if len(per_history) != len(cfg.histories):
-        raise ValueError(f"train_flops: {len(per_history)} offsets for {len(cfg.histories)} histories")
-    it = cfg.interaction
-    total = 0.0
-    merged = 0
-    for h, off in zip(cfg.histories, per_history):
-        off = off.detach().to("cpu", torch.int64)
-        lengths = off[1:] - off[:-1]
-        merged = merged + lengths
-        tokens = int(lengths.sum())
-        t = cfg.tower_for(h)
-        total += 6 * tower_weights_per_token(cfg, h) * tokens
-        if not cfg.merged:
-            total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, lengths, h) * t.num_blocks
-        total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * tokens
-    if cfg.merged:  # one tower over every example's merged events (no per-history towers)
-        t = cfg.tower_for()
-        total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, merged, None) * t.num_blocks
-    b = per_history[0].numel() - 1
-    total += 6 * weights_per_example(cfg) * b
-    return round(total)
+    return round(float(example_flops(cfg, _history_lengths(cfg, offsets)).sum()))
