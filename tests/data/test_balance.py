@@ -272,8 +272,10 @@ def test_balance_key_is_checked():
     from gem.config import ConfigError
     from gem.data import DataConfig
 
-    with pytest.raises(ConfigError, match="data.balance"):
+    with pytest.raises(ConfigError, match=r"^data.balance: must be none or cost \(got even\)$"):
         DataConfig.from_dict({"balance": "even", **schema_dict()})
+    with pytest.raises(ConfigError, match=r"^data.histories.events.alpha: must be >= 0 \(got -1.0\)$"):
+        DataConfig.from_dict(schema_dict(distribution="zipf", alpha=-1.0))
 
 
 @pytest.mark.parametrize("lo,hi,alpha", [(0, 64, 1.0), (3, 50, 1.5), (1, 1, 1.0), (0, 4096, 0.0)])
