@@ -88,7 +88,7 @@ def format_report(est, cfgs) -> str:
     s = w.straggler
     lines += [
         "",
-        (f"rank imbalance (E[max]/mean of per-rank FLOPs over {c.world} ranks, the config's length law): "
+        (f"rank imbalance (E[max]/mean of per-rank FLOPs over {c.world} ranks, lengths from data.histories): "
          f"{s.none:.3f} as drawn, {s.cost:.3f} with data.balance=cost; this run (data.balance={w.balance}): "
          f"x{w.straggler_factor:.3f} on compute"),
         (f"step time (estimate): compute {est.compute_ms:.2f} ms (scaled by FLOPs from the measured reference step, "

@@ -171,13 +171,13 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
 def take_rows(batch: Batch, rows: Any) -> Batch:
     """The examples `rows` of a batch (indices, in that order) as a Batch of their own."""
     rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
-    n = batch.batch_size
+    b = batch.batch_size
     return Batch(
-        sequence=_kjt_take_rows(batch.sequence, rows, n),
-        sparse=_kjt_take_rows(batch.sparse, rows, n),
+        sequence=_kjt_take_rows(batch.sequence, rows, b),
+        sparse=_kjt_take_rows(batch.sparse, rows, b),
         dense=batch.dense[rows],
         labels=batch.labels[rows],
-        **history_fields([n[rows] for n in _history_lengths(batch)]),
+        **history_fields([lengths[rows] for lengths in _history_lengths(batch)]),
         history_times=tuple(t[_segment_rows(o, rows)[0]] for o, t in zip(batch.history_offsets, batch.history_times)),
     )
 
