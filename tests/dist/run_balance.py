@@ -36,6 +36,7 @@ def overrides(batch: int, run_dir: str, extra: list[str]) -> list[str]:
         "train.log_every=5",
         "train.eval_every=0",
         "train.tensorboard=false",
+        "train.mfu.comm_probe_every=0",  # no torch.profiler windows: this run checks losses, not communication
         f"train.checkpoint.dir={run_dir}/ckpt",
         *extra,
     ]
