@@ -2,7 +2,8 @@
 `if TYPE_CHECKING:` left out): no import circle, and no layer imports a layer above it.
 
 Layers, lowest first: ops -> data -> model -> parallel -> train -> plan -> cli (bench sits at the cli level).
-Modules directly under gem/ (the package root, shared config plumbing) belong to no layer; they take part in the
+`__main__` modules (`python -m gem.train`) are entry points, at the cli level. Modules directly under gem/ (the
+package root, shared config plumbing) belong to no layer; they take part in the
 circle check only.
 """
 
@@ -107,6 +108,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _layer(module: str) -> str | None:
     parts = module.split(".")
+    if parts[-1] == "__main__":  # `python -m gem.<pkg>`: an entry point, an alias of its command
+        return "cli"
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 

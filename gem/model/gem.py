@@ -90,7 +90,14 @@ def merge_by_time(xs: list[torch.Tensor], offsets: list[torch.Tensor], times: li
     return torch.cat(xs)[order]
 
 
+def final_norm(norms: nn.ModuleDict, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Tower `name`'s final norm. Called through this wrapped function: TorchRec's pipeline tracer treats only the
+    top-level `final_norms` as a leaf, and would otherwise trace into the compiled norm."""
+    return norms[name](x)
+
+
 torch.fx.wrap("merge_by_time")
+torch.fx.wrap("final_norm")
 torch.fx.wrap("pooled_features")
 torch.fx.wrap("candidate_features")
 torch.fx.wrap("merge_histories")
@@ -225,12 +232,12 @@ class GEMModel(nn.Module):
         if self.cfg.merged:
             x = merge_by_time(xs, batch.history_offsets, batch.history_times)
             x, aux = run_tower(self.blocks, x, batch.seq_offsets, batch.max_seq_len, self.tower_spans[0])
-            return self.final_norms[MERGED](x), aux
+            return final_norm(self.final_norms, MERGED, x), aux
         outs, aux = [], None
         for i, h in enumerate(self.histories):
             x, a_loss = run_tower(self.blocks, xs[i], batch.history_offsets[i], batch.history_max_lens[i],
                                   self.tower_spans[i])
-            outs.append(self.final_norms[h](x))
+            outs.append(final_norm(self.final_norms, h, x))
             aux = a_loss if aux is None else aux + a_loss
         if len(outs) == 1:
             return outs[0], aux

@@ -311,9 +311,16 @@ def block_gemm_supported(device: torch.device) -> bool:
 
 def _cublas_block_scales(sa: torch.Tensor, sb: torch.Tensor, b_tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """sa [M, K / 128], sb [N / 128, K / 128] (b_tiles) or [N, K / 128] -> the strides cuBLAS's block-wise recipes
-    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous, scale_b [Kb, N] with N contiguous),
+    read: 1x128 scales outer-dim-major (scale_a [M, Kb] with M contiguous and a leading stride padded to 4, scale_b
+    [Kb, N] with N contiguous),
     128x128 scale_b [Kb, N / 128] with Kb contiguous and a leading stride padded to 4 (16 bytes)."""
-    scale_a = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
+    m, kb_a = sa.shape
+    if sa.stride(0) == 1 and sa.stride(1) % 4 == 0:
+        scale_a = sa
+    else:  # M-contiguous with the leading stride padded to 4 (16 bytes): a ragged M is refused otherwise
+        buf = sa.new_zeros((kb_a, -(-m // 4) * 4))
+        buf[:, :m] = sa.t()
+        scale_a = buf[:, :m].t()
     if not b_tiles:
         return scale_a, sb.t().contiguous()
     nb, kb = sb.shape

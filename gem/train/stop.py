@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_NUMBERS = frozenset(int(s) for s in SIGNALS)
 _REPEAT_S = 1.0  # the same signal again within this: one event delivered twice (a terminal and torchrun both send)
 
 
@@ -82,7 +83,8 @@ class StopSignals:
             for num in data:
                 if num == 0 or self._pipe is None:
                     return
-                self.note(signal.Signals(num))
+                if num in _NUMBERS:  # the wakeup fd also carries other handled signals (SIGCHLD, ...)
+                    self.note(signal.Signals(num))
 
     def note(self, sig: signal.Signals) -> None:
         """One delivered signal: the first requests the stop; another aborts at once, also while the stop's

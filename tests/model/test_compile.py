@@ -112,3 +112,30 @@ def test_backward_makes_no_copies_of_attention_operands():
                 copies.append(chain)
     assert len(copies) == cfg.tower.num_blocks, copies
     assert all("gem::qkv_rope_grad" in c for c in copies), copies
+
+
+@pytest.mark.parametrize("histories", [1, 2])
+def test_pipeline_tracer_never_enters_a_compiled_region(histories):
+    """TorchRec's sparse-dist pipeline FX-traces the model with only its top-level children as leaves: a compiled
+    region reached below one (a ModuleDict entry, say) fails that trace on the GPU."""
+    from torchrec.distributed.train_pipeline import tracing
+
+    torch._dynamo.reset()
+    data = None
+    if histories == 2:
+        from tests.model._batches import data_dict
+
+        data = data_dict()
+        name, spec = next(iter(data["histories"].items()))
+        data["histories"]["second"] = copy.deepcopy(spec)
+        for f, feat in list(data["features"].items()):
+            if feat.get("kind") == "sequence":
+                data["features"][f"{f}_2"] = {**feat, "history": "second", "column": f"{f}_2"}
+    cfg = tiny_cfg("reference", data=data)
+    model = GEMModel(cfg, embedding_device="cpu")
+    apply_compile(model, model.blocks, backend="aot_eager")
+    # As sharded: the embedding modules are ShardedModules, so every other top-level child is a leaf by name.
+    tracer = tracing.Tracer(leaf_modules=[n for n, _ in model.named_children()])
+    graph = tracer.trace(model)
+    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    assert "ec" in called

@@ -616,12 +616,19 @@ def test_batch_keeps_its_tables_for_every_layer(form, monkeypatch):
     _fwd_bwd(q, k, v, batch, 33, window=4)  # other mask parameters: their own tables
     assert calls["keys"] > built["keys"]
     n = calls["keys"]
-    for _ in range(2):  # a plain offsets tensor: a batch of its own per call
+    for _ in range(2):  # a plain offsets tensor, call after call: one batch of its own, built once
         plain = _fwd_bwd(q, k, v, off, 33, causal=True)
-    assert calls["keys"] == n + 2
+    assert calls["keys"] == n + 1
     for a, b in zip(first, plain):
         assert torch.equal(a, b)
     _check(first, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
+    off.copy_(_offsets([33, 0, 17, 1, 5]))  # written in place: the plain tensor's tables are rebuilt
+    got = _fwd_bwd(q, k, v, off, 33, causal=True)
+    assert calls["keys"] == n + 2
+    _check(got, _ref_fwd_bwd(q, k, v, off, 33, causal=True), torch.float32)
+    fresh = _offsets([33, 0, 17, 1, 5])  # another tensor of equal values: its own batch
+    _fwd_bwd(q, k, v, fresh, 33, causal=True)
+    assert calls["keys"] == n + 3
 
 
 @pytest.mark.parametrize("form", ["auto", "delta_pre"])

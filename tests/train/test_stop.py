@@ -52,3 +52,27 @@ def test_install_and_uninstall_restore_the_handlers():
     s.uninstall()
     assert s.requested == "SIGUSR1"
     assert {sig: signal.getsignal(sig) for sig in stop.SIGNALS} == before
+
+
+def test_other_handled_signals_neither_stop_nor_abort(monkeypatch):
+    """The wakeup fd carries every signal with a Python handler: SIGCHLD (a finished subprocess) or SIGUSR2, twice,
+    must not request a stop, let alone abort the process."""
+    import time
+
+    monkeypatch.setattr(stop.os, "_exit", lambda code: (_ for _ in ()).throw(AssertionError(f"_exit({code})")))
+    previous = {sig: signal.signal(sig, lambda *a: None) for sig in (signal.SIGCHLD, signal.SIGUSR2)}
+    s = stop.StopSignals.install()
+    try:
+        for sig in (signal.SIGCHLD, signal.SIGUSR2, signal.SIGCHLD, signal.SIGUSR2):
+            signal.raise_signal(sig)
+            time.sleep(0.05)
+        signal.raise_signal(signal.SIGTERM)
+        for _ in range(200):
+            if s.requested:
+                break
+            time.sleep(0.01)
+    finally:
+        s.uninstall()
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+    assert s.requested == "SIGTERM"
