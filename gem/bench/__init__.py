@@ -33,6 +33,7 @@ the ratio of the two trees' median steps.
 Modules: options (arguments), config (composition as gem-train does it), recorder (step marks and window figures
 through the trainer's hooks), profiler (torch.profiler buckets), report (figures and tables), runner (one run),
 processes (fresh-process runs, A/B against another checkout). Kernel benchmarks: kernels (timing helpers and
-tables), attention (scripts/bench_attention.py), dispatch (scripts/bench_dispatch.py); tuned writes the shipped
-tuning data (gem/ops/tuned/*.json) and the plan's reference step (gem/plan/reference.json).
+tables), attention (scripts/bench_attention.py), dispatch (scripts/bench_dispatch.py); balance (data.balance's
+simulated straggler factor and one-device rehearsal: scripts/balance_sim.py, scripts/bench_balance.py); tuned
+writes the shipped tuning data (gem/ops/tuned/*.json) and the plan's reference step (gem/plan/reference.json).
 """

@@ -59,8 +59,10 @@ def replay_batches(trainer, total: int) -> tuple[list[dict], float]:
     """tokens / samples / model FLOPs of the trainer's first `total` batches on this rank (same data stream), and
     the host milliseconds one batch takes to produce (on the training thread unless data.num_workers > 0)."""
     from gem.data import build_dataset
+    from gem.model.flops import example_cost
 
-    ds = build_dataset(trainer.cfgs.data, trainer.rank, trainer.world_size, split="train")
+    ds = build_dataset(trainer.cfgs.data, trainer.rank, trainer.world_size, split="train",
+                       cost=example_cost(trainer.cfgs.model))
     out, it, make_s = [], iter(ds), 0.0
     for _ in range(total):
         t0 = time.perf_counter()

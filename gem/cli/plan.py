@@ -85,9 +85,14 @@ def format_report(est, cfgs) -> str:
         where = "across hosts" if c.spans_hosts(col.ranks) else "in a host"
         lines.append(f"  {col.name:42s} {col.op:14s} over {col.group:15s} ({col.size:3d} ranks, {where:12s}) "
                      f"{_gb(col.bytes)} {1e3 * col.seconds(c):8.2f} ms")
+    s = w.straggler
     lines += [
         "",
-        (f"step time (estimate): compute {est.compute_ms:.2f} ms (scaled by FLOPs from the measured reference step) "
+        (f"rank imbalance (E[max]/mean of per-rank FLOPs over {c.world} ranks, lengths from data.histories): "
+         f"{s.none:.3f} as drawn, {s.cost:.3f} with data.balance=cost; this run (data.balance={w.balance}): "
+         f"x{w.straggler_factor:.3f} on compute"),
+        (f"step time (estimate): compute {est.compute_ms:.2f} ms (scaled by FLOPs from the measured reference step, "
+         f"slowest rank) "
         f"+ communication {est.comm_ms:.2f} ms = {est.step_ms:.2f} ms without overlap, {est.overlapped_ms:.2f} ms "
         f"if all communication hides behind compute"),
         f"torchrun overrides: {est.overrides()}",
@@ -98,7 +103,7 @@ def format_report(est, cfgs) -> str:
 def plan(argv: list[str]) -> int:
     from gem.parallel.dims import ParallelConfigError
     from gem.parallel.dims import validate as validate_parallel
-    from gem.plan.estimate import LAYOUT_KEYS, PlanOptions, estimate, ref_rate
+    from gem.plan.estimate import LAYOUT_KEYS, PlanOptions, estimate, ref_rate, workload
     from gem.plan.search import format_search, search
     from gem.plan.topology import ClusterSpec
 
@@ -124,7 +129,8 @@ def plan(argv: list[str]) -> int:
             par = validate_parallel(cfgs.parallel, cluster.world)
         except ParallelConfigError as e:
             raise PlanError(str(e)) from None
-        est = estimate(cfgs, par, cluster, rate, seed=options.seed)
+        work = workload(cfgs, options.seed, cluster.world, options.straggler_batches)
+        est = estimate(cfgs, par, cluster, rate, seed=options.seed, work=work)
         print(format_report(est, cfgs), flush=True)
     print(f"(planned in {time.perf_counter() - t0:.0f} s)", flush=True)
     return 0

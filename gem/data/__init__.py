@@ -22,13 +22,26 @@ __all__ = [
 ]
 
 
-def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train"):
+def build_dataset(cfg, rank: int = 0, world_size: int = 1, split: str = "train", cost=None):
     """The dataset the `data:` group describes (a DataConfig, dict or DictConfig) for one rank.
 
     train: an endless stream; eval: `eval_batches` batches per rank (a held-out stream / `eval_paths`).
+    `cost`: the model's cost per example ({history name: lengths [B]} -> [B]); with `data.balance=cost` on more
+    than one rank, the training stream is this rank's balanced share of each global batch (gem/data/balance.py).
     """
     if not isinstance(cfg, DataConfig):
         cfg = DataConfig.from_dict(cfg)
+    ds = _source(cfg, rank, world_size, split)
+    if split == "train" and world_size > 1 and cfg.balance == "cost":
+        if cost is None:
+            raise ValueError("data.balance=cost needs the model's cost per example (build_dataset(cost=...))")
+        from gem.data.balance import BalancedDataset
+
+        return BalancedDataset(ds, cost)
+    return ds
+
+
+def _source(cfg: DataConfig, rank: int, world_size: int, split: str):
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
     num_batches = None if split == "train" else cfg.eval_batches

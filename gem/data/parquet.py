@@ -512,11 +512,11 @@ class ParquetDataset(IterableDataset):
             i += 1
         return (parts[0] if len(parts) == 1 else pa.concat_tables(parts)), self._where(spans)
 
-    def batch(self, index: int) -> Batch:
-        """This rank's batch number `index` (wraps around the files when cycling)."""
+    def batch(self, index: int, rank: int | None = None) -> Batch:
+        """This rank's (or `rank`'s) batch number `index` (wraps around the files when cycling)."""
         if not self.cycle and index >= self.batches_per_pass:
             raise IndexError(f"batch {index} is past the end ({self.batches_per_pass} batches per rank)")
-        g = (index % self.batches_per_pass) * self.world_size + self.rank
+        g = (index % self.batches_per_pass) * self.world_size + (self.rank if rank is None else rank)
         table, where = self._rows(g * self.batch_size, (g + 1) * self.batch_size)
         return table_to_batch(table, self.schema, where, self.max_candidates)
 

@@ -10,6 +10,7 @@ Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
     paths: [..]                 # parquet only: training files (globs allowed)
     eval_paths: [..]            # parquet only: held-out files
     allow_extra_columns: bool   # parquet only: columns no feature names are not read (default: an error)
+    balance: none | cost        # several ranks: each global batch split into equal-count parts of near-equal cost
     features:                   # key = the feature's name inside gem
       <name>:
         kind: sequence | candidate | sparse | dense
@@ -21,7 +22,7 @@ Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
         min_hot: 1
         size: 1                 # dense: a number column (1) or a fixed-size list of numbers (n)
     histories:                  # each with its own length per example, oldest event first
-      <name>: {max_len, min_len, distribution, sparsity, mu, sigma, timestamp}
+      <name>: {max_len, min_len, distribution, sparsity, mu, sigma, alpha, timestamp}
     labels:                     # task -> 0/1 column, in head order (requests: a list, one per candidate)
       <task>: <column>
     tables:                     # TorchRec EmbeddingConfig / EmbeddingBagConfig fields
@@ -36,7 +37,9 @@ share a table with a sequence feature (they need different pooling).
 History lengths (synthetic). Sparsity follows the jagged-attention literature: s = 1 - E[L] / max_len, the fraction
 of a padded [B, max_len] buffer that would be padding. `uniform`: L ~ U{lo..hi}, the widest integer range inside
 [min_len, max_len] whose mean is (1 - s) * max_len (s = 0.5, min_len = 0 gives U{0..max_len}; with min_len = 1,
-U{1..max_len - 1}). `lognormal`: L = round(exp(mu + sigma * N(0, 1))) clipped to [min_len, max_len].
+U{1..max_len - 1}). `lognormal`: L = round(exp(mu + sigma * N(0, 1))) clipped to [min_len, max_len]. `zipf`:
+P(L = k) ~ (k - lo + 1)^-alpha on k in [lo, max_len], lo = max(min_len, 1): most histories short, a heavy tail of
+long ones.
 
 Raw ids: `ids: raw` tables take any 64-bit id; `hash: modulo` maps id -> id mod num_embeddings (Python's modulo, so
 negative ids land in range too). With n distinct ids spread evenly over m rows, the expected fraction of ids that
@@ -110,16 +113,18 @@ class HistorySpec:
     name: str = "events"
     max_len: int = 64
     min_len: int = 0
-    distribution: Literal["uniform", "lognormal"] = "uniform"
+    distribution: Literal["uniform", "lognormal", "zipf"] = "uniform"
     sparsity: float = 0.5
     mu: float = 3.0
     sigma: float = 1.0
+    alpha: float = 1.0  # zipf exponent
     timestamp: str | None = None
 
     def __post_init__(self) -> None:
         need = Checker(f"data.histories.{self.name}").need
         need(self.max_len >= 1, "max_len", "must be >= 1", self.max_len)
         need(0 <= self.min_len <= self.max_len, "min_len", f"must be in [0, max_len={self.max_len}]", self.min_len)
+        need(self.alpha >= 0, "alpha", "must be >= 0", self.alpha)
         need(0.0 <= self.sparsity < 1.0, "sparsity", "must be in [0, 1)", self.sparsity)
         need(self.sigma >= 0, "sigma", "must be >= 0", self.sigma)
 
@@ -411,6 +416,9 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes making training batches (0: on the training thread)
     allow_extra_columns: bool = False  # parquet: columns no feature names are ignored instead of an error
     max_candidates: int = 1  # candidates per request (synthetic: uniform 1..max); 1: one candidate per example
+    # training batches on several ranks: cost = each global batch split into equal-count parts of near-equal
+    # cost (gem/data/balance.py); none = rank r trains the r-th batch of the step as drawn
+    balance: Literal["none", "cost"] = "cost"
 
     def __post_init__(self) -> None:
         need = Checker("data").need

@@ -85,6 +85,11 @@ def sample_lengths(h: HistorySpec, batch_size: int, gen: torch.Generator) -> tor
     if h.distribution == "uniform":
         lo, hi = h.uniform_range()
         return torch.randint(lo, hi + 1, (batch_size,), generator=gen, dtype=torch.int64)
+    if h.distribution == "zipf":
+        lo = max(h.min_len, 1)
+        cdf = torch.cumsum(torch.arange(1, h.max_len - lo + 2, dtype=torch.float64) ** -h.alpha, 0)
+        u = torch.rand(batch_size, generator=gen, dtype=torch.float64) * cdf[-1]
+        return lo + torch.searchsorted(cdf, u, right=True).clamp_max(h.max_len - lo)  # exact inverse CDF
     z = torch.randn(batch_size, generator=gen, dtype=torch.float64)
     return torch.exp(h.mu + h.sigma * z).round().clamp(h.min_len, h.max_len).to(torch.int64)
 
@@ -190,9 +195,9 @@ class SyntheticDataset(IterableDataset):
         self._position = 0
 
     # ---- random access ------------------------------------------------------------------------------------
-    def batch(self, index: int, return_truth: bool = False):
-        """This rank's batch number `index` (0-based); with return_truth, (batch, true probabilities)."""
-        return self.global_batch(index * self.world_size + self.rank, return_truth)
+    def batch(self, index: int, return_truth: bool = False, rank: int | None = None):
+        """This rank's (or `rank`'s) batch number `index` (0-based); with return_truth, (batch, true probabilities)."""
+        return self.global_batch(index * self.world_size + (self.rank if rank is None else rank), return_truth)
 
     def global_batch(self, g: int, return_truth: bool = False):
         gen = torch.Generator().manual_seed(_stream_seed(self.seed, _SPLITS[self.split], g, 0xBA7C))

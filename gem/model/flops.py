@@ -22,8 +22,9 @@ history (or the last `window` of it) and itself: k_r (min(L_r, W) + 1) visible p
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -89,35 +90,83 @@ def dense_flops_per_token(cfg: ModelConfig, history: str | None = None) -> int:
     return 6 * tower_weights_per_token(cfg, history)
 
 
-def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> float:
-    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+def attention_pairs_per_example(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> torch.Tensor:
+    """Visible (query, key) pairs of one attention layer of `history`'s tower per sequence (float64 [B]; see module
+    doc). `history` None: the first history's tower (merged histories: the one tower)."""
     L = lengths.to(torch.float64)
     t = cfg.tower_for(history or cfg.histories[0])
     if t.attention == "jfa":
-        return float((L * L / 2).sum())
+        return L * L / 2
     if t.attention == "swa":  # a row sees itself and up to `window` keys before it
         w = float(t.window)
-        return float(torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2).sum())
+        return torch.where(L <= w + 1, L * L / 2, (w + 1) * (w + 2) / 2 + (L - w - 1) * (w + 1) - L / 2)
     s = float(t.block_size)
     full = torch.floor(L / s)
     rest = L - full * s
-    return float((full * s * s / 2 + rest * rest / 2).sum())
+    return full * s * s / 2 + rest * rest / 2
 
 
-def target_pairs(cfg: ModelConfig, lengths: torch.Tensor, num_targets: torch.Tensor, history: str | None = None
-                 ) -> float:
-    """Visible (query, key) pairs of the target rows of one tower attention layer (module doc): each target sees
-    its history, up to the window, and itself; half the diagonal off."""
-    L = lengths.to(torch.float64)
-    t = cfg.tower_for(history or cfg.histories[0])
-    if t.attention == "swa":
-        L = L.clamp_max(float(t.window))
-    return float((num_targets.to(torch.float64) * (L + 0.5)).sum())
+def attention_pairs(cfg: ModelConfig, lengths: torch.Tensor, history: str | None = None) -> float:
+    """Visible (query, key) pairs of one tower attention layer summed over the batch (see module doc)."""
+    return float(attention_pairs_per_example(cfg, lengths, history).sum())
 
 
-def _lengths(offsets: torch.Tensor) -> torch.Tensor:
-    off = offsets.detach().to("cpu", torch.int64)
-    return off[1:] - off[:-1]
+def example_flops(cfg: ModelConfig, lengths: Mapping[str, torch.Tensor], counts: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Training FLOPs (fwd + bwd) of each example or request (float64 [R]) from its history lengths {history name:
+    [R]}, one entry per history of the model, and its candidates (`counts` [R]; None: one each), computed as
+    `cfg.candidates` computes them (module doc).
+
+    Each history's tokens pass through its own tower (the input projection once; the blocks once per candidate in
+    the rows form; attention on that history's length under its tower's mask and window; merged by time: the one
+    tower's attention on the summed length), then the target interaction's K/V and attention per candidate, or (the
+    targets form) one token per candidate through the blocks; the per-candidate part (query tokens, interaction
+    q / out, dense MLPs, heads) once per candidate. Sums over a batch are exact below 2^53.
+    """
+    missing = [h for h in cfg.histories if h not in lengths]
+    if missing or len(lengths) != len(cfg.histories):
+        raise ValueError(f"example_flops: lengths of {sorted(lengths)} for the histories {cfg.histories}")
+    per_history = [lengths[h].detach().to("cpu", torch.float64) for h in cfg.histories]
+    n = torch.ones_like(per_history[0]) if counts is None else counts.detach().to("cpu", torch.float64)
+    copies = n if cfg.candidates == "rows" else torch.ones_like(n)
+    total = 6.0 * weights_per_example(cfg) * n
+    merged = torch.zeros_like(n)
+    for h, L in zip(cfg.histories, per_history):
+        merged = merged + L
+        inp = input_weights_per_token(cfg, h)  # the input projection runs before any copy
+        total += 6 * (inp * L + (tower_weights_per_token(cfg, h) - inp) * L * copies)
+        if not cfg.merged:
+            t = cfg.tower_for(h)
+            total += 3 * 4 * t.num_heads * t.head_dim * t.num_blocks * attention_pairs_per_example(cfg, L, h) * copies
+    if cfg.merged:  # one tower over every example's merged events (no per-history towers)
+        t = cfg.tower_for()
+        total += 3 * 4 * t.num_heads * t.head_dim * t.num_blocks * attention_pairs_per_example(cfg, merged) * copies
+    if cfg.candidates == "targets":  # one token per candidate through the blocks; no interaction
+        one = cfg.towers_built[0]
+        t = cfg.tower_for(one)
+        seen = merged.clamp_max(float(t.window)) if t.attention == "swa" else merged
+        total += 6 * block_weights_per_token(cfg, one) * n
+        return total + 3 * 4 * t.num_heads * t.head_dim * t.num_blocks * n * (seen + 0.5)
+    it = cfg.interaction  # GDPA: every candidate's query tokens over all of its request's history tokens
+    return total + 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * merged * n
+
+
+def example_cost(cfg: ModelConfig) -> functools.partial:
+    """`example_flops` of this model as a picklable callable of the lengths (data.balance's cost per example)."""
+    return functools.partial(example_flops, cfg)
+
+
+def _history_lengths(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{history name: lengths [B]} from offsets [B+1] (one tensor per history, schema order; a single tensor for one
+    history)."""
+    per_history = [offsets] if isinstance(offsets, torch.Tensor) else list(offsets)
+    if len(per_history) != len(cfg.histories):
+        raise ValueError(f"train_flops: {len(per_history)} offsets for {len(cfg.histories)} histories")
+    out = {}
+    for h, off in zip(cfg.histories, per_history):
+        off = off.detach().to("cpu", torch.int64)
+        out[h] = off[1:] - off[:-1]
+    return out
 
 
 def train_flops(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor],
@@ -125,34 +174,8 @@ def train_flops(cfg: ModelConfig, offsets: torch.Tensor | Sequence[torch.Tensor]
     """FLOPs of one training step (fwd + bwd) on a batch with these history offsets [R+1] (one tensor per history,
     schema order; a single tensor for one history) and candidates per request (cand_offsets [R+1]; None: one
     candidate per example), computed as `cfg.candidates` computes them (module doc)."""
-    per_history = [offsets] if isinstance(offsets, torch.Tensor) else list(offsets)
-    if len(per_history) != len(cfg.histories):
-        raise ValueError(f"train_flops: {len(per_history)} offsets for {len(cfg.histories)} histories")
-    lengths = [_lengths(o) for o in per_history]
-    counts = torch.ones_like(lengths[0]) if cand_offsets is None else _lengths(cand_offsets)
-    # the tokens each tower runs per request: its history once, or once per candidate (rows)
-    copies = counts if cfg.candidates == "rows" else torch.ones_like(counts)
-    it = cfg.interaction
-    total = 6.0 * weights_per_example(cfg) * int(counts.sum())
-    merged = 0
-    for h, n in zip(cfg.histories, lengths):
-        merged = merged + n
-        t = cfg.tower_for(h)
-        rows = torch.repeat_interleave(n, copies)  # the sequences this history's tower runs
-        inp = input_weights_per_token(cfg, h)  # the input projection runs before any copy
-        total += 6 * (inp * int(n.sum()) + (tower_weights_per_token(cfg, h) - inp) * int(rows.sum()))
-        if not cfg.merged:
-            total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, rows, h) * t.num_blocks
-    one = cfg.towers_built[0]
-    if cfg.merged:  # one tower over every example's merged events (no per-history towers)
-        t = cfg.tower_for()
-        rows = torch.repeat_interleave(merged, copies) if cfg.candidates == "rows" else merged
-        total += 3 * 4 * t.num_heads * t.head_dim * attention_pairs(cfg, rows, None) * t.num_blocks
-    if cfg.candidates == "targets":  # one token per candidate through the blocks; no interaction
-        t = cfg.tower_for(one)
-        total += 6 * block_weights_per_token(cfg, one) * int(counts.sum())
-        total += 3 * 4 * t.num_heads * t.head_dim * target_pairs(cfg, merged, counts, one) * t.num_blocks
-        return round(total)
-    # GDPA: every candidate's query tokens over all of its request's history tokens
-    total += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * int((merged * counts).sum())
-    return round(total)
+    counts = None
+    if cand_offsets is not None:
+        off = cand_offsets.detach().to("cpu", torch.int64)
+        counts = off[1:] - off[:-1]
+    return round(float(example_flops(cfg, _history_lengths(cfg, offsets), counts).sum()))

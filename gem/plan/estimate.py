@@ -16,6 +16,7 @@ from gem.parallel.dims import ParallelConfig
 from gem.plan import comm
 from gem.plan.memory import DenseMemory, dense_memory, fsdp_units
 from gem.plan.sharding import EmbeddingPlan, plan_embeddings
+from gem.plan.straggler import Straggler
 from gem.plan.topology import ClusterSpec, PlanError
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -49,6 +50,7 @@ class PlanOptions:
     sync_every: tuple[int, ...] = SEARCH_SYNC_EVERY  # --search: emb_sync_every choices
     emb_groups: tuple[int, ...] | None = None  # --search: emb_shard_group choices (default: powers of 2 >= a host)
     seed: int = 0  # history lengths sampled for the estimate
+    straggler_batches: int = 64  # global batches drawn to estimate the straggler factor
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlanOptions:
@@ -62,9 +64,9 @@ class PlanOptions:
                     v = tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
                     if not v or min(v) < 1:
                         raise ValueError
-                elif k in ("top", "seed"):
+                elif k in ("top", "seed", "straggler_batches"):
                     v = int(v)
-                    if k == "top" and v < 1:
+                    if k in ("top", "straggler_batches") and v < 1:
                         raise ValueError
                 elif k == "ref_step_ms":
                     v = float(v)
@@ -82,7 +84,11 @@ class PlanOptions:
 class Workload:
     """What one rank processes per step, from the data config (history lengths and candidates per request sampled
     like the synthetic data). `tokens`: what the towers run, by `model.candidates`: rows, a copy of each history per
-    candidate; interaction, each history once; targets, each history once and one token per candidate."""
+    candidate; interaction, each history once; targets, each history once and one token per candidate.
+
+    `straggler`: E[max] / E[mean] of the ranks' step FLOPs over `world` ranks, without and with data.balance=cost;
+    `balance`: the config's choice, whose factor scales the compute time.
+    """
 
     batch: int
     tokens: int
@@ -90,12 +96,19 @@ class Workload:
     ids_per_example: dict[str, float]
     history_tokens: dict[str, int] = field(default_factory=dict)  # tower tokens per history (they sum to `tokens`)
     candidates: int = 0  # candidates scored per step (= batch in the row form)
+    straggler: Straggler = field(default_factory=lambda: Straggler(1.0, 1.0))
+    balance: str = "cost"
+
+    @property
+    def straggler_factor(self) -> float:
+        return self.straggler.factor(self.balance)
 
 
-def workload(cfgs, seed: int = 0) -> Workload:
+def workload(cfgs, seed: int = 0, world: int = 1, straggler_batches: int = 64) -> Workload:
     from gem.data.batch import lengths_to_offsets
     from gem.data.synthetic import sample_candidate_counts, sample_lengths
     from gem.model.flops import train_flops
+    from gem.plan.straggler import simulate
 
     b = cfgs.data.batch_size
     gen = torch.Generator().manual_seed(seed)
@@ -114,8 +127,10 @@ def workload(cfgs, seed: int = 0) -> Workload:
         per_history[first] += int(counts.sum())
     ids = comm.expected_ids_per_example(cfgs.data.schema, means, float(counts.float().mean()))
     flops = train_flops(cfgs.model, offsets, lengths_to_offsets(counts) if k > 1 else None)
+    straggler = simulate(cfgs.model, cfgs.data.schema, b, world, straggler_batches, seed)
     return Workload(batch=b, tokens=sum(per_history.values()), flops=flops, ids_per_example=ids,
-                    history_tokens=per_history, candidates=int(counts.sum()))
+                    history_tokens=per_history, candidates=int(counts.sum()), straggler=straggler,
+                    balance=cfgs.data.balance)
 
 
 def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
@@ -188,9 +203,10 @@ def ref_rate(ref_cfgs, ref_step_ms: float, seed: int = 0) -> float:
 def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: float, *, seed: int = 0,
              emb: EmbeddingPlan | None = None, units=None, work: Workload | None = None, check: bool = True
              ) -> Estimate:
-    """Memory, communication and step time of the validated layout `par`; raises PlanError (one line) if a rank
-    runs out of HBM (`check=False`: the estimate all the same; `overflow()` says what does not fit)."""
-    work = work or workload(cfgs, seed)
+    """Memory, communication and step time of the validated layout `par` (compute: the mean rank's FLOPs at the
+    reference rate, times the straggler factor); raises PlanError (one line) if a rank runs out of HBM
+    (`check=False`: the estimate all the same; `overflow()` says what does not fit)."""
+    work = work or workload(cfgs, seed, cluster.world)
     units = units if units is not None else fsdp_units(cfgs.model, par.ep)
     act = activation_bytes(cfgs, par, cluster)
     dense = dense_memory(units, cfgs.model, par, work.history_tokens or work.tokens, act)
@@ -204,7 +220,7 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
                               reserve_bytes=reserve_for(dense.total, cluster))
     groups = comm.layout_groups(par, cluster.world, cluster.gpus_per_host)
     out = Estimate(par=par, cluster=cluster, work=work, dense=dense, emb=emb, collectives=[],
-                   compute_ms=work.flops / flops_per_ms)
+                   compute_ms=work.flops / flops_per_ms * work.straggler_factor)
     for pos, rank in enumerate(groups["emb_shard"]):
         out.hbm[rank] = dense.total + emb.hbm.get(pos, 0)
         out.ddr[rank] = emb.ddr.get(pos, 0)

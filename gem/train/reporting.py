@@ -60,6 +60,7 @@ class MetricsReporter:
         self.window_t0 = self.run_t0 = time.perf_counter()
         self.window_steps, self.window_flops, self.run_steps, self.train_time = 0, 0.0, 0, 0.0
         self.window_samples, self.run_samples = 0, 0.0  # candidates scored: this rank's window, all ranks' run
+        self._window_step_flops: list[float] = []  # this rank's FLOPs of each step of the window
         self._window_losses: list[torch.Tensor] = []
         self._step_losses: list[torch.Tensor] = []  # kept on device: no host sync per step
 
@@ -86,6 +87,7 @@ class MetricsReporter:
                 self.window_t0 += self.probe.overhead_s  # reading the profile is not training time
         self.window_flops += flops
         self.window_samples += self.global_batch // self.world_size if samples is None else samples
+        self._window_step_flops.append(flops)
         self.window_steps += 1
         self.run_steps += 1
         self._window_losses.append(loss)
@@ -130,6 +132,8 @@ class MetricsReporter:
         }
         if self.optimizer.last_grad_norm is not None:
             scalars["train/grad_norm"] = float(self.optimizer.last_grad_norm)
+        if self.world_size > 1:
+            scalars["perf/rank_imbalance"] = self._rank_imbalance()
         report = mfu_report(flops / steps, dt / steps, self.peak_flops, self.measured_peak,
                             self.exposed_comm_fraction, self.comm_fraction)
         phases = self.timer.window()
@@ -150,6 +154,8 @@ class MetricsReporter:
             extra[0] += f" scaling {report.scaling_ratio:.3f}"
         if phases:
             extra.append("ms " + " ".join(f"{name[:3]} {ms:.1f}" for name, ms in phases.items()))
+        if "perf/rank_imbalance" in scalars:
+            extra.append(f"imbalance {scalars['perf/rank_imbalance']:.3f}")
         if report.exposed_comm_s is not None and self.world_size > 1:
             extra.append(f"exposed comm {1e3 * report.exposed_comm_s:.1f} ms")
         if "memory/peak_allocated_gib" in scalars:
@@ -166,11 +172,23 @@ class MetricsReporter:
             steps_per_s=self.run_steps / total_dt if total_dt > 0 else None,
         )
         self._write_jsonl({"step": step, **scalars})
-        self._window_losses = []
+        self._window_losses, self._window_step_flops = [], []
         self.window_steps, self.window_flops, self.window_samples = 0, 0.0, 0
         self.restart_window()
         self._schedule_probe(step)
         return scalars
+
+    def _rank_imbalance(self) -> float:
+        """Mean over the window's steps of max / mean of the ranks' step FLOPs (the model's cost of their batches):
+        how long a synchronous step waits for its slowest rank, in work (1.0: every rank the same)."""
+        mine = torch.tensor(self._window_step_flops, dtype=torch.float64,
+                            device=self.device if self.is_cuda else "cpu")
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        per_rank = torch.stack(every)  # [world, steps]
+        mean = per_rank.mean(0)
+        ratio = torch.where(mean > 0, per_rank.max(0).values / mean.clamp_min(1e-30), torch.ones_like(mean))
+        return float(ratio.mean())
 
     def _schedule_probe(self, step: int) -> None:
         """After the first log window past the LR warmup, then every `comm_probe_every` windows."""

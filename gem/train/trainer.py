@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gem.config import ConfigError
 from gem.data import BadBatchError, DataConfig, TrainBatches, build_dataset
 from gem.model import GEMModel, ModelConfig
+from gem.model.flops import example_cost
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ParallelConfig, init_distributed
@@ -152,7 +153,8 @@ class Trainer:
         self._loop_cls, self.pipeline_fallback = choose_loop(tc.pipeline, self.device)
         self.loop = self._loop_cls.name
 
-        self.train_data = build_dataset(self.cfgs.data, self.rank, self.world_size, split="train")
+        self.train_data = build_dataset(self.cfgs.data, self.rank, self.world_size, split="train",
+                                        cost=example_cost(self.cfgs.model))
         eval_data = build_dataset(self.cfgs.data, self.rank, self.world_size, split="eval")
         self.evaluator = Evaluator(self.par, eval_data, self.schema, self.step_cfg, self.device)
 

@@ -93,7 +93,7 @@ def _drop_feature(d, name):
         (lambda d: d["tables"]["item"].update(ids="raw", hash="zch"),
          r"^data.tables.item.hash: zch \(TorchRec managed collisions\) is not supported"),
         (lambda d: d["histories"]["events"].update(distribution="poisson"),
-         r"^data.histories.events.distribution: must be uniform or lognormal \(got poisson\)$"),
+         r"^data.histories.events.distribution: must be uniform, lognormal or zipf \(got poisson\)$"),
         (lambda d: d["histories"]["events"].update(max_len="long"),
          r"^data.histories.events.max_len: expected an integer \(got long\)$"),
         (lambda d: d["histories"]["events"].update(min_len=30), "histories.events.min_len"),

@@ -22,8 +22,10 @@ from tests.train._util import SMALL
 pytestmark = pytest.mark.slow
 
 K, STEPS, BATCH = 2, 4, 8
+# data.balance=none: each rank trains the stream's own batches, so a step's batch is known by its global index
+# (balanced shares resume at the same position: tests/dist/test_balance_dist.py)
 COMMON = SMALL + ["data.batch_size=8", "data.eval_batches=0", "train.eval_every=0", f"train.steps={STEPS}",
-                  "train.checkpoint.every=2", "train.checkpoint.keep=3", "train.seed=5"]
+                  "train.checkpoint.every=2", "train.checkpoint.keep=3", "train.seed=5", "data.balance=none"]
 
 
 def _global_rows(gs: list[int]) -> list[list[float]]:

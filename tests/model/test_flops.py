@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gem.model import GEMModel
+from gem.model import GEMModel, ModelConfig
 from gem.model import flops as F
 from gem.ops.jfa import visible_mask
 from tests.model._batches import make_batch, tiny_cfg
@@ -66,3 +66,37 @@ def test_attention_pairs_count_the_visible_pairs(kind):
     exact = int(vis.sum())
     analytic = F.attention_pairs(cfg, lengths)
     assert analytic == pytest.approx(exact - int(lengths.sum()) / 2, abs=1e-9)
+
+
+def _one(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+@pytest.mark.parametrize("merge", ["towers", "time"])
+def test_example_flops_are_each_examples_step_flops(merge):
+    """example_flops (data.balance's cost) of each example is train_flops of a batch holding that example alone, per
+    history through its own tower (or the one merged tower), and they sum to the batch's train_flops."""
+    from tests.data.test_inputs import _timed
+    from tests.model._batches import tiny_dict, tiny_schema
+
+    d = {**tiny_dict(), "history_merge": merge}
+    if merge == "towers":
+        d["towers"] = {"search": {"num_blocks": 1, "attention": "swa", "window": 2}}
+    cfg = ModelConfig.from_dict(d, tiny_schema(_timed()))
+    watch, search = [0, 1, 5, 9, 3], [2, 0, 4, 1, 0]
+    per = F.example_flops(cfg, {"watch": torch.tensor(watch), "search": torch.tensor(search)})
+    assert per.dtype == torch.float64 and per.shape == (5,)
+    alone = [F.train_flops(cfg, [_one([w]), _one([s])]) for w, s in zip(watch, search)]
+    assert per.tolist() == alone
+    assert F.train_flops(cfg, [_one(watch), _one(search)]) == sum(alone)
+    if merge == "towers":  # by hand: the search tower's window and block count apply to search tokens only
+        it, tw, ts = cfg.interaction, cfg.tower_for("watch"), cfg.tower_for("search")
+        w, s = 9, 1
+        want = 6 * F.weights_per_example(cfg) + 6 * F.tower_weights_per_token(cfg, "watch") * w
+        want += 6 * F.tower_weights_per_token(cfg, "search") * s
+        want += 3 * 4 * tw.num_heads * tw.head_dim * tw.num_blocks * w * w / 2
+        want += 3 * 4 * ts.num_heads * ts.head_dim * ts.num_blocks * s * s / 2
+        want += 3 * 4 * it.num_heads * cfg.interaction_head_dim * cfg.num_query_tokens * (w + s)
+        assert per[3].item() == want
+    with pytest.raises(ValueError, match="example_flops: lengths of"):
+        F.example_flops(cfg, {"watch": torch.tensor(watch)})
