@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.batch import Batch, history_fields, lengths_to_offsets, request_fields, stream_batches
 
-CostFn = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+CostFn = Callable[..., torch.Tensor]  # ({history: lengths [R]}[, candidates per request [R]]) -> cost [R]
 
 
 def partition(costs: Any, parts: int, max_swaps: int = 64) -> np.ndarray:

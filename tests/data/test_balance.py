@@ -307,3 +307,25 @@ def test_balanced_stream_through_dataloader_workers():
             assert_batches_equal(next(batches), w)
     finally:
         batches.close()
+
+
+def test_rows_of_requests_carry_their_candidates():
+    """Requests of 1..4 candidates: a request's candidate ids, labels and id travel with it through take_rows and
+    concat_batches, and the cost counts its candidates."""
+    ds = SyntheticDataset(SCHEMA, seed=3, batch_size=9, max_candidates=4)
+    parts = [ds.batch(i) for i in range(2)]
+    whole = concat_batches(parts)
+    assert whole.num_requests == 18 and whole.batch_size == sum(b.batch_size for b in parts)
+    for i, b in enumerate(parts):
+        assert_batches_equal(take_rows(whole, range(9 * i, 9 * i + 9)), b)
+    rows = [17, 0, 5, 5]
+    got = take_rows(whole, rows)
+    counts = (whole.cand_offsets[1:] - whole.cand_offsets[:-1])[rows]
+    assert got.cand_offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+    assert got.max_candidates == int(counts.max())
+    want = torch.cat([whole.labels[int(whole.cand_offsets[r]):int(whole.cand_offsets[r + 1])] for r in rows])
+    assert torch.equal(got.labels, want)
+    if whole.request_ids is not None:
+        assert got.request_ids.tolist() == whole.request_ids[rows].tolist()
+    for r, src in enumerate(rows):
+        assert_batches_equal(take_rows(got, [r]), take_rows(whole, [src]))
