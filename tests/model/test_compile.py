@@ -114,8 +114,8 @@ def test_backward_makes_no_copies_of_attention_operands():
     assert all("gem::qkv_rope_grad" in c for c in copies), copies
 
 
-@pytest.mark.parametrize("histories", [1, 2])
-def test_pipeline_tracer_never_enters_a_compiled_region(histories):
+@pytest.mark.parametrize("histories,candidates", [(1, "rows"), (2, "rows"), (1, "interaction"), (1, "targets")])
+def test_pipeline_tracer_never_enters_a_compiled_region(histories, candidates):
     """TorchRec's sparse-dist pipeline FX-traces the model with only its top-level children as leaves: a compiled
     region reached below one (a ModuleDict entry, say) fails that trace on the GPU."""
     from torchrec.distributed.train_pipeline import tracing
@@ -132,6 +132,7 @@ def test_pipeline_tracer_never_enters_a_compiled_region(histories):
             if feat.get("kind") == "sequence":
                 data["features"][f"{f}_2"] = {**feat, "history": "second", "column": f"{f}_2"}
     cfg = tiny_cfg("reference", data=data)
+    cfg.candidates = candidates
     model = GEMModel(cfg, embedding_device="cpu")
     apply_compile(model, model.blocks, backend="aot_eager")
     # As sharded: the embedding modules are ShardedModules, so every other top-level child is a leaf by name.
