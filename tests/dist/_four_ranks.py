@@ -43,7 +43,7 @@ def train_overrides(rows: str) -> list[str]:
     return [
         "model.kernel=reference", "model.tower.num_blocks=2", "model.moe.aux_loss_coef=0",  # aux: a per-rank statistic
         "data=parquet", f"data.paths=[{rows}]", f"data.eval_paths=[{rows}]", "data.eval_batches=0",
-        "data.schema.history.max_len=16",
+        "data.histories.events.max_len=16",
         f"train.steps={STEPS}", "train.warmup_steps=2", "train.min_lr_ratio=0.1", "train.lr=0.01",
         "train.grad_clip=0.05", "train.autocast=none", "train.eval_every=0", "train.log_every=1",
         "train.tensorboard=false", "train.sparse_optimizer.lr=0.05",
@@ -58,7 +58,7 @@ def write_rows(directory: Path) -> str:
     from gem.data.parquet import write_parquet
 
     c = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
-    c["schema"]["history"]["max_len"] = 16
+    c["histories"]["events"]["max_len"] = 16
     d = DataConfig.from_dict(c)
     path = directory / "train.parquet"
     write_parquet(SyntheticDataset(d.schema, 0, GLOBAL_BATCH), str(path), STEPS)

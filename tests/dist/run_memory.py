@@ -65,7 +65,7 @@ def measure(case: dict, device, blocks: int) -> dict:
     per = 4
     batch = slice_batch(dataset(per * world).global_batch(0), rank * per, (rank + 1) * per).to(device)
     gathered = Gathered(p.inner)
-    step_cfg = StepConfig(tasks=cfg.heads.tasks, task_weights=None)
+    step_cfg = StepConfig(tasks=cfg.tasks, task_weights=None)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (gathered.sample(), t)[1],
                                                   lambda t: (gathered.sample(), t)[1]):
         loss, _ = forward_loss(p.model, batch, step_cfg, 1)

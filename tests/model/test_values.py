@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from gem.model import GEMModel, ModelConfig
-from tests.model._batches import make_batch, tiny_dict
+from tests.model._batches import make_batch, tiny_dict, tiny_schema
 
 LENGTHS = [5, 0, 7, 1, 3]
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7: rounding to bf16 moves a value by at most eps / 2 of it
 
 
 def _cfg(d: dict) -> ModelConfig:
-    cfg = ModelConfig.from_dict(d)
+    cfg = ModelConfig.from_dict(d, tiny_schema())
     cfg.kernel = "reference"
     return cfg
 
@@ -27,6 +27,11 @@ def _cfg(d: dict) -> ModelConfig:
 def _model(d: dict, seed: int = 0) -> GEMModel:
     torch.manual_seed(seed)
     return GEMModel(_cfg(d), embedding_device="cpu").eval()
+
+
+def _tower_out(model: GEMModel, batch) -> torch.Tensor:
+    """The towers' output [T, d] (after the final norm), the interaction's keys and values."""
+    return model._towers(model.ec(batch.sequence), batch)[0]
 
 
 def _capture_input(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -41,14 +46,14 @@ def test_seq_combine_feeds_the_tower_every_sequence_feature(combine):
     feature order, or summed."""
     d = tiny_dict(seq_combine=combine)
     m = _model(d)
-    seen = _capture_input(m.input_proj)
+    (hist,) = m.cfg.histories
+    seen = _capture_input(m.input_projs[hist])
     batch = make_batch(m.cfg, LENGTHS, seed=1)
     with torch.no_grad():
         m(batch)
-    rows = []
-    for t in m.cfg.sequence_tables:
-        for f in t.features:
-            rows.append(m.ec.embeddings[t.name].weight.detach()[batch.sequence[f].values()])
+    table = {f: t.name for t in m.cfg.sequence_tables for f in t.features}
+    rows = [m.ec.embeddings[table[f]].weight.detach()[batch.sequence[f].values()]
+            for f in m.cfg.history_features(hist)]
     want = torch.cat(rows, -1) if combine == "concat" else torch.stack(rows).sum(0)
     assert len(rows) >= 2 and all(r.abs().max() > 0 for r in rows)
     torch.testing.assert_close(seen[0], want, rtol=0, atol=0)
@@ -58,10 +63,10 @@ def test_bag_pooling_sum_and_mean_by_hand():
     """Each sparse feature's query token is projected from its table's rows summed (pooling sum) or averaged (mean)
     over the example's ids."""
     m = _model(tiny_dict())
-    batch = make_batch(m.cfg, LENGTHS, seed=2, hots=[2, 3, 2])  # several ids per example: sum != mean
+    batch = make_batch(m.cfg, LENGTHS, seed=2, hots=[2, 3])  # several ids per example: sum != mean
     pooling = {f: t.pooling for t in m.cfg.bag_tables for f in t.features}
     assert set(pooling.values()) == {"sum", "mean"}
-    seen = {f: _capture_input(proj) for f, proj in zip(m.cfg.sparse_features, m.sparse_proj)}
+    seen = {f: _capture_input(proj) for f, proj in zip(m.cfg.query_features, m.query_proj)}
     with torch.no_grad():
         m(batch)
     for t in m.cfg.bag_tables:
@@ -139,7 +144,7 @@ def test_option_changes_the_output(section, key, value):
         if section == "interaction":
             y0, y1 = base(batch).logits, other(batch).logits
         else:
-            y0, y1 = base.encode_history(batch)[0], other.encode_history(batch)[0]
+            y0, y1 = _tower_out(base, batch), _tower_out(other, batch)
     rel = float((y1 - y0).abs().max() / y0.abs().max())
     # the same computation gives the same bits on CPU; 1e-5 of the scale is far above fp32 rounding and below the
     # smallest change listed (poly6 against exact gelu: ~1e-4)
@@ -190,16 +195,16 @@ def test_bf16_paths_match_fp32(path):
     low = _model(d)
     batch = make_batch(ref.cfg, LENGTHS, seed=6)
     with torch.no_grad():
-        tower_ref, _ = ref.encode_history(batch)
+        tower_ref = _tower_out(ref, batch)
         logits_ref = ref(batch).logits
         if path == "bf16_weights":
             _dense_to_bf16(low)
-            tower, _ = low.encode_history(batch)
+            tower = _tower_out(low, batch)
             logits = low(batch).logits
             assert logits.dtype == torch.bfloat16
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                tower, _ = low.encode_history(batch)
+                tower = _tower_out(low, batch)
                 logits = low(batch).logits
     tower_depth = 1 + 2 * 4 + 1
     err_t = float((tower.float() - tower_ref).abs().max())

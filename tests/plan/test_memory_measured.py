@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem.model import GEMModel, ModelConfig
+from gem.model import GEMModel, ModelConfig, MoE
 from gem.parallel.fsdp import apply_activation_checkpointing
 from gem.plan.memory import activation_bytes_per_token
-from tests.model._batches import make_batch, tiny_dict
+from tests.model._batches import make_batch, tiny_cfg
 
 LENGTHS = [7, 0, 12, 5, 9]  # 33 tokens: no per-example tensor of these 5 examples has 33 (or 66) rows
 TOL = 0.10
@@ -23,21 +23,35 @@ TOL = 0.10
 
 class SavedBytes:
     """Bytes of distinct storages autograd saves (parameters excluded), split into per-history-token tensors (a
-    dimension of T or top_k * T rows among the first two) and the rest, attributed to the module running."""
+    dimension of T or top_k * T rows among the first two, or anything saved inside the MoE experts, where each row
+    is one routed (token, slot) and an expert's rows number whatever the router gave it) and the rest, attributed
+    to the module running."""
 
     def __init__(self, model: torch.nn.Module, tokens: int, top_k: int) -> None:
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.token_rows = {tokens, top_k * tokens}
         self.seen: dict[int, tuple[str, bool, int]] = {}
         self.module = "?"
+        self.routed = False
         for name, m in model.named_modules():
             m.register_forward_pre_hook(lambda _m, _a, name=name: setattr(self, "module", name))
+            if isinstance(m, MoE):
+                m.experts = self._routed(m.experts)
+
+    def _routed(self, experts):
+        def run(*args, **kwargs):
+            self.routed = True
+            try:
+                return experts(*args, **kwargs)
+            finally:
+                self.routed = False
+        return run
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in self.params and ptr not in self.seen:
-            per_token = any(n in self.token_rows for n in tuple(t.shape)[:2])
+            per_token = self.routed or any(n in self.token_rows for n in tuple(t.shape)[:2])
             self.seen[ptr] = (self.module, per_token, st.nbytes())
         return t
 
@@ -60,10 +74,7 @@ def _measure(cfg: ModelConfig, checkpoint: str, every: int) -> tuple[SavedBytes,
 @pytest.fixture(scope="module")
 def cfg() -> ModelConfig:
     # three blocks, the middle one MoE: checkpointed blocks of two sizes
-    d = tiny_dict(num_blocks=3, moe_every=2)
-    c = ModelConfig.from_dict(d)
-    c.kernel = "triton"
-    return c
+    return tiny_cfg("triton", num_blocks=3, moe_every=2)
 
 
 @pytest.fixture(scope="module")

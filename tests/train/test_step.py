@@ -52,7 +52,7 @@ def test_consecutive_steps_start_from_zero_gradients():
     for b in batches:
         ref_opt.zero_grad()
         out = ref(b)
-        task_loss, _ = multitask_loss(out.logits, b.labels, cfg.task_weights, cfg.heads.tasks)
+        task_loss, _ = multitask_loss(out.logits, b.labels, cfg.task_weights, cfg.tasks)
         (task_loss + 0.5 * out.aux_loss).backward()
         ref_opt.step()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
