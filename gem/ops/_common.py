@@ -131,7 +131,7 @@ class JaggedBatch:
 
     Build one per batch and pass it to every layer in place of the offsets tensor: the layers, and their backward,
     share its tables and its validation. A plain offsets tensor passed to an op gets the batch of its previous calls
-    (one of the last RECENT_MAX tensors), so a loop over one tensor builds its tables once. Tables are dropped when the offsets (or a cross-attention partner's) are written in place (their version
+    (kept on the tensor), so a loop over one tensor builds its tables once. Tables are dropped when the offsets (or a cross-attention partner's) are written in place (their version
     counter moves); offsets rewritten through .data, where that counter does not see it, need a new batch. A batch
     is used on one CUDA stream (its tables are ready on the stream that built them). Not cached: calls under
     torch.compile (the custom ops rebuild their tables) and during CUDA graph capture (the tables are then built
@@ -184,15 +184,14 @@ def as_batch(offsets, max_len, name: str = "max_len") -> JaggedBatch:
     if type(offsets) is not torch.Tensor or torch.compiler.is_compiling():
         return _new_batch(offsets, max_len, name)
     # The same offsets tensor passed call after call (a user's loop, each layer of a model) shares one batch: its
-    # tables and checks follow the tensor's version counter, as a JaggedBatch the caller keeps would.
-    key = (id(offsets), max_len)
-    with _RECENT_LOCK:
-        batch = _RECENT.pop(key, None)
-        if batch is None or batch.offsets is not offsets:
-            batch = _new_batch(offsets, max_len, name)
-        _RECENT[key] = batch
-        while len(_RECENT) > RECENT_MAX:
-            _RECENT.pop(next(iter(_RECENT)))
+    # tables and checks follow the tensor's version counter, as a JaggedBatch the caller keeps would. Kept on the
+    # tensor itself, so it goes with the tensor (a reference cycle, freed by the garbage collector).
+    kept = offsets.__dict__.get("_gem_batches")
+    if kept is None:
+        kept = offsets.__dict__["_gem_batches"] = {}
+    batch = kept.get(max_len)
+    if batch is None:
+        batch = kept[max_len] = _new_batch(offsets, max_len, name)
     return batch
 
 
@@ -203,9 +202,6 @@ def _new_batch(offsets, max_len, name: str) -> JaggedBatch:
         raise ValueError(f"{name}={max_len!r}: must be an int >= 0") from None
 
 
-RECENT_MAX = 8  # plain offsets tensors whose batches are kept (each keeps its tensor alive while it is kept)
-_RECENT: dict = {}
-_RECENT_LOCK = threading.Lock()
 
 
 # The batches of the op call running on this thread (set by gem.ops._register.KernelOp around its eager forward
