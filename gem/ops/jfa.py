@@ -206,7 +206,7 @@ def _unusable(kernel: str, q: torch.Tensor, k: torch.Tensor, hstu, return_lse: b
     return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _varlen_params():
     """The parameter names of this torch's varlen_attn (None without one)."""
     try:

@@ -34,7 +34,7 @@ def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
     lens_q, lens_k, _, _, h, hk, d = case
     g = torch.Generator().manual_seed(seed)
     kk = lens_q if lens_k is None else lens_k
-    mk = lambda t, heads: torch.randn(t, heads, d, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
+    mk = lambda t, heads: torch.randn(t, heads, d, generator=g).to(device, dtype).requires_grad_()
     return mk(sum(lens_q), h), mk(sum(kk), hk), mk(sum(kk), hk)
 
 

@@ -63,8 +63,8 @@ def _assert_close(got, want, names=("out", "dq", "dk", "dv"), base=None):
 
 
 def _triton_vs_reference(op, q, k, v):
-    triton = lambda a, b, c: op(a, b, c, kernel="triton")  # noqa: E731
-    reference = lambda a, b, c: op(a, b, c, kernel="reference")  # noqa: E731
+    triton = lambda a, b, c: op(a, b, c, kernel="triton")
+    reference = lambda a, b, c: op(a, b, c, kernel="reference")
     if q.device.type != "cuda":
         got = _fwd_bwd(triton, q, k, v)
         _assert_close(got, _fwd_bwd(reference, q, k, v))

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from gem.parallel.dims import validate
 from gem.cli.plan import compose, main
+from gem.parallel.dims import validate
 from gem.plan.estimate import estimate, ref_rate
 from gem.plan.memory import activation_bytes_per_token
 from gem.plan.topology import GB, ClusterSpec

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from gem.parallel.dims import validate
 from gem.cli.plan import compose, main
+from gem.parallel.dims import validate
 from gem.plan.estimate import estimate, ref_rate
 from gem.plan.topology import ClusterSpec, PlanError
 

@@ -16,8 +16,8 @@ TOL = 0.20  # the plan leaves out temporaries and allocator fragmentation (docs/
 
 
 def test_plan_hbm_matches_max_memory_allocated_of_gpu_base():
-    from gem.parallel.dims import validate
     from gem.cli.plan import compose as plan_compose
+    from gem.parallel.dims import validate
     from gem.plan.estimate import estimate, ref_rate
     from gem.plan.topology import ClusterSpec
     from gem.train.trainer import Trainer

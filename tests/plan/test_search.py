@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from gem.parallel.dims import validate
 from gem.cli.plan import compose, main
+from gem.parallel.dims import validate
 from gem.plan.estimate import PlanOptions, estimate, ref_rate
 from gem.plan.search import search
 from gem.plan.topology import ClusterSpec, PlanError
