@@ -31,7 +31,7 @@ def _model(d: dict, seed: int = 0) -> GEMModel:
 
 def _tower_out(model: GEMModel, batch) -> torch.Tensor:
     """The towers' output [T, d] (after the final norm), the interaction's keys and values."""
-    return model._towers(model.ec(batch.sequence), batch)[0]
+    return model._towers(model._history_tokens(model.ec(batch.sequence)), batch, per_candidate_copy=False)[0]
 
 
 def _capture_input(module: torch.nn.Module) -> list[torch.Tensor]:
