@@ -66,9 +66,23 @@ def test_simulated_table(capsys):
     assert lines[0].startswith("| experiment | per-rank batch | W |") and len(lines) == 4
     rows = [ln.strip("|").split("|") for ln in lines[2:]]
     assert [(r[0].strip(), int(r[2]), int(r[3])) for r in rows] == [("tiny_cpu", 2, 256), ("tiny_cpu", 4, 512)]
-    for r in rows:
-        none, cost = float(r[4]), float(r[5])
-        assert 1.0 <= cost <= none
+    # each row recomputed from its definition: the same draws, per-rank FLOPs summed as drawn and as partitioned
+    from gem.bench.balance import typed_configs
+    from gem.data.balance import partition
+    from gem.data.synthetic import sample_lengths
+    from gem.model.flops import example_flops
+
+    cfgs = typed_configs(["experiment=tiny_cpu"])
+    b, schema = cfgs.data.batch_size, cfgs.data.schema
+    for r, w in zip(rows, (2, 4)):
+        gen = torch.Generator().manual_seed(0)
+        lengths = {h.name: sample_lengths(h, 3 * w * b, gen) for h in schema.histories}
+        costs = example_flops(cfgs.model, lengths).numpy().reshape(3, w * b)
+        mean = costs.sum() / 3 / w
+        none = np.mean([c.reshape(w, b).sum(1).max() for c in costs]) / mean
+        cost = np.mean([np.bincount(partition(c, w), weights=c, minlength=w).max() for c in costs]) / mean
+        assert float(r[4]) == pytest.approx(none, abs=6e-4) and float(r[5]) == pytest.approx(cost, abs=6e-5)
+        assert cost < none
     assert simulate_main(["--worlds", "2", "no_such_preset"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("balance_sim: error: ") and "no_such_preset" in err and "\n" not in err
