@@ -1,17 +1,27 @@
 """Shared by the dataset converters: raw files read line by line (a bad row is named by file and line), ids mapped
-to contiguous ranges, events turned into examples and written as Parquet (gem/data/parquet.py's layout).
+to contiguous ranges, events turned into examples or requests and written as Parquet (gem/data/parquet.py's layout).
 
-Examples: every event of a user is one example whose candidate is that event's item and whose history is the
-user's previous events (oldest first, at most `max_len`, ties in time kept in file order). Each user's last event
-(users with at least two events) goes to the eval split, the others to train (rows shuffled with `seed`, since
-the Parquet reader deals rows out in file order).
+Rows (`form="rows"`): every event of a user is one example whose candidate is that event's item and whose history
+is the user's previous events (oldest first, at most `max_len`, ties in time kept in file order). Each user's last
+event (users with at least two events) goes to the eval split, the others to train (rows shuffled with `seed`,
+since the Parquet reader deals rows out in file order).
 
-Columns (natural names, declared by the dataset's data preset configs/data/<dataset>.yaml and by the `schema.yaml`
-written beside the files): the history `<item>_ids` and `<action>` (+ the dataset's per-event ids, e.g.
-`category_ids`), oldest first; the candidate `<item>_id` (an integer) and its attributes (e.g. `category_id`);
-one-id features (`user_id`, ...) as integers; multi-hot item attributes (e.g. `genres`) as lists; dense features
+Requests (`form="requests"`, datasets with sessions: `DATASETS` marks them): a user's events in time order, cut
+where two consecutive ones are more than `request_gap_s` apart, are one request each; a request of n >
+`max_candidates` events is cut into ceil(n / max_candidates) requests of consecutive events, as equal as possible.
+A request's history is the user's events before its first event, chosen as for rows (so a request cut in pieces
+has the earlier pieces in the later ones' histories); its candidates are its events in time order. Each user's last
+request (users with at least two) goes to eval, the others to train (shuffled).
+
+Columns (natural names, declared by the dataset's data preset configs/data/<dataset>[_requests].yaml and by the
+`schema.yaml` written beside the files): the history `<item>_ids` and `<action>` (+ the dataset's per-event ids,
+e.g. `category_ids`), oldest first; the candidate `<item>_id` and its attributes (e.g. `category_id`); one-id
+features (`user_id`, ...) as integers; multi-hot item attributes (e.g. `genres`) as lists; dense features
 `user_events` = log1p(number of earlier events of the user), `hours_since_last` = log1p(hours since the user's
-previous event), then the dataset's own; one 0/1 column per task.
+previous event), then the dataset's own; one 0/1 column per task. In the request form every per-event column (the
+candidate, its attributes, the per-event ids that replace the dataset's own dense features, the labels) is a list
+with one entry per candidate, and the request's own columns (`user_id`, `user_events`, `hours_since_last`, taken at
+its first event) hold one value.
 """
 
 from __future__ import annotations
@@ -153,9 +163,11 @@ class Events:
     sparse: dict[str, array] = field(default_factory=dict)  # one-hot candidate features, per event
     dense: list[array] = field(default_factory=list)  # the dataset's dense features, one column per feature
     labels: dict[str, array] = field(default_factory=dict)
+    cand_ids: dict[str, array] = field(default_factory=dict)  # request form only: per-event ids that stand in for
+    # the dataset's own dense features (a request's dense features are the request's, not its candidates')
 
     def __post_init__(self) -> None:
-        for cols, make in ((self.seq, _ints), (self.sparse, _ints), (self.labels, _floats)):
+        for cols, make in ((self.seq, _ints), (self.sparse, _ints), (self.labels, _floats), (self.cand_ids, _ints)):
             for name in cols:
                 cols[name] = make()
         self.dense = [_floats() for _ in self.dense]
@@ -180,13 +192,23 @@ class Spec:
     dense_names: list[str]  # the dataset's own dense columns (Events.dense, in order)
     candidate_attrs: dict[str, str] = field(default_factory=dict)  # Events.sparse column -> table shared with
     # a history column (the candidate's attribute, e.g. its category)
+    cand_id_cards: dict[str, int] = field(default_factory=dict)  # Events.cand_ids column -> cardinality (a table
+    # each; request form only)
+
+
+USER = "user_id"  # the one Events.sparse column that is the user's: a request's own feature in the request form
 
 
 DENSE = ["user_events", "hours_since_last"]
+FORMS = ("rows", "requests")
 
 
-def schema_dict(spec: Spec, max_len: int, embedding_dim: int = 16) -> dict:
-    """The data group's declaration (features, histories, labels, tables) of the converted files."""
+def schema_dict(spec: Spec, max_len: int, embedding_dim: int = 16, form: str = "rows",
+                max_candidates: int = 1) -> dict:
+    """The data group's declaration (features, histories, labels, tables; `max_candidates` for requests) of the
+    converted files. Requests: every per-event sparse column is a candidate feature (on the table it shares with a
+    history column, else its own), the dataset's own dense features give way to its per-event ids (cand_ids)."""
+    requests = form == "requests"
     multi_hot = {name: max((len(v) for v in ids), default=1) for name, (ids, _) in spec.item_multi.items()}
     items, cand = f"{spec.item}_ids", f"{spec.item}_id"
     features = {items: {"kind": "sequence", "table": spec.item, "history": "events"},
@@ -201,15 +223,20 @@ def schema_dict(spec: Spec, max_len: int, embedding_dim: int = 16) -> dict:
             features[col] = {"kind": "candidate", "table": spec.candidate_attrs[col]}
         else:
             table = col.removesuffix("_id")
-            features[col] = {"kind": "sparse", "table": table}
+            features[col] = {"kind": "candidate" if requests and col != USER else "sparse", "table": table}
             tables[table] = card
+    if requests:
+        for col, card in spec.cand_id_cards.items():
+            features[col] = {"kind": "candidate", "table": col}
+            tables[col] = card
     for col, (_, card) in spec.item_multi.items():
         features[col] = {"kind": "sparse", "table": col, "max_hot": max(multi_hot[col], 1), "min_hot": 0}
         tables[col] = card
-    for col in DENSE + spec.dense_names:
+    for col in DENSE + ([] if requests else spec.dense_names):
         features[col] = {"kind": "dense"}
     pooled = {t for f in features.values() if f["kind"] == "sparse" for t in [f["table"]]}
     return {
+        **({"max_candidates": max_candidates} if requests else {}),
         "features": features,
         "histories": {"events": {"max_len": max_len, "min_len": 0}},
         "labels": {t: t for t in spec.tasks},
@@ -227,27 +254,49 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    """A list column: row i holds the next lengths[i] of `values` (int64 ids, or labels as they are)."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int64, copy=False)))
+    values = values if values.dtype.kind == "f" else values.astype(np.int64, copy=False)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def split_requests(user: np.ndarray, time_s: np.ndarray, gap_s: float, max_candidates: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Requests of events sorted by (user, time): (first event [R], events [R]). A request is a run of one user's
+    events at most `gap_s` apart; a run of n > max_candidates events becomes ceil(n / max_candidates) runs of
+    consecutive events whose sizes differ by at most one (the larger first)."""
+    n = len(user)
+    cut = np.r_[True, (user[1:] != user[:-1]) | (np.diff(time_s) > gap_s)]
+    run_start = np.flatnonzero(cut)
+    run_len = np.diff(np.r_[run_start, n])
+    pieces = -(-run_len // max_candidates)
+    base, extra = np.repeat(run_len // pieces, pieces), np.repeat(run_len % pieces, pieces)
+    j = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece within its run
+    return np.repeat(run_start, pieces) + j * base + np.minimum(j, extra), base + (j < extra)
 
 
 @dataclass
 class Converted:
     out: Path
-    train_rows: int
+    train_rows: int  # rows written: examples, or requests in the request form
     eval_rows: int
     schema: dict
     skipped: int
+    form: str = "rows"
+    train_candidates: int = 0  # events scored: = the rows in the row form
+    eval_candidates: int = 0
 
 
 def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, rows_per_file: int,
-                   skipped: int = 0) -> Converted:
-    """Examples from the events, written to out/train/*.parquet, out/eval/*.parquet and out/schema.yaml. Nothing
-    appears under `out` unless all of it was written."""
+                   skipped: int = 0, form: str = "rows", max_candidates: int = 1,
+                   request_gap_s: float = 1800.0) -> Converted:
+    """Examples (form "rows") or requests ("requests") from the events, written to out/train/*.parquet,
+    out/eval/*.parquet and out/schema.yaml. Nothing appears under `out` unless all of it was written."""
     if len(ev) == 0:
         raise RawError(f"{spec.name}: the raw files hold no events")
-    schema = schema_dict(spec, max_len)
+    requests = form == "requests"
+    schema = schema_dict(spec, max_len, form=form, max_candidates=max_candidates)
     Schema.from_dict(schema)  # the converted layout must be one gem reads
     user = np.asarray(ev.user, dtype=np.int64)
     time_s = np.asarray(ev.time_s, dtype=np.float64)
@@ -256,8 +305,6 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
     first = np.r_[True, user[1:] != user[:-1]]
     start = np.maximum.accumulate(np.where(first, np.arange(len(user)), 0))
     pos = np.arange(len(user)) - start  # earlier events of the same user
-    last = np.r_[user[1:] != user[:-1], True]
-    is_eval = last & (pos > 0)
     gap_h = np.where(pos > 0, np.maximum(time_s - np.r_[time_s[:1], time_s[:-1]], 0.0) / 3600.0, 0.0)
     cols = {
         "item": np.asarray(ev.item, dtype=np.int64)[order],
@@ -267,36 +314,63 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
         "dense": [np.log1p(pos).astype(np.float32), np.log1p(gap_h).astype(np.float32)]
         + [np.asarray(d, dtype=np.float32)[order] for d in ev.dense],
         "labels": {n: np.asarray(v, dtype=np.float32)[order] for n, v in ev.labels.items()},
+        "cand_ids": {n: np.asarray(v, dtype=np.int64)[order] for n, v in ev.cand_ids.items()},
     }
     multi = {}
     for name, (ids, _) in spec.item_multi.items():
         lens = np.array([len(v) for v in ids], dtype=np.int64)
         flat = np.array([i for v in ids for i in v], dtype=np.int64)
         multi[name] = (lens, np.cumsum(lens) - lens, flat)
+    if requests:  # a unit = a request: its first event and its events
+        first_ev, count = split_requests(user, time_s, request_gap_s, max_candidates)
+    else:  # a unit = an event
+        first_ev, count = np.arange(len(user)), np.ones(len(user), dtype=np.int64)
+    unit_user = user[first_ev]
+    last = np.r_[unit_user[1:] != unit_user[:-1], True]
+    is_eval = last & (pos[first_ev] > 0)
 
-    def table(rows: np.ndarray) -> pa.Table:
+    def history(rows: np.ndarray) -> dict[str, pa.ListArray]:
         hist_len = np.minimum(pos[rows], max_len)
         hist = _ranges(rows - hist_len, hist_len)
         out_cols = {f"{spec.item}_ids": _list_array(hist_len, cols["item"][hist]),
                     spec.action: _list_array(hist_len, cols["action"][hist])}
         for n, v in cols["seq"].items():
             out_cols[n] = _list_array(hist_len, v[hist])
-        out_cols[f"{spec.item}_id"] = pa.array(cols["item"][rows])
-        for n, v in cols["sparse"].items():
-            out_cols[n] = pa.array(v[rows])
-        for n, (lens, starts, flat) in multi.items():
+        return out_cols
+
+    def table(units: np.ndarray) -> pa.Table:
+        rows = first_ev[units]
+        out_cols = history(rows)
+        if requests:
+            n = count[units]
+            cand = _ranges(rows, n)
+
+            def per_event(v: np.ndarray, own: bool = False):
+                return pa.array(v[rows]) if own else _list_array(n, v[cand])
+        else:
+            def per_event(v: np.ndarray, own: bool = False):
+                return pa.array(v[rows])
+        out_cols[f"{spec.item}_id"] = per_event(cols["item"])
+        for name, v in cols["sparse"].items():
+            out_cols[name] = per_event(v, own=name == USER)
+        if requests:
+            for name, v in cols["cand_ids"].items():
+                out_cols[name] = per_event(v)
+        for name, (lens, starts, flat) in multi.items():
             items = cols["item"][rows]
-            out_cols[n] = _list_array(lens[items], flat[_ranges(starts[items], lens[items])])
-        for name, d in zip(DENSE + spec.dense_names, cols["dense"]):
+            out_cols[name] = _list_array(lens[items], flat[_ranges(starts[items], lens[items])])
+        dense_names = DENSE if requests else DENSE + spec.dense_names
+        for name, d in zip(dense_names, cols["dense"]):
             out_cols[name] = pa.array(d[rows])
         for t in spec.tasks:
-            out_cols[t] = pa.array(cols["labels"][t][rows])
+            out_cols[t] = per_event(cols["labels"][t])
         return pa.table(out_cols)
 
     rng = np.random.default_rng(seed)
     splits = {"train": rng.permutation(np.flatnonzero(~is_eval)), "eval": np.flatnonzero(is_eval)}
     if len(splits["train"]) == 0:
-        raise RawError(f"{spec.name}: no training examples (every user has a single event)")
+        raise RawError(f"{spec.name}: no training {'requests' if requests else 'examples'} (every user has a single "
+                       f"{'request' if requests else 'event'})")
     out.mkdir(parents=True, exist_ok=True)
     for split in (*splits, "schema.yaml"):
         if (out / split).exists():
@@ -304,22 +378,24 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
     tmp = out / f".converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for split, rows in splits.items():
+        for split, units in splits.items():
             (tmp / split).mkdir(parents=True)
-            for k, lo in enumerate(range(0, len(rows), rows_per_file)):
-                chunk = rows[lo: lo + rows_per_file]
+            for k, lo in enumerate(range(0, len(units), rows_per_file)):
+                chunk = units[lo: lo + rows_per_file]
                 pq.write_table(table(chunk), tmp / split / f"part-{k:05d}.parquet", row_group_size=65536)
-        (tmp / "schema.yaml").write_text(_schema_yaml(spec.name, schema))
+        (tmp / "schema.yaml").write_text(_schema_yaml(spec.name, schema, form))
         for name in (*splits, "schema.yaml"):
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Converted(out, len(splits["train"]), len(splits["eval"]), schema, skipped)
+    return Converted(out, len(splits["train"]), len(splits["eval"]), schema, skipped, form,
+                     int(count[splits["train"]].sum()), int(count[splits["eval"]].sum()))
 
 
-def _schema_yaml(name: str, schema: dict) -> str:
+def _schema_yaml(name: str, schema: dict, form: str = "rows") -> str:
     from omegaconf import OmegaConf
 
-    head = (f"# The declaration of these files (python -m gem.data.datasets {name}): data.features, histories,\n"
+    how = f" --form {form}" if form != "rows" else ""
+    head = (f"# The declaration of these files (python -m gem.data.datasets {name}{how}): data.features, histories,\n"
             f"# labels and tables, sized for them; the data preset for this dataset holds the full dataset's sizes.\n")
     return head + OmegaConf.to_yaml(OmegaConf.create(schema))

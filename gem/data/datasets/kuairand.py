@@ -4,6 +4,10 @@
 Every exposure is an event, clicked or not. History `video_ids` and `actions` (0 shown, 1 clicked, 2 long view,
 3 liked: the highest reached); the candidate `video_id`; `user_id`, the app `tab`; dense: `duration` = log1p(video
 duration in seconds) and `is_rand` (whether the exposure was random); tasks: click, long_view, like.
+
+Requests (a user's exposures in one session): `user_id` is the request's; `tab` and the exposure's own numbers
+become candidate ids, one per exposure: `duration_bucket` = min(floor(2 * log1p(duration in seconds)), 15) (16
+buckets, half a log unit wide: 0.6 s, 1.7 s, 3.5 s, ... 30 min) and `is_rand` (0 standard, 1 random exposure).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from gem.data.datasets._events import BadRows, Events, RawError, Spec, Vocab, pa
 
 COLUMNS = ["user_id", "video_id", "time_ms", "is_click", "long_view", "is_like", "duration_ms", "is_rand", "tab"]
 TASKS = ["click", "long_view", "like"]
+DURATION_BUCKETS = 16
 
 
 def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
@@ -22,7 +27,8 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
     if not files:
         raise RawError(f"{raw}: no log_*.csv (KuaiRand's data/ folder; see docs/DATASETS.md for the download)")
     users, items, tabs = Vocab(), Vocab(), Vocab()
-    ev = Events(sparse={"user_id": [], "tab": []}, dense=[[], []], labels={t: [] for t in TASKS})
+    ev = Events(sparse={"user_id": [], "tab": []}, dense=[[], []], labels={t: [] for t in TASKS},
+                cand_ids={"duration_bucket": [], "is_rand": []})
     for path in files:
         for where, row in read_rows(path, ",", 0, bad, header=COLUMNS):
             try:
@@ -44,12 +50,16 @@ def convert(raw: Path, variant: str, bad: BadRows) -> tuple[Events, Spec]:
             ev.action.append(3 if like else 2 if long_view else 1 if click else 0)
             ev.sparse["user_id"].append(ev.user[-1])
             ev.sparse["tab"].append(tabs(str(tab)))
-            ev.dense[0].append(math.log1p(max(duration, 0.0) / 1000.0))
+            log_s = math.log1p(max(duration, 0.0) / 1000.0)
+            ev.dense[0].append(log_s)
             ev.dense[1].append(float(rand))
+            ev.cand_ids["duration_bucket"].append(min(int(2.0 * log_s), DURATION_BUCKETS - 1))
+            ev.cand_ids["is_rand"].append(rand)
             ev.labels["click"].append(float(click))
             ev.labels["long_view"].append(float(long_view))
             ev.labels["like"].append(float(like))
     spec = Spec(name="kuairand", item="video", num_items=len(items), action="actions", num_actions=4, seq_cards={},
                 sparse_cards={"user_id": len(users), "tab": len(tabs)}, item_multi={}, tasks=TASKS,
-                dense_names=["duration", "is_rand"])
+                dense_names=["duration", "is_rand"],
+                cand_id_cards={"duration_bucket": DURATION_BUCKETS, "is_rand": 2})
     return ev, spec

@@ -3,7 +3,8 @@ user_id,item_id,category_id,behavior_type,timestamp with behavior_type in pv / c
 
 History: `item_ids`, `behaviors` (pv 0, cart 1, fav 2, buy 3) and the items' categories `category_ids`; the
 candidate `item_id` and its `category_id` (sharing the category table); `user_id`; tasks: engage (cart, fav or
-buy) and buy.
+buy) and buy. Requests (a user's events in one session): `item_id`, `category_id` and the labels one per event,
+`user_id` the request's.
 """
 
 from __future__ import annotations
