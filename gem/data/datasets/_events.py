@@ -296,6 +296,8 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
     if len(ev) == 0:
         raise RawError(f"{spec.name}: the raw files hold no events")
     requests = form == "requests"
+    if requests and spec.item_multi:
+        raise ValueError(f"{spec.name}: multi-hot item attributes have no request layout")
     schema = schema_dict(spec, max_len, form=form, max_candidates=max_candidates)
     Schema.from_dict(schema)  # the converted layout must be one gem reads
     user = np.asarray(ev.user, dtype=np.int64)
@@ -339,28 +341,23 @@ def write_examples(ev: Events, spec: Spec, out: Path, max_len: int, seed: int, r
         return out_cols
 
     def table(units: np.ndarray) -> pa.Table:
-        rows = first_ev[units]
-        out_cols = history(rows)
-        if requests:
-            n = count[units]
-            cand = _ranges(rows, n)
+        rows, n = first_ev[units], count[units]  # each unit's first event and its events
+        cand = _ranges(rows, n)
 
-            def per_event(v: np.ndarray, own: bool = False):
-                return pa.array(v[rows]) if own else _list_array(n, v[cand])
-        else:
-            def per_event(v: np.ndarray, own: bool = False):
-                return pa.array(v[rows])
+        def per_event(v: np.ndarray) -> pa.Array:  # requests: a list per row, one entry per candidate
+            return _list_array(n, v[cand]) if requests else pa.array(v[rows])
+
+        out_cols = history(rows)
         out_cols[f"{spec.item}_id"] = per_event(cols["item"])
         for name, v in cols["sparse"].items():
-            out_cols[name] = per_event(v, own=name == USER)
+            out_cols[name] = pa.array(v[rows]) if name == USER else per_event(v)
         if requests:
             for name, v in cols["cand_ids"].items():
                 out_cols[name] = per_event(v)
         for name, (lens, starts, flat) in multi.items():
             items = cols["item"][rows]
             out_cols[name] = _list_array(lens[items], flat[_ranges(starts[items], lens[items])])
-        dense_names = DENSE if requests else DENSE + spec.dense_names
-        for name, d in zip(dense_names, cols["dense"]):
+        for name, d in zip(DENSE if requests else DENSE + spec.dense_names, cols["dense"]):
             out_cols[name] = pa.array(d[rows])
         for t in spec.tasks:
             out_cols[t] = per_event(cols["labels"][t])
