@@ -5,6 +5,9 @@ Every problem a user can fix (a config value, a data file, a checkpoint, a run d
 is one line `<key or file:row>: <what> (got <value>)`; the command-line tools print it as `gem-train: error: ...`
 (`error_line`) and exit with status 2 (`EXIT_USER`).
 
+`MOVED_KEYS`: the keys of the older form that moved to another group; setting one stops the run with one line
+naming where it went.
+
 `compose(overrides)` composes `configs/config.yaml` once, with the same override grammar as Hydra's command line;
 keys under `sections` (e.g. gem-plan's `topology.*`) are parsed by the same grammar and returned apart.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,8 +28,10 @@ from gem.config import Checker, ConfigError, build, check_moved, one_of, to_plai
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-AC_MODES = ("none", "full", "selective")
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+ACMode = Literal["none", "full", "selective"]
+COMPILE_BACKENDS = typing.get_args(CompileBackend)
+AC_MODES = typing.get_args(ACMode)
 
 
 class ParallelConfigError(ConfigError):
@@ -61,7 +64,7 @@ class CompileConfig:
 
     enabled: bool | Literal["auto"] = "auto"  # auto: on CUDA
     # inductor (fused kernels); aot_eager / eager trace the same graphs without code generation (debugging, CPU tests)
-    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    backend: CompileBackend = "inductor"
 
     def __post_init__(self) -> None:
         need = Checker("compile").need
@@ -81,7 +84,7 @@ class CompileConfig:
 class ActivationCheckpointConfig:
     """`activation_checkpoint:` which blocks recompute their activations in backward instead of keeping them."""
 
-    mode: Literal["none", "full", "selective"] = "none"  # full: every block; selective: every `every`-th block
+    mode: ACMode = "none"  # full: every block; selective: every `every`-th block
     every: int = 1
 
     def __post_init__(self) -> None:

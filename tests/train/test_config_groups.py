@@ -92,7 +92,7 @@ def test_checkpoint_saved_with_the_old_keys_resumes(tmp_path):
     resumed; a value that decides the state still stops the run."""
     import torch
 
-    from gem.train.checkpoint import CheckpointError, Checkpointer, run_config
+    from gem.train.checkpoint import Checkpointer, CheckpointError, run_config
     from gem.train.preflight import check_resume
     from gem.train.trainer import build_configs
 
