@@ -5,6 +5,9 @@ Every problem a user can fix (a config value, a data file, a checkpoint, a run d
 is one line `<key or file:row>: <what> (got <value>)`; the command-line tools print it as `gem-train: error: ...`
 (`error_line`) and exit with status 2 (`EXIT_USER`).
 
+`MOVED_KEYS`: the keys of the older form that moved to another group; setting one stops the run with one line
+naming where it went.
+
 `compose(overrides)` composes `configs/config.yaml` once, with the same override grammar as Hydra's command line;
 keys under `sections` (e.g. gem-plan's `topology.*`) are parsed by the same grammar and returned apart.
 """
@@ -69,6 +72,29 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("gem_run_id", lambda: os.environ.get("GEM_RUN_ID", "local"), use_cache=True)
 
 
+# Keys that moved to another group (old -> new). Set the old one, on the command line or in a config file, and the
+# run stops with one line saying where it went.
+MOVED_KEYS = {
+    "parallel.compile": "compile.enabled",
+    "parallel.compile_backend": "compile.backend",
+    "parallel.activation_checkpoint": "activation_checkpoint.mode",
+    "parallel.ac_every": "activation_checkpoint.every",
+    "parallel.timeout_s": "comm.timeout_s",
+    "parallel.param_dtype": "train.param_dtype",
+    "parallel.reduce_dtype": "train.reduce_dtype",
+}
+
+
+def check_moved(group: str, data: Any) -> None:
+    """Raise ConfigError `<group>.<key>: moved to <new key>` for the first key of the mapping `data` (the config of
+    `group`) that moved to another group."""
+    if isinstance(data, Mapping):
+        for k in data:
+            new = MOVED_KEYS.get(f"{group}.{k}")
+            if new is not None:
+                raise ConfigError(f"{group}.{k}", f"moved to {new}")
+
+
 def one_line(exc: BaseException) -> str:
     """A one-line message for an exception met while composing or checking a config, naming the key where the
     exception knows it."""
@@ -88,6 +114,8 @@ def one_line(exc: BaseException) -> str:
         first = str(cause).splitlines()[0].strip()
         text = str(exc).splitlines()[0].strip()
         if "not in struct" in str(cause) or "Could not override" in text:
+            if cause.full_key in MOVED_KEYS:
+                return f"{cause.full_key}: moved to {MOVED_KEYS[cause.full_key]}"
             return f"{cause.full_key}: unknown config key (append a new key with '+{cause.full_key}=...')"
         if "Missing mandatory value" in first:
             return f"{cause.full_key}: missing value (set {cause.full_key}=...)"

@@ -31,7 +31,7 @@ def _setup_logging(rank: int) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str] | None = None) -> int:
-    from gem.parallel.dims import ParallelConfig, init_distributed
+    from gem.parallel.dims import init_distributed
     from gem.train.mfu import device_peak_flops, measure_matmul_peak
     from gem.train.trainer import Trainer, build_configs
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str] | None =
     total, timed, log_every = plan_steps(cfg, overrides, args.warmup, args.steps, args.window)
     apply_bench_settings(cfg, total, args.warmup, log_every, None)
     try:
-        build_configs(cfg, world)  # every validator, before any process group or GPU work
+        cfgs = build_configs(cfg, world)  # every validator, before any process group or GPU work
     except (ValueError, TypeError, KeyError) as e:
         raise BenchError(str(e).splitlines()[0]) from None
     if args.write_reference and world > 1:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str] | None =
         print(f"note: warmup {args.warmup} and {timed} timed steps share no divisor >= 5: the trainer syncs the host "
               f"every {log_every} step(s), which can cost throughput", flush=True)
 
-    device = init_distributed(ParallelConfig.from_any(cfg.parallel).timeout_s)
+    device = init_distributed(cfgs.comm.timeout_s)
     if args.write_reference and device.type != "cuda":
         raise BenchError("--write-reference: the reference step is a GPU's; this run is on the CPU")
     measured = None

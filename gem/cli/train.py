@@ -108,7 +108,7 @@ def _run(cfg, cfgs, rank: int, world_size: int, hooks: tuple) -> int:
 
     signals = StopSignals.install()  # before the first collective: a signal from here on stops cleanly
     store = _elastic_store()
-    init_distributed(cfgs.parallel.timeout_s, store=store)  # once per process
+    init_distributed(cfgs.comm.timeout_s, store=store)  # once per process
     state: dict = {"store": store}
     lock = None
     try:

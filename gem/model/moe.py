@@ -107,9 +107,16 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         # True / None: grouped GEMM when on CUDA in bf16; False: the per-expert loop (model.moe.grouped_mm).
         self.use_grouped_mm: bool | None = None
-        # row-wise fp8 grouped GEMMs; apply_precision turns it on (train.precision=fp8) and knows MoE layers by it
+        # row-wise fp8 grouped GEMMs, chosen by set_gemm_precision
         self.fp8_experts = False
         self.reset_parameters()
+
+    def set_gemm_precision(self, precision: str) -> bool:
+        """The experts' GEMM format for `train.precision` (apply_precision calls it on the MoE layers its filter
+        names): fp8 and fp8_block run the row-wise fp8 grouped GEMM where d_model and d_ff are multiples of 16, the
+        other formats bf16. Returns whether the experts run in fp8."""
+        self.fp8_experts = precision in ("fp8", "fp8_block") and self.d_model % 16 == 0 and self.d_ff % 16 == 0
+        return self.fp8_experts
 
     def reset_parameters(self) -> None:
         for w, fan_in in ((self.w1, self.d_model), (self.w3, self.d_model), (self.w2, self.d_ff)):

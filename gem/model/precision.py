@@ -470,10 +470,8 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     for name, mod in list(model.named_modules()):
         if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue
-        if hasattr(mod, "fp8_experts"):  # an MoE layer (known by its switch: moe.py imports this module)
-            # experts run the row-wise fp8 grouped GEMM under fp8 and fp8_block alike (its alignment: 16)
-            if precision in ("fp8", "fp8_block") and mod.d_model % 16 == 0 and mod.d_ff % 16 == 0:
-                mod.fp8_experts = True
+        if hasattr(mod, "set_gemm_precision"):  # an MoE layer (moe imports this module): its experts pick a format
+            if mod.set_gemm_precision(precision):
                 converted.append(name)
             continue
         if type(mod) is not nn.Linear:

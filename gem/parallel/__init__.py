@@ -2,11 +2,23 @@
 dense FSDP2 (HSDP) or DDP, and expert parallelism (all-to-all)."""
 
 from gem.parallel.api import Parallelized, parallelize
-from gem.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims, init_distributed, validate
+from gem.parallel.dims import (
+    ActivationCheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    ParallelConfig,
+    ParallelConfigError,
+    ParallelDims,
+    init_distributed,
+    validate,
+)
 from gem.parallel.expert import AllToAllDispatcher
 
 __all__ = [
+    "ActivationCheckpointConfig",
     "AllToAllDispatcher",
+    "CommConfig",
+    "CompileConfig",
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelDims",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gem.model.precision import inductor_options
-from gem.parallel.dims import ParallelDims, init_distributed
+from gem.parallel.dims import ActivationCheckpointConfig, CompileConfig, ParallelDims, init_distributed
 from gem.parallel.embedding import ShardedEmbeddings, shard_embeddings
 from gem.parallel.expert import apply_expert_parallel, find_moe_modules
 from gem.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, wrap_ddp
@@ -68,13 +68,20 @@ def _canonical(name: str) -> str:
     return name
 
 
-def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: Any = None,
+def parallelize(model: nn.Module, parallel_cfg: Any, *, compile_cfg: Any = None, ac_cfg: Any = None,
+                param_dtype: str = "fp32", reduce_dtype: str = "fp32", sparse_optimizer_cfg: Any = None,
                 device: torch.device | None = None) -> Parallelized:
     """Shard `model` per `parallel_cfg` (collective: call on every rank with identically initialised models).
 
+    `compile_cfg`, `ac_cfg`: the `compile:` and `activation_checkpoint:` groups (a config, a mapping or None for
+    the defaults: compile on CUDA, no checkpointing); they wrap the blocks before FSDP2 shards them.
+    `param_dtype`, `reduce_dtype` (train.param_dtype / train.reduce_dtype): FSDP2's mixed precision, the dtype
+    parameters are all-gathered and computed in and the dtype gradients are reduced in (DDP keeps fp32).
     Order: expert parallel dispatchers/weights -> TorchRec DMP for the tables (optimizer fused into their
     backward) -> activation checkpointing / compile per block -> dense DDP or FSDP2 over the world.
     """
+    compile_cfg = CompileConfig.from_any(compile_cfg)
+    ac_cfg = ActivationCheckpointConfig.from_any(ac_cfg)
     if device is None:
         device = init_distributed()
     else:
@@ -95,13 +102,14 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, sparse_optimizer_cfg: An
     if blocks is not None and not isinstance(blocks, nn.ModuleList):
         raise TypeError("gem.parallel: model.blocks must be an nn.ModuleList")
     if blocks is not None:
-        apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)
-    if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
-        options = inductor_options(inner) if cfg.compile_backend == "inductor" else None
-        apply_compile(inner, blocks, backend=cfg.compile_backend, **({"options": options} if options else {}))
+        apply_activation_checkpointing(blocks, ac_cfg.mode, ac_cfg.every)
+    if compile_cfg.on(device):
+        options = inductor_options(inner) if compile_cfg.backend == "inductor" else None
+        apply_compile(inner, blocks, backend=compile_cfg.backend, **({"options": options} if options else {}))
 
     if cfg.dense == "fsdp":
-        apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules)
+        apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules,
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     elif dims.world_size > 1:
         ignore = set(_sharded_param_names(inner))
         dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device, find_unused_parameters=bool(moes))

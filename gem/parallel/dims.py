@@ -6,6 +6,8 @@ Expert parallelism borrows its degree from dp_shard (dp_shard = dp_shard_mod_ep 
 remaining ("dp_replicate", "dp_shard_mod_ep") dims.
 Sparse side: embedding sharding groups of `emb_shard_group` ranks (TorchRec DMP inside each group) replicated
 across groups; the replica groups link the ranks that hold the same shard.
+Beside it, the groups that `parallelize` and the process group also read: `compile:` (CompileConfig),
+`activation_checkpoint:` (ActivationCheckpointConfig) and `comm:` (CommConfig).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,10 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from gem.config import ConfigError, build, one_of
+from gem.config import Checker, ConfigError, build, check_moved, one_of, to_plain
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+ACMode = Literal["none", "full", "selective"]
+COMPILE_BACKENDS = typing.get_args(CompileBackend)
+AC_MODES = typing.get_args(ACMode)
 
 
 class ParallelConfigError(ConfigError):
@@ -43,29 +50,81 @@ class ParallelConfig:
     sharding_types: Any = None
     # auto: fsdp when the degrees need it (dp_replicate > 1: HSDP, ep > 1), else ddp
     dense: Literal["auto", "ddp", "fsdp"] = "auto"
-    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # FSDP mixed precision: compute/all-gather dtype
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # FSDP gradient reduce dtype
     reshard_after_forward: bool | int = True  # or an int: reshard to a smaller group
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    ac_every: int = 1  # selective: checkpoint every n-th block
-    compile: bool | Literal["auto"] = "auto"  # torch.compile the dense parts of each block (auto: on CUDA)
-    # inductor (fused kernels); aot_eager / eager trace the same graphs without code generation (debugging, CPU tests)
-    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    timeout_s: float = 600.0  # seconds before a collective that hangs fails (a rank stuck or gone)
-
-    def __post_init__(self) -> None:  # checked here: the process group is created before the layout is validated
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ParallelConfigError("parallel.timeout_s", "must be a number of seconds > 0", t)
 
     @classmethod
     def from_any(cls, cfg: Any) -> ParallelConfig:
         """Build from a ParallelConfig, a mapping, an OmegaConf DictConfig or None; unknown keys are errors."""
-        if cfg is None:
-            return cls()
-        if isinstance(cfg, cls):
-            return dataclasses.replace(cfg)
-        return build(cls, cfg, "parallel", ParallelConfigError)
+        return _from_any(cls, cfg, "parallel", ParallelConfigError)
+
+
+@dataclass
+class CompileConfig:
+    """`compile:` regional torch.compile of the dense parts of each block (gem.parallel.parallelize applies it)."""
+
+    enabled: bool | Literal["auto"] = "auto"  # auto: on CUDA
+    # inductor (fused kernels); aot_eager / eager trace the same graphs without code generation (debugging, CPU tests)
+    backend: CompileBackend = "inductor"
+
+    def __post_init__(self) -> None:
+        need = Checker("compile").need
+        need(isinstance(self.enabled, bool) or self.enabled == "auto", "enabled", "expected auto, true or false",
+             self.enabled)
+        need(self.backend in COMPILE_BACKENDS, "backend", f"must be {one_of(COMPILE_BACKENDS)}", self.backend)
+
+    def on(self, device: torch.device) -> bool:
+        return self.enabled is True or (self.enabled == "auto" and device.type == "cuda")
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> CompileConfig:
+        return _from_any(cls, cfg, "compile")
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    """`activation_checkpoint:` which blocks recompute their activations in backward instead of keeping them."""
+
+    mode: ACMode = "none"  # full: every block; selective: every `every`-th block
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        need = Checker("activation_checkpoint").need
+        need(self.mode in AC_MODES, "mode", f"must be {one_of(AC_MODES)}", self.mode)
+        need(not isinstance(self.every, bool) and isinstance(self.every, int), "every", "expected an integer",
+             self.every)
+        need(self.every >= 1, "every", "must be >= 1", self.every)
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> ActivationCheckpointConfig:
+        return _from_any(cls, cfg, "activation_checkpoint")
+
+
+@dataclass
+class CommConfig:
+    """`comm:` the process group's collectives."""
+
+    timeout_s: float = 600.0  # seconds before a collective that hangs fails (a rank stuck or gone)
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        Checker("comm").need(not isinstance(t, bool) and isinstance(t, (int, float)) and t > 0, "timeout_s",
+                             "must be a number of seconds > 0", t)
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> CommConfig:
+        return _from_any(cls, cfg, "comm")
+
+
+def _from_any(cls: type, cfg: Any, key: str, error: type[ConfigError] = ConfigError) -> Any:
+    """`cls` from an instance (copied), a mapping, an OmegaConf DictConfig or None (the defaults); unknown keys are
+    errors, a key that moved to another group says where it went."""
+    if cfg is None:
+        return cls()
+    if isinstance(cfg, cls):
+        return dataclasses.replace(cfg)
+    data = to_plain(cfg)
+    check_moved(key, data)
+    return build(cls, data, key, error)
 
 
 def _check_int(name: str, value: Any, *, allow_minus_one: bool = False) -> int:
@@ -99,7 +158,6 @@ def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
     if world_size % g:
         raise ParallelConfigError("parallel.emb_shard_group", f"must divide the world size {world_size}", g)
     _check_int("emb_sync_every", c.emb_sync_every)
-    _check_int("ac_every", c.ac_every)
     _choice("emb_group_layout", c.emb_group_layout, ("host_local", "strided"))
     _choice("dense", c.dense, ("auto", "ddp", "fsdp"))
     if c.dense == "auto":  # the degrees imply the layout
@@ -108,15 +166,9 @@ def validate(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
         raise ParallelConfigError("parallel.dense", f"HSDP (dp_replicate={dp_rep}) needs fsdp or auto", c.dense)
     if c.dense == "ddp" and ep > 1:
         raise ParallelConfigError("parallel.dense", f"expert parallelism (ep={ep}) needs fsdp or auto", c.dense)
-    for key in ("param_dtype", "reduce_dtype"):
-        _choice(key, getattr(c, key), tuple(_DTYPES))
     r = c.reshard_after_forward
     if not isinstance(r, bool) and not (isinstance(r, int) and r >= 1):
         raise ParallelConfigError("parallel.reshard_after_forward", "expected true, false or an int >= 1", r)
-    _choice("activation_checkpoint", c.activation_checkpoint, ("none", "full", "selective"))
-    if not (isinstance(c.compile, bool) or c.compile == "auto"):
-        raise ParallelConfigError("parallel.compile", "expected auto, true or false", c.compile)
-    _choice("compile_backend", c.compile_backend, ("inductor", "aot_eager", "eager"))
     _check_sharding_types(c.sharding_types)
     c.dp_shard, c.emb_shard_group = dp_shard, g
     return c
@@ -155,7 +207,7 @@ def init_distributed(timeout_s: float = 600.0, store: dist.Store | None = None) 
     same code path (TorchRec DMP, fused optimizer) serves single-process runs. With torchrun's agent `store`, the
     group's keys go under a prefix per restart attempt: the store keeps a failed attempt's keys, and a restarted
     attempt would otherwise read its dead peers' addresses and fail to connect (pytorch/pytorch#135712).
-    `timeout_s`: the collective timeout (the trainer passes `parallel.timeout_s`).
+    `timeout_s`: the collective timeout (the trainer passes `comm.timeout_s`).
     """
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

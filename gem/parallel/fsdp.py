@@ -43,11 +43,13 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, **compile_kwar
 
 
 def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims,
-               ignored_params: Iterable[nn.Parameter], expert_modules: Iterable[nn.Module] = ()) -> None:
+               ignored_params: Iterable[nn.Parameter], expert_modules: Iterable[nn.Module] = (),
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
     """fully_shard the expert modules, then each block, then the root (which picks up the remaining dense
-    params); `ignored_params` (the embedding tables) stay as they are."""
+    params); `ignored_params` (the embedding tables) stay as they are. `param_dtype`, `reduce_dtype`: FSDP2's
+    mixed precision (train.param_dtype / train.reduce_dtype)."""
     c = dims.cfg
-    mp = MixedPrecisionPolicy(param_dtype=dtype_of(c.param_dtype), reduce_dtype=dtype_of(c.reduce_dtype))
+    mp = MixedPrecisionPolicy(param_dtype=dtype_of(param_dtype), reduce_dtype=dtype_of(reduce_dtype))
     mesh = dims.fsdp_mesh
     ignored = set(ignored_params)
     reshard = c.reshard_after_forward

@@ -133,9 +133,9 @@ def workload(cfgs, seed: int = 0, world: int = 1, straggler_batches: int = 64) -
                     balance=cfgs.data.balance)
 
 
-def activation_bytes(cfgs, par: ParallelConfig, cluster: ClusterSpec) -> int:
+def activation_bytes(cfgs, cluster: ClusterSpec) -> int:
     a = cfgs.train.autocast
-    bf16 = a == "bf16" or (a == "auto" and cluster.compute_device == "cuda") or par.param_dtype != "fp32"
+    bf16 = a == "bf16" or (a == "auto" and cluster.compute_device == "cuda") or cfgs.train.param_dtype != "fp32"
     return 2 if bf16 else 4
 
 
@@ -208,8 +208,9 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
     (`check=False`: the estimate all the same; `overflow()` says what does not fit)."""
     work = work or workload(cfgs, seed, cluster.world)
     units = units if units is not None else fsdp_units(cfgs.model, par.ep)
-    act = activation_bytes(cfgs, par, cluster)
-    dense = dense_memory(units, cfgs.model, par, work.history_tokens or work.tokens, act)
+    act = activation_bytes(cfgs, cluster)
+    dense = dense_memory(units, cfgs.model, par, work.history_tokens or work.tokens, act, cfgs.activation_checkpoint,
+                         cfgs.train.param_dtype)
     if check and dense.total > cluster.hbm_bytes:
         raise PlanError(f"rank 0 needs {dense.total} bytes of HBM for the dense part alone (params {dense.params}, "
                         f"grads {dense.grads}, optimizer {dense.optimizer}, gathered {dense.gathered}, activations "
@@ -228,11 +229,12 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
     if check and problem:
         raise PlanError(problem)
     tables = comm.table_shards(emb.plan, cfgs.model)
-    opt = dict(cfgs.train.sparse_optimizer).get("name", "rowwise_adagrad")
+    tc = cfgs.train
+    opt = dict(tc.sparse_optimizer).get("name", "rowwise_adagrad")
     out.collectives = [
         *comm.embedding_collectives(tables, groups, work.batch, work.ids_per_example),
         *comm.expert_collectives(cfgs.model, par, groups, work.tokens, act),
-        *comm.dense_collectives(units, par, groups, _BYTES[par.param_dtype], _BYTES[par.reduce_dtype]),
+        *comm.dense_collectives(units, par, groups, _BYTES[tc.param_dtype], _BYTES[tc.reduce_dtype]),
         *comm.replica_sync_collectives(tables, groups, opt, par.emb_sync_every),
     ]
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gem.model.config import ModelConfig
-from gem.parallel.dims import ParallelConfig
+from gem.parallel.dims import ActivationCheckpointConfig, ParallelConfig
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -156,16 +156,19 @@ def activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, checkpoint: str
 
 
 def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, tokens: int | Mapping[str, int],
-                 act_bytes: int) -> DenseMemory:
+                 act_bytes: int, ac: ActivationCheckpointConfig | None = None, param_dtype: str = "fp32"
+                 ) -> DenseMemory:
     """Per-rank dense bytes for a validated `par` (dp_shard resolved); `tokens`: history tokens per rank (per
-    history: each history's tokens through its own tower; an int: all through the first history's)."""
+    history: each history's tokens through its own tower; an int: all through the first history's); `ac`: the
+    activation checkpointing (None: none); `param_dtype`: FSDP's, of the gathered parameters."""
+    ac = ac or ActivationCheckpointConfig()
     fsdp = par.dense == "fsdp"
     s = par.dp_shard if fsdp else 1
     ep = par.ep
     s_exp = par.dp_shard // ep if fsdp else 1
     rep = par.dp_replicate
     shard = sum(u.shard_numel(s_exp, ep, rep) if u.expert else u.shard_numel(s) for u in units)
-    p_bytes = _BYTES[par.param_dtype]
+    p_bytes = _BYTES[param_dtype]
     # AdamW: fp32 params, fp32 grads, exp_avg + exp_avg_sq
     params, grads, optim = 4 * shard, 4 * shard, 8 * shard
     if fsdp and par.reshard_after_forward:
@@ -175,7 +178,7 @@ def dense_memory(units: list[FsdpUnit], cfg: ModelConfig, par: ParallelConfig, t
     else:
         gathered = 0
     per_history = tokens if isinstance(tokens, Mapping) else {cfg.histories[0]: tokens}
-    acts = int(sum(n * activation_bytes_per_token(cfg, act_bytes, par.activation_checkpoint, par.ac_every, h)
+    acts = int(sum(n * activation_bytes_per_token(cfg, act_bytes, ac.mode, ac.every, h)
                    for h, n in per_history.items()))
     return DenseMemory(params=params, grads=grads, optimizer=optim, gathered=gathered, activations=acts,
                        detail={"shard_numel": shard, "total_numel": sum(u.numel() for u in units)})

@@ -60,8 +60,9 @@ def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions
     work = workload(cfgs, options.seed, cluster.world, options.straggler_batches)
     layouts = candidate_layouts(cfgs, cluster, options)
     units = {ep > 1: fsdp_units(cfgs.model, ep) for ep in {p.ep for p in layouts}}
-    dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.history_tokens or work.tokens,
-                                activation_bytes(cfgs, p, cluster))
+    act = activation_bytes(cfgs, cluster)
+    dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.history_tokens or work.tokens, act,
+                                cfgs.activation_checkpoint, cfgs.train.param_dtype)
              for p in layouts}
     result = SearchResult(fits=[])
     plans: dict[tuple[int, int], EmbeddingPlan | None] = {}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gem.config import UserError, show
+from gem.config import MOVED_KEYS, UserError, show
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -181,8 +181,9 @@ def read_config(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # Config values a checkpoint may be resumed under freely: DCP reshards across world sizes and degrees, and the kernel
-# choice does not change the state.
+# choice does not change the state; checkpoints of the older form also carry the keys that left `parallel`.
 FREE_KEYS = (
+    *MOVED_KEYS,
     "parallel.dp_replicate",
     "parallel.dp_shard",
     "parallel.emb_shard_group",

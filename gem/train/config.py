@@ -64,6 +64,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     aux_loss_weight: float = 1.0  # scales the model's aux (MoE load-balancing) loss
     sparse_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "rowwise_adagrad", "lr": 0.05})
+    # -- precision: every numeric-format key of a run ----------------------------------------------------------------
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
     # the tower GEMMs' format (gem/model/precision.py): bf16 (autocast decides) | fp8 (sm_89+) |
     # fp8_block (1x128 / 128x128 block-scaled E4M3 in all three GEMMs; cuBLAS on sm_90, else emulated) |
@@ -72,6 +73,11 @@ class TrainConfig:
     # fnmatch patterns over module names: the nn.Linear modules `precision` converts
     precision_filter: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER))
     fp8_backend: Literal["gem", "torchao"] = "gem"  # precision=fp8: gem's row-wise Linear or torchao's Float8Linear
+    # FSDP2's mixed precision (parallel.dense=fsdp): the dtype parameters are all-gathered and computed in, and the
+    # dtype gradients are reduced in; DDP keeps fp32 parameters and gradients
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # -----------------------------------------------------------------------------------------------------------------
     # auto: torchrec's TrainPipelineSparseDist on CUDA, the plain loop on CPU
     pipeline: Literal["auto", "sparse_dist", "none"] = "auto"
     log_every: int = 10

@@ -28,7 +28,7 @@ from gem.model import GEMModel, ModelConfig
 from gem.model.flops import example_cost
 from gem.model.precision import apply_precision
 from gem.parallel import parallelize
-from gem.parallel.dims import ParallelConfig, init_distributed
+from gem.parallel.dims import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
 from gem.train.checkpoint import Checkpointer, TrainCheckpointer, restart_count, run_config
 from gem.train.config import TrainConfig
@@ -55,12 +55,16 @@ class Configs:
     data: DataConfig
     parallel: ParallelConfig
     train: TrainConfig
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     """Typed configs from the composed Hydra config; raises a ValueError naming the first bad key.
 
-    `world_size`: when given, the parallel layout is checked against it too.
+    `world_size`: when given, the parallel layout is checked against it too. The `compile`,
+    `activation_checkpoint` and `comm` groups take their defaults where the config has none.
     """
     from omegaconf import OmegaConf
 
@@ -75,7 +79,10 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     if world_size is not None:
         parallel = validate_parallel(parallel, world_size)
     train = TrainConfig.from_dict(cfg.train)
-    return Configs(model=model, data=data, parallel=parallel, train=train)
+    return Configs(model=model, data=data, parallel=parallel, train=train,
+                   compile=CompileConfig.from_any(cfg.get("compile")),
+                   activation_checkpoint=ActivationCheckpointConfig.from_any(cfg.get("activation_checkpoint")),
+                   comm=CommConfig.from_any(cfg.get("comm")))
 
 
 @dataclass
@@ -103,8 +110,8 @@ class Trainer:
                  on_window: Sequence[WindowHook] = ()) -> None:
         """`cfg`: the typed configs (as gem-train builds them) or a composed config; `stop`: the signals that stop
         training at a step boundary with a checkpoint (gem.train.stop)."""
-        parallel = cfg.parallel if isinstance(cfg, Configs) else ParallelConfig.from_any(cfg.get("parallel"))
-        self.device = init_distributed(parallel.timeout_s)
+        comm = cfg.comm if isinstance(cfg, Configs) else CommConfig.from_any(cfg.get("comm"))
+        self.device = init_distributed(comm.timeout_s)
         self.rank, self.world_size = _rank_world()
         self.cfgs = cfg if isinstance(cfg, Configs) else build_configs(cfg, self.world_size)
         self.stop = stop
@@ -120,7 +127,10 @@ class Trainer:
         torch.manual_seed(tc.seed)
         model = GEMModel(self.cfgs.model, embedding_device=self.device)
         apply_precision(model, tc.precision, self.device, tc.precision_filter, tc.fp8_backend)
-        self.par = parallelize(model, self.cfgs.parallel, sparse_optimizer_cfg=tc.sparse_optimizer, device=self.device)
+        self.par = parallelize(model, self.cfgs.parallel, compile_cfg=self.cfgs.compile,
+                               ac_cfg=self.cfgs.activation_checkpoint, param_dtype=tc.param_dtype,
+                               reduce_dtype=tc.reduce_dtype, sparse_optimizer_cfg=tc.sparse_optimizer,
+                               device=self.device)
         self.model = self.par.model
         self.inner = self.par.inner
         torch.manual_seed(tc.seed + 1000003 * (self.rank + 1))  # per-rank stream for anything random in training

@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "rowwise_adagrad", lr: float = 0.05,
-                       data: dict | None = None, candidates: str = "rows"):
+                       data: dict | None = None, candidates: str = "rows", compile: str = "{}",
+                       activation_checkpoint: str = "{}", param_dtype: str = "fp32"):
     """(device, rank, world, Parallelized, SGD over the dense params) for the tiny model under a `parallel:` JSON
-    (`data`: a data group's declaration instead of the default one; `candidates`: model.candidates)."""
+    and `compile:` / `activation_checkpoint:` JSONs (`data`: a data group's declaration instead of the default one;
+    `candidates`: model.candidates; `param_dtype`: train.param_dtype)."""
     import torch.distributed as dist
 
     from gem.model import GEMModel
@@ -25,7 +27,9 @@ def sharded_tiny_model(parallel: str, *, moe_every: int = 2, sparse_opt: str = "
     device = init_distributed()
     torch.manual_seed(0)
     model = GEMModel(model_cfg(moe_every=moe_every, data=data, candidates=candidates), embedding_device=device)
-    p = parallelize(model, json.loads(parallel), sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
+    p = parallelize(model, json.loads(parallel), compile_cfg=json.loads(compile),
+                    ac_cfg=json.loads(activation_checkpoint), param_dtype=param_dtype,
+                    sparse_optimizer_cfg={"name": sparse_opt, "lr": lr}, device=device)
     return device, dist.get_rank(), dist.get_world_size(), p, torch.optim.SGD(p.dense_parameters(), lr=lr)
 
 

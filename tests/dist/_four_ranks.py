@@ -15,9 +15,9 @@ WORLD, GLOBAL_BATCH, STEPS = 4, 16, 5
 BF16 = ["train.autocast=bf16"]
 TRAIN_LAYOUTS = {
     "ddp": ["parallel=ddp"],
-    "hsdp": ["parallel=hsdp", "parallel.reshard_after_forward=false", "parallel.activation_checkpoint=selective",
-             "parallel.ac_every=2"],
-    "hsdp_ep": ["parallel=hsdp_ep", "parallel.activation_checkpoint=full"],
+    "hsdp": ["parallel=hsdp", "parallel.reshard_after_forward=false", "activation_checkpoint.mode=selective",
+             "activation_checkpoint.every=2"],
+    "hsdp_ep": ["parallel=hsdp_ep", "activation_checkpoint.mode=full"],
     "hsdp_ep_bf16": ["parallel=hsdp_ep"] + BF16,
     # one expert per ep rank over two FSDP ranks: the experts' hidden dim is sharded (Shard(1))
     "fsdp_ep_few_experts": ["parallel.dense=fsdp", "parallel.ep=2", "model.moe.num_experts=2"],
@@ -30,9 +30,10 @@ MEMORY_CASES = {
     "ddp": {"parallel": {"dense": "ddp"}},
     "fsdp": {"parallel": {"dense": "fsdp"}},
     "fsdp_no_reshard": {"parallel": {"dense": "fsdp", "reshard_after_forward": False}},
-    "hsdp_selective_ac": {"parallel": {"dense": "fsdp", "dp_replicate": 2, "activation_checkpoint": "selective",
-                                       "ac_every": 2}},
-    "hsdp_ep_full_ac": {"parallel": {"dense": "fsdp", "dp_replicate": 2, "ep": 2, "activation_checkpoint": "full"}},
+    "hsdp_selective_ac": {"parallel": {"dense": "fsdp", "dp_replicate": 2},
+                          "activation_checkpoint": {"mode": "selective", "every": 2}},
+    "hsdp_ep_full_ac": {"parallel": {"dense": "fsdp", "dp_replicate": 2, "ep": 2},
+                        "activation_checkpoint": {"mode": "full"}},
     "hsdp_ep_no_reshard": {"parallel": {"dense": "fsdp", "dp_replicate": 2, "ep": 2, "reshard_after_forward": False}},
     "fsdp_ep_few_experts": {"parallel": {"dense": "fsdp", "ep": 2}, "num_experts": 2},
 }

@@ -85,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parallel", required=True)
+    ap.add_argument("--param-dtype", default="fp32")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=16)
@@ -92,7 +93,7 @@ def main() -> None:
 
     from gem.model import multitask_loss
 
-    device, rank, world, p, opt = sharded_tiny_model(a.parallel)
+    device, rank, world, p, opt = sharded_tiny_model(a.parallel, param_dtype=a.param_dtype)
     counter = CountCollectives(group_names(p.dims))
     ds = dataset(a.global_batch)
     per = a.global_batch // world

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from tests.dist._common import dataset, finish, model_cfg, slice_batch
 
 
-def build(parallel: dict, device):
+def build(parallel: dict, device, ac: dict | None = None):
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
     from gem.model import GEMModel
@@ -27,7 +27,8 @@ def build(parallel: dict, device):
 
     torch.manual_seed(0)
     model = GEMModel(model_cfg(), embedding_device=device)
-    p = parallelize(model, parallel, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.3}, device=device)
+    p = parallelize(model, parallel, ac_cfg=ac, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.3},
+                    device=device)
     adamw = KeyedOptimizerWrapper(p.dense_named_parameters(), lambda ps: torch.optim.AdamW(ps, lr=0.01))
     opt = CombinedOptimizer([("dense", adamw), ("sparse", p.sparse_optimizer)])
     return p, opt, adamw
@@ -91,12 +92,13 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--watchdog", type=float, default=200)
     ap.add_argument("--load-here", action="store_true")
+    ap.add_argument("--activation-checkpoint", default="{}")
     a = ap.parse_args()
     faulthandler.dump_traceback_later(a.watchdog, exit=True)
     from gem.parallel import init_distributed
 
     device = init_distributed()
-    p, opt, adamw = build(json.loads(a.parallel), device)
+    p, opt, adamw = build(json.loads(a.parallel), device, json.loads(a.activation_checkpoint))
     ds = dataset(a.global_batch)
     per = a.global_batch // dist.get_world_size()
     res: dict = {}
@@ -112,7 +114,7 @@ def main() -> None:
             res["after"].append(step_loss(p, opt, ds, s, per))
             res["replicas"].append(replica_max_diff(p))
         if a.load_here:  # a second, fresh copy in this process group loads what was just saved
-            p, opt, adamw = build(json.loads(a.parallel), device)
+            p, opt, adamw = build(json.loads(a.parallel), device, json.loads(a.activation_checkpoint))
             res["same_world"] = load_and_train(p, opt, adamw, ds, per, a)
     else:
         res.update(load_and_train(p, opt, adamw, ds, per, a))

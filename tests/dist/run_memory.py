@@ -59,7 +59,7 @@ def measure(case: dict, device, blocks: int) -> dict:
     cfg = model_cfg(moe_every=2, num_experts=case.get("num_experts", 4), blocks=blocks)
     torch.manual_seed(0)
     p = parallelize(GEMModel(cfg, embedding_device=device), case["parallel"],
-                    sparse_optimizer_cfg={"name": "sgd", "lr": 0.01}, device=device)
+                    ac_cfg=case.get("activation_checkpoint"), sparse_optimizer_cfg={"name": "sgd", "lr": 0.01}, device=device)
     opt = TrainOptimizer(list(p.dense_named_parameters().items()), p.sparse_optimizer, lr=1e-3, total_steps=2)
     dense = p.dense_parameters()
     per = 4
@@ -96,7 +96,8 @@ def measure_cases(cases: dict, blocks: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", required=True, help='JSON {name: {"parallel": {...}, "num_experts": n}}')
+    ap.add_argument("--cases", required=True, help='JSON {name: {"parallel": {...}, '
+                    '"activation_checkpoint": {...}, "num_experts": n}}')
     ap.add_argument("--blocks", type=int, default=2)
     a = ap.parse_args()
     finish(a.out, measure_cases(json.loads(a.cases), a.blocks))

@@ -19,6 +19,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parallel", default="{}")
+    ap.add_argument("--compile", default="{}")
+    ap.add_argument("--activation-checkpoint", default="{}")
+    ap.add_argument("--param-dtype", default="fp32")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--sparse-opt", default="sgd")
@@ -33,7 +36,9 @@ def main() -> None:
     from gem.model import multitask_loss
 
     device, rank, world, p, opt = sharded_tiny_model(a.parallel, moe_every=a.moe_every, sparse_opt=a.sparse_opt,
-                                                     lr=a.lr, data=data, candidates=a.candidates)
+                                                     lr=a.lr, data=data, candidates=a.candidates, compile=a.compile,
+                                                     activation_checkpoint=a.activation_checkpoint,
+                                                     param_dtype=a.param_dtype)
     ds = dataset(a.global_batch, data=data, max_candidates=a.max_candidates)
     per = a.global_batch // world
     losses = []

@@ -13,8 +13,7 @@ from gem.plan import comm
 from gem.plan.memory import fsdp_units
 from tests.dist._common import model_cfg, torchrun
 
-HSDP_EP = {"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 2,
-           "param_dtype": "bf16"}  # all-gathers and expert rows in bf16, gradients reduced in fp32
+HSDP_EP = {"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "emb_shard_group": 2, "emb_sync_every": 2}
 FSDP_MIXED = {"dense": "fsdp", "dp_shard": 4, "emb_shard_group": 2, "emb_group_layout": "strided",
               "sharding_types": {"user_segment": ["row_wise"], "context": ["column_wise"],
                                  "item": ["column_wise"], "action": ["table_wise"]}}
@@ -37,9 +36,12 @@ def _sum(colls, op: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [HSDP_EP, FSDP_MIXED], ids=["hsdp_ep_2d", "fsdp_strided_mixed"])
-def test_collective_bytes_match_the_plan_formulas(tmp_path, layout):
-    measured = torchrun("run_comm_bytes.py", 4, ["--parallel", json.dumps(layout), "--steps", str(STEPS)], tmp_path)
+# HSDP_EP in bf16 (train.param_dtype): all-gathers and expert rows in bf16, gradients reduced in fp32
+@pytest.mark.parametrize("layout,param_dtype", [(HSDP_EP, "bf16"), (FSDP_MIXED, "fp32")],
+                         ids=["hsdp_ep_2d", "fsdp_strided_mixed"])
+def test_collective_bytes_match_the_plan_formulas(tmp_path, layout, param_dtype):
+    measured = torchrun("run_comm_bytes.py", 4, ["--parallel", json.dumps(layout), "--param-dtype", param_dtype,
+                                                 "--steps", str(STEPS)], tmp_path)
     cfg = model_cfg(moe_every=2)
     par = validate(ParallelConfig.from_any(layout), 4)
     ranks = measured["ranks"]
@@ -49,7 +51,7 @@ def test_collective_bytes_match_the_plan_formulas(tmp_path, layout):
 
     # FSDP / HSDP / router: the same on every rank, independent of the data
     dense: dict[tuple[str, str], float] = {}
-    act = 2 if par.param_dtype == "bf16" else 4  # the blocks compute in the all-gathered params' dtype
+    act = 2 if param_dtype == "bf16" else 4  # the blocks compute in the all-gathered params' dtype
     for c in comm.dense_collectives(fsdp_units(cfg, par.ep), par, groups, act, 4):
         dense[(c.op, c.group)] = dense.get((c.op, c.group), 0.0) + c.bytes
     router = _sum(comm.expert_collectives(cfg, par, groups, 0, 4), comm.ALL_REDUCE)

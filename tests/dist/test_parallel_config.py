@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims, validate
+from gem.config import ConfigError
+from gem.parallel.dims import (
+    ActivationCheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    ParallelConfig,
+    ParallelConfigError,
+    ParallelDims,
+    validate,
+)
 from gem.parallel.embedding import sparse_optimizer_spec
 
 
@@ -28,14 +37,7 @@ def _v(world: int, **kw) -> ParallelConfig:
     (4, dict(dense="zero3"), "parallel.dense: must be auto, ddp or fsdp (got zero3)"),
     (4, dict(dense="ddp", dp_replicate=2), "parallel.dense: HSDP (dp_replicate=2) needs fsdp or auto (got ddp)"),
     (4, dict(dense="ddp", ep=2), "parallel.dense: expert parallelism (ep=2) needs fsdp or auto (got ddp)"),
-    (4, dict(param_dtype="fp8"), "parallel.param_dtype: must be fp32, bf16 or fp16 (got fp8)"),
     (4, dict(reshard_after_forward=0), "parallel.reshard_after_forward: expected true, false or an int >= 1 (got 0)"),
-    (4, dict(activation_checkpoint="some"),
-     "parallel.activation_checkpoint: must be none, full or selective (got some)"),
-    (4, dict(compile="yes"), "parallel.compile: expected true or false or auto (got yes)"),
-    (4, dict(compile_backend="tvm"), "parallel.compile_backend: must be inductor, aot_eager or eager (got tvm)"),
-    (4, dict(timeout_s=0), "parallel.timeout_s: must be a number of seconds > 0 (got 0.0)"),
-    (4, dict(timeout_s="10m"), "parallel.timeout_s: expected a number (got 10m)"),
     (4, dict(sharding_types=["diagonal"]), "parallel.sharding_types: must be table_wise,"),
     (4, dict(sharding_types={"item": []}), "parallel.sharding_types: expected a non-empty list of types"),
     (4, dict(sharding_types=["data_parallel"]), "parallel.sharding_types: data_parallel is not offered"),
@@ -51,6 +53,34 @@ def test_bad_configs_give_one_line_naming_the_key(world, kw, msg):
 def test_unknown_key_is_named():
     with pytest.raises(ParallelConfigError, match=r"^parallel\.dp_sahrd: unknown key"):
         ParallelConfig.from_any({"dp_sahrd": 2})
+
+
+@pytest.mark.parametrize("cls,kw,msg", [
+    (CompileConfig, dict(enabled="yes"), "compile.enabled: expected true or false or auto (got yes)"),
+    (CompileConfig, dict(backend="tvm"), "compile.backend: must be inductor, aot_eager or eager (got tvm)"),
+    (CompileConfig, dict(mode="max-autotune"), "compile.mode: unknown key (expected one of backend, enabled)"),
+    (ActivationCheckpointConfig, dict(mode="some"), "activation_checkpoint.mode: must be none, full or selective"),
+    (ActivationCheckpointConfig, dict(every=0), "activation_checkpoint.every: must be >= 1 (got 0)"),
+    (ActivationCheckpointConfig, dict(every=True), "activation_checkpoint.every: expected an integer (got true)"),
+    (CommConfig, dict(timeout_s=0), "comm.timeout_s: must be a number of seconds > 0 (got 0.0)"),
+    (CommConfig, dict(timeout_s="10m"), "comm.timeout_s: expected a number (got 10m)"),
+])
+def test_bad_compile_checkpoint_and_comm_values_give_one_line(cls, kw, msg):
+    with pytest.raises(ConfigError) as e:
+        cls.from_any(kw)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("make,key", [
+    (lambda: CompileConfig(enabled="yes"), "compile.enabled"),
+    (lambda: CompileConfig(backend="tvm"), "compile.backend"),
+    (lambda: ActivationCheckpointConfig(mode="some"), "activation_checkpoint.mode"),
+    (lambda: ActivationCheckpointConfig(every=0), "activation_checkpoint.every"),
+    (lambda: CommConfig(timeout_s=-1), "comm.timeout_s"),
+])
+def test_groups_built_in_code_are_checked_too(make, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        make()
 
 
 @pytest.mark.parametrize("kw,dense", [
@@ -129,7 +159,7 @@ class _Stop(Exception):
 
 @pytest.mark.parametrize("entry", ["trainer", "cli"])
 def test_timeout_is_the_process_groups(monkeypatch, entry):
-    """parallel.timeout_s is the collective timeout the process group is created with, by the trainer and by the
+    """comm.timeout_s is the collective timeout the process group is created with, by the trainer and by the
     command line (which creates the group before Hydra's job)."""
     from gem.parallel import dims
     from gem.train import trainer
@@ -146,7 +176,7 @@ def test_timeout_is_the_process_groups(monkeypatch, entry):
     monkeypatch.setattr(dims, "init_distributed", fake)
     with pytest.raises(_Stop):
         if entry == "trainer":
-            trainer.Trainer(compose([*SMALL, "parallel.timeout_s=42"]))
+            trainer.Trainer(compose([*SMALL, "comm.timeout_s=42"]))
         else:
-            main(["experiment=tiny_cpu", "parallel.timeout_s=42"])
+            main(["experiment=tiny_cpu", "comm.timeout_s=42"])
     assert seen == [42.0]

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.slow
 GRAD_RTOL = 1e-4  # fp32, different reduction order
 
 
-def _train(tmp_path, nproc: int, parallel: dict, sparse_opt: str, **kw) -> dict:
+def _train(tmp_path, nproc: int, parallel: dict, sparse_opt: str, groups: dict | None = None, **kw) -> dict:
+    """`groups`: the compile / activation_checkpoint groups ({group: mapping})."""
     args = ["--parallel", json.dumps(parallel), "--sparse-opt", sparse_opt, "--lr", "0.5", "--steps", "3"]
+    for group, value in (groups or {}).items():
+        args += [f"--{group.replace('_', '-')}", json.dumps(value)]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return torchrun("run_train.py", nproc, args, tmp_path)
@@ -52,19 +55,19 @@ ROW_WISE_BAG = {"item": ["row_wise"], "action": ["column_wise"], "user_segment":
                 "context": ["column_wise", "table_wise"]}
 
 
-@pytest.mark.parametrize("nproc,parallel", [
-    pytest.param(2, {"dense": "ddp", "sharding_types": ROW_WISE_BAG}, id="ddp_constrained_plan"),
-    pytest.param(2, {"dense": "fsdp", "dp_replicate": 2, "activation_checkpoint": "selective", "ac_every": 2},
+@pytest.mark.parametrize("nproc,parallel,groups", [
+    pytest.param(2, {"dense": "ddp", "sharding_types": ROW_WISE_BAG}, {}, id="ddp_constrained_plan"),
+    pytest.param(2, {"dense": "fsdp", "dp_replicate": 2}, {"activation_checkpoint": {"mode": "selective", "every": 2}},
                  id="hsdp_2x1_selective_ac"),
-    pytest.param(2, {"dense": "fsdp", "ep": 2, "activation_checkpoint": "full", "reshard_after_forward": False},
-                 id="fsdp_ep2_full_ac"),
+    pytest.param(2, {"dense": "fsdp", "ep": 2, "reshard_after_forward": False},
+                 {"activation_checkpoint": {"mode": "full"}}, id="fsdp_ep2_full_ac"),
     # the blocks' compiled regions (the CUDA default) traced over FSDP2 and expert-sharded DTensor weights; aot_eager:
     # Inductor's CPU code generation for two ranks on two cores took a minute, its numerics are tests/model's
-    pytest.param(2, {"dense": "fsdp", "ep": 2, "compile": True, "compile_backend": "aot_eager"},
+    pytest.param(2, {"dense": "fsdp", "ep": 2}, {"compile": {"enabled": True, "backend": "aot_eager"}},
                  id="fsdp_ep2_compiled"),
 ])
-def test_parity_with_one_rank(tmp_path, ref_adagrad, nproc, parallel):
-    got = _train(tmp_path, nproc, parallel, "rowwise_adagrad")
+def test_parity_with_one_rank(tmp_path, ref_adagrad, nproc, parallel, groups):
+    got = _train(tmp_path, nproc, parallel, "rowwise_adagrad", groups)
     assert_parity(ref_adagrad, got)
     for table, allowed in parallel.get("sharding_types", {}).items():
         assert got["plan"][table] in allowed, (table, got["plan"][table])
@@ -131,7 +134,7 @@ def test_dcp_reshard_hsdp_ep_4_ranks_to_fsdp_2_ranks(tmp_path):
     ckpt = tmp_path / "ckpt"
     saved = _dcp(tmp_path, 4, "save", ckpt, {"dense": "fsdp", "dp_replicate": 2, "ep": 2})
     # no ep (experts whole on every rank), and activation checkpointing wrappers that the saver did not have
-    two = _dcp(tmp_path, 2, "load", ckpt, {"dense": "fsdp", "activation_checkpoint": "full"})
+    two = _dcp(tmp_path, 2, "load", ckpt, {"dense": "fsdp"}, "--activation-checkpoint", '{"mode": "full"}')
     # optimizer state (AdamW + row-wise Adagrad) carried over: the second step matches too
     assert two["after"] == pytest.approx(saved["after"], abs=1e-5, rel=0)
     assert abs(two["fresh"] - saved["after"][0]) > 1e-3

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gem.parallel.dims import ParallelConfig, validate
+from gem.parallel.dims import ActivationCheckpointConfig, ParallelConfig, validate
 from gem.plan.memory import dense_memory, fsdp_units
 from tests.dist._common import model_cfg
 from tests.dist._four_ranks import MEMORY_BLOCKS, MEMORY_CASES, WORLD
@@ -19,7 +19,8 @@ TOL = 0.10
 def planned(case: dict):
     cfg = model_cfg(moe_every=2, num_experts=case.get("num_experts", 4), blocks=MEMORY_BLOCKS)
     par = validate(ParallelConfig.from_any(case["parallel"]), WORLD)
-    return dense_memory(fsdp_units(cfg, par.ep), cfg, par, tokens=0, act_bytes=4)
+    ac = ActivationCheckpointConfig.from_any(case.get("activation_checkpoint"))
+    return dense_memory(fsdp_units(cfg, par.ep), cfg, par, tokens=0, act_bytes=4, ac=ac)
 
 
 def test_dense_memory_per_rank_matches_the_built_model(four_ranks):

@@ -303,3 +303,14 @@ def test_pad_rows_cover_every_free_row_of_the_padded_groups(seed):
         covered = torch.zeros(total, dtype=torch.bool)
         covered[pad] = True
         assert bool(covered[free].all())
+
+
+@pytest.mark.parametrize("d,f,precision,fp8", [
+    (32, 64, "fp8", True), (32, 64, "fp8_block", True), (32, 64, "mxfp8", False), (32, 64, "bf16", False),
+    (24, 64, "fp8", False), (32, 40, "fp8_block", False),  # the fp8 grouped GEMM needs multiples of 16
+])
+def test_experts_choose_their_gemm_format(d, f, precision, fp8):
+    m = MoE(d, f, num_experts=4, top_k=2)
+    assert m.set_gemm_precision(precision) is fp8 and m.fp8_experts is fp8
+    m.set_gemm_precision("bf16")
+    assert m.fp8_experts is False

@@ -444,8 +444,8 @@ def test_fp8_models_compile_without_mix_order_reduction(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     was_up = torch.distributed.is_initialized()
     try:
-        api.parallelize(model, {"compile": True}, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.1},
-                        device=torch.device("cpu"))
+        api.parallelize(model, {}, compile_cfg={"enabled": True},
+                        sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.1}, device=torch.device("cpu"))
     finally:
         if torch.distributed.is_initialized() and not was_up:
             torch.distributed.destroy_process_group()

@@ -59,7 +59,7 @@ def test_search_ranks_every_layout_that_fits(cfgs):
 
 def test_printed_overrides_give_back_the_layout(capsys):
     # a setting of the user's survives; a layout key the search chooses is replaced
-    user = [*BASE, "parallel.param_dtype=bf16", "parallel.dp_replicate=4"]
+    user = [*BASE, "train.param_dtype=bf16", "parallel.dp_replicate=4"]
     args = ["topology.hosts=2", "topology.gpus_per_host=2", "topology.hbm_gb=80", "plan.top=3", *user]
     assert main(["--search", *args]) == 0
     out = capsys.readouterr().out
@@ -68,10 +68,11 @@ def test_printed_overrides_give_back_the_layout(capsys):
     cfgs = compose(user)
     res = search(cfgs, _cluster(80), ref_rate(cfgs, 100.0), PlanOptions())
     for line, est in zip(lines, res.fits):
-        assert "parallel.param_dtype=bf16" in line
+        assert "train.param_dtype=bf16" in line
         assert sum(w.startswith("parallel.dp_replicate=") for w in line.split()) == 1
-        back = validate(compose(line.split()).parallel, 4)
-        assert back.param_dtype == "bf16"
+        back_cfgs = compose(line.split())
+        assert back_cfgs.train.param_dtype == "bf16"
+        back = validate(back_cfgs.parallel, 4)
         assert dataclasses.replace(back, sharding_types=None) == dataclasses.replace(est.par, sharding_types=None)
 
 
