@@ -75,6 +75,12 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     if world_size is not None:
         parallel = validate_parallel(parallel, world_size)
     train = TrainConfig.from_dict(cfg.train)
+    for t in data.schema.tables:  # a checkpoint between two id-map updates would drop the ids seen since the last
+        k = t.zch.eviction_interval if t.zch is not None else 1
+        if train.checkpoint.every % k:
+            raise ConfigError("train.checkpoint.every", f"must be a multiple of data.tables.{t.name}."
+                              f"zch_eviction_interval={k}, so that checkpoints fall on the table's id-map updates",
+                              train.checkpoint.every)
     return Configs(model=model, data=data, parallel=parallel, train=train)
 
 
