@@ -194,7 +194,9 @@ def pooled_embeddings(kts, names: list[str]) -> list[torch.Tensor]:
     EmbeddingBagCollection (or a list of them; a managed-collision collection's (KeyedTensor, remapped ids) pair).
     Indexed by key: a sharded EBC's KeyedTensor lists features in plan order, not config order."""
     kts = [kt[0] if isinstance(kt, tuple) else kt for kt in (kts if isinstance(kts, list) else [kts]) if kt is not None]
-    where = {k: kt for kt in kts for k in kt.keys()}
+    where = {}
+    for kt in kts:
+        where.update(dict.fromkeys(kt.keys(), kt))
     missing = [n for n in names if n not in where]
     if missing:
         raise KeyError(f"sparse features {missing} missing from the EmbeddingBagCollection output {list(where)}")

@@ -105,8 +105,8 @@ def _drop_feature(d, name):
         (lambda d: d["tables"]["item"].update(ids="raw", hash="zch", zch_input_hash_size=2**63),
          r"^data.tables.item.zch_input_hash_size: must be in \[num_embeddings=500, 2\*\*63 - 1\]"),
         (lambda d: d["tables"]["action"].update(ids="raw", hash="zch", num_embeddings=1),
-         r"^data.tables.action.num_embeddings: hash: zch keeps one row for ids not in the table: needs >= 2 "
-         r"\(got 1\)$"),
+         (r"^data.tables.action.num_embeddings: hash: zch keeps one row for ids not in the table: needs >= 2 "
+          r"\(got 1\)$")),
         (lambda d: d["tables"]["item"].update(ids="raw", hash="cuckoo"),
          r"^data.tables.item.hash: must be modulo or zch \(got cuckoo\)$"),
         (lambda d: d["histories"]["events"].update(distribution="poisson"),

@@ -64,3 +64,15 @@ def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path):
     torch.testing.assert_close(torch.tensor(piped.losses), torch.tensor(plain.losses), rtol=0, atol=1e-6)
     for k, v in plain.eval_metrics.items():
         assert piped.eval_metrics[k] == pytest.approx(v, abs=1e-6), k
+
+
+def test_checkpoints_must_fall_on_id_map_updates():
+    """With an eviction interval k, the ids seen since the last update live outside the state dict: checkpoints
+    every multiple of k only (one line naming both keys)."""
+    from gem.train.trainer import build_configs
+
+    ok = build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=8"]))
+    assert ok.data.schema.table["item"].zch.eviction_interval == 4
+    with pytest.raises(ValueError, match=r"^train.checkpoint.every: must be a multiple of data.tables.item."
+                                         r"zch_eviction_interval=4, .* \(got 6\)$"):
+        build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=6"]))
