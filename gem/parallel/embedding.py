@@ -140,6 +140,27 @@ def zch_tables(model: nn.Module) -> set[str]:
             for t in _configs(m)[0]}
 
 
+def check_zch_layout(zch: list[str], cfg: Any, world_size: int) -> None:
+    """The `parallel:` layout (validated against `world_size`) can hold the `hash: zch` tables `zch`: one sharding
+    group (replicas would map an id to different rows) and row-wise sharding (TorchRec's managed-collision
+    sharders)."""
+    if not zch:
+        return
+    if cfg.emb_shard_group != world_size:
+        raise ParallelConfigError(
+            "parallel.emb_shard_group", f"hash: zch tables ({', '.join(zch)}) are sharded over every rank: their "
+            f"replicas would map the same id to different rows (set it to the world size {world_size})",
+            cfg.emb_shard_group)
+    st = _to_mapping(cfg.sharding_types) if not isinstance(cfg.sharding_types, (list, tuple, str)) \
+        else cfg.sharding_types
+    for name in zch:
+        allowed = st.get(name) if isinstance(st, Mapping) else st
+        allowed = [allowed] if isinstance(allowed, str) else allowed
+        if allowed and "row_wise" not in allowed:
+            raise ParallelConfigError("parallel.sharding_types", f"table {name!r} is hash: zch, which TorchRec shards "
+                                      "row_wise only", list(allowed))
+
+
 class _ZchBagSharder(ManagedCollisionEmbeddingBagCollectionSharder):
     """TorchRec's managed-collision bag sharder, row-wise offered on CPU too: like the plain bag sharder, it runs
     row-wise there but does not say so (the intersection with the CPU bag sharder's types is empty)."""
@@ -182,10 +203,6 @@ def resolve_sharding_types(model: nn.Module, sharding_types: Any, device: torch.
         else:
             ok = _GPU_TYPES if is_bag else tuple(t for t in _GPU_TYPES if t != "table_row_wise")
         allowed = [t for t in (allowed or ok) if t in ok]
-        if not allowed and name in zch:
-            raise ParallelConfigError(
-                f"parallel.sharding_types: table {name!r} is hash: zch, which TorchRec shards row_wise only"
-            )
         if not allowed:
             raise ParallelConfigError(
                 f"parallel.sharding_types: table {name!r} has no type that {device.type} sharding supports "
@@ -377,11 +394,7 @@ def shard_embeddings(model: nn.Module, dims: ParallelDims, sparse_optimizer_cfg:
     allowed = resolve_sharding_types(model, dims.cfg.sharding_types, device)
     g = dims.emb_shard_group
     n_rep = dims.emb_replicas
-    zch = zch_tables(model)
-    if zch and n_rep > 1:
-        raise ParallelConfigError(
-            "parallel.emb_shard_group", f"hash: zch tables ({', '.join(sorted(zch))}) are sharded over every rank: "
-            f"their replicas would map the same id to different rows (set it to the world size {dims.world_size})", g)
+    check_zch_layout(sorted(zch_tables(model)), dims.cfg, dims.world_size)
     plan = _plan(model, allowed, g, dims.local_world_size, device, sharders)
     uses_collection = False
     if n_rep == 1:

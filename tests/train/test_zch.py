@@ -76,3 +76,20 @@ def test_checkpoints_must_fall_on_id_map_updates():
     with pytest.raises(ValueError, match=r"^train.checkpoint.every: must be a multiple of data.tables.item."
                                          r"zch_eviction_interval=4, .* \(got 6\)$"):
         build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=6"]))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("parallel.emb_shard_group=1", r"^parallel.emb_shard_group: hash: zch tables \(item\) are sharded over every "
+                                   r"rank: .* \(set it to the world size 2\) \(got 1\)$"),
+    ("+parallel.sharding_types={item: [table_wise]}",
+     r"^parallel.sharding_types: table 'item' is hash: zch, which TorchRec shards row_wise only "
+     r"\(got \['table_wise'\]\)$"),
+])
+def test_layouts_zch_tables_cannot_take_are_refused(override, match):
+    """What `gem-train --check` reports for a world of 2 ranks, before any rank starts."""
+    from gem.train.trainer import build_configs
+
+    assert build_configs(compose(ZCH), world_size=2).parallel.emb_shard_group == 2
+    with pytest.raises(ValueError, match=match) as e:
+        build_configs(compose(ZCH + [override]), world_size=2)
+    assert "\n" not in str(e.value)
