@@ -79,11 +79,11 @@ def test_checkpoints_must_fall_on_id_map_updates():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("parallel.emb_shard_group=1", r"^parallel.emb_shard_group: hash: zch tables \(item\) are sharded over every "
-                                   r"rank: .* \(set it to the world size 2\) \(got 1\)$"),
+    ("parallel.emb_shard_group=1", (r"^parallel.emb_shard_group: hash: zch tables \(item\) are sharded over every "
+                                    r"rank: .* \(set it to the world size 2\) \(got 1\)$")),
     ("+parallel.sharding_types={item: [table_wise]}",
-     r"^parallel.sharding_types: table 'item' is hash: zch, which TorchRec shards row_wise only "
-     r"\(got \['table_wise'\]\)$"),
+     (r"^parallel.sharding_types: table 'item' is hash: zch, which TorchRec shards row_wise only "
+      r"\(got \['table_wise'\]\)$")),
 ])
 def test_layouts_zch_tables_cannot_take_are_refused(override, match):
     """What `gem-train --check` reports for a world of 2 ranks, before any rank starts."""
