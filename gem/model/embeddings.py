@@ -117,6 +117,15 @@ class ZchModule(MCHManagedCollisionModule):
             self._history_metadata[name] = grown
         self._input_history_buffer_size = size
 
+    @property
+    def table(self) -> str:
+        return self._name
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The table rows [start, end) this module maps ids to (its shard's, once sharded row-wise)."""
+        return self._output_global_offset, self._output_global_offset + self._zch_size
+
     def set_buckets(self, n: int) -> None:
         """Input-space buckets: the row-wise shards this table gets (TorchRec's planner refuses a table whose
         bucket count its world size does not divide)."""

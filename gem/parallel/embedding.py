@@ -161,6 +161,24 @@ def check_zch_layout(zch: list[str], cfg: Any, world_size: int) -> None:
                                       "row_wise only", list(allowed))
 
 
+def zch_resume_problem(module: nn.Module, saved: Mapping[str, Any]) -> str | None:
+    """Why the id maps in `saved` (a loaded model state dict) cannot go into `module`'s sharded zch tables (None:
+    they can). TorchRec rebuilds a shard's map from saved shards it covers whole, so a table saved in W row-wise
+    shards resumes on W ranks or on fewer whose shards join saved ones, not on more."""
+    for m in zch_modules(module):
+        key = next((k for k in saved if k.endswith(f"_managed_collision_modules.{m.table}._output_segments_tensor")),
+                   None)
+        if key is None:
+            continue
+        bounds = sorted(set(saved[key].tolist()) - {-1})
+        start, end = m.rows
+        if start not in bounds or end not in bounds:
+            return (f"the hash: zch table '{m.table}' was saved in {len(bounds) - 1} row-wise shard(s) (row bounds "
+                    f"{bounds}); this rank's shard [{start}, {end}) would split one: resume on as many ranks, or on "
+                    "fewer whose shards join whole saved ones")
+    return None
+
+
 class _ZchBagSharder(ManagedCollisionEmbeddingBagCollectionSharder):
     """TorchRec's managed-collision bag sharder, row-wise offered on CPU too: like the plain bag sharder, it runs
     row-wise there but does not say so (the intersection with the CPU bag sharder's types is empty)."""

@@ -210,3 +210,25 @@ def test_parquet_raw_ids_reach_the_batch_unchanged(tmp_path):
     rows["user_segment"] = [1, 2, 300]
     with pytest.raises(ValueError, match="feature 'user_segment': id outside its table 'user_segment' range"):
         ParquetDataset(schema, _write(tmp_path / "bad.parquet", rows), batch_size=3).batch(0)
+
+
+def test_resume_refuses_a_world_that_splits_a_saved_shard():
+    """A map saved in row-wise shards loads into shards that join whole saved ones (the same or fewer ranks), not
+    into one that splits a saved shard (more ranks): one line naming the table and the bounds."""
+    from gem.parallel.embedding import zch_resume_problem
+
+    m = ZchModule(zch_size=64, device=torch.device("cpu"), eviction_policy=LRU_EvictionPolicy(), eviction_interval=1,
+                  input_hash_size=2**62, input_hash_func=zch_input_hash, name="item")
+    second_half = nn.ModuleDict({"item": m.rebuild_with_output_id_range((32, 64), [0, 32, 64])})
+
+    def saved(*bounds: int) -> dict:
+        segs = torch.full((1025,), -1, dtype=torch.int64)
+        segs[: len(bounds)] = torch.tensor(bounds)
+        return {"mc_ec._managed_collision_collection._managed_collision_modules.item._output_segments_tensor": segs}
+
+    assert zch_resume_problem(nn.ModuleDict({"item": m}), saved(0, 32, 64)) is None  # 2 shards -> 1
+    assert zch_resume_problem(second_half, saved(0, 32, 64)) is None  # 2 -> 2
+    assert zch_resume_problem(second_half, saved(0, 16, 32, 48, 64)) is None  # 4 -> 2
+    problem = zch_resume_problem(second_half, saved(0, 64))  # 1 -> 2
+    assert problem.startswith("the hash: zch table 'item' was saved in 1 row-wise shard(s) (row bounds [0, 64]); "
+                              "this rank's shard [32, 64) would split one")
