@@ -55,24 +55,25 @@ def _shard(data: dict, device, lr: float = 0.5):
     return p, zch_modules(p.inner)
 
 
-def _seq(ids: torch.Tensor) -> KeyedJaggedTensor:
+def _seq(ids: torch.Tensor, device: torch.device) -> KeyedJaggedTensor:
     """All `ids` as one history (hist_item), no action ids, one candidate id (the first)."""
     n = ids.numel()
     return KeyedJaggedTensor.from_lengths_sync(
         keys=["hist_item", "hist_action", "cand_item"], values=torch.cat([ids, torch.zeros(n, dtype=torch.int64),
                                                                           ids[:1]]),
-        lengths=torch.tensor([n, n, 1]))
+        lengths=torch.tensor([n, n, 1])).to(device)
 
 
 def _rows(m: ZchModule, ids: torch.Tensor) -> torch.Tensor:
     """The table row each raw id maps to now (the last row: not in the map)."""
-    jt = {"t": JaggedTensor(values=ids, lengths=torch.tensor([ids.numel()]))}
-    return m.remap(m.preprocess(jt))["t"].values()
+    ids = ids.to(m.device)
+    jt = {"t": JaggedTensor(values=ids, lengths=torch.tensor([ids.numel()], device=m.device))}
+    return m.remap(m.preprocess(jt))["t"].values().cpu()
 
 
 def _weights(p, name: str) -> torch.Tensor:
     (w,) = [v for k, v in p.model.state_dict().items() if k.endswith(f"{name}.weight")]
-    return w.local_shards()[0].tensor
+    return w.local_shards()[0].tensor.detach().cpu()
 
 
 def _random_ids(n: int, seed: int) -> torch.Tensor:
@@ -85,26 +86,27 @@ def _random_ids(n: int, seed: int) -> torch.Tensor:
 
 def test_distinct_ids_get_distinct_rows_where_modulo_collides(process_group):
     rows = 64
-    p, (m,) = _shard(_data(rows), process_group)
+    dev = process_group
+    p, (m,) = _shard(_data(rows), dev)
     ids = _random_ids(rows - 1, seed=1)  # as many as the map holds (one row is kept for ids not in it)
     assert ids.numel() == rows - 1
     modulo = torch.remainder(ids, rows)
     assert modulo.unique().numel() < ids.numel()  # what hash: modulo does with the same ids
-    out, loss = p.model(_seq(ids))
+    out, loss = p.model(_seq(ids, dev))
     got = _rows(m, ids)
     assert got.unique().numel() == ids.numel() and int(got.max()) < rows - 1
     # each id's embedding is its own row, the same in a later batch (the map is stable while it fits)
-    w = _weights(p, "item").detach().clone()
-    torch.testing.assert_close(out["hist_item"].values(), w[got], rtol=0, atol=0)
-    torch.testing.assert_close(out["cand_item"].values(), w[got[:1]], rtol=0, atol=0)
+    w = _weights(p, "item").clone()
+    torch.testing.assert_close(out["hist_item"].values().cpu(), w[got], rtol=0, atol=0)
+    torch.testing.assert_close(out["cand_item"].values().cpu(), w[got[:1]], rtol=0, atol=0)
     loss.backward()
-    p.model(_seq(ids.flip(0)))
+    p.model(_seq(ids.flip(0), dev))
     assert torch.equal(_rows(m, ids), got)
     assert int(m.open_slots()) == 0
     # one id more than the map holds: one of the 64 (the lowest scored) has the shared row of ids not in the map,
     # the 63 others keep distinct rows
     everyone = torch.cat([ids, torch.tensor([12345])])
-    p.model(_seq(everyone[-1:]))
+    p.model(_seq(everyone[-1:], dev))
     now = _rows(m, everyone)
     assert int((now == rows - 1).sum()) == 1 and now[now != rows - 1].unique().numel() == rows - 1
 
@@ -112,17 +114,17 @@ def test_distinct_ids_get_distinct_rows_where_modulo_collides(process_group):
 def test_more_ids_than_rows_evicts_and_resets_the_rows(process_group):
     """lru: the ids of the first step leave for newer ones; their rows get the newcomers, re-initialised (weights
     drawn again from the table's init, row-wise Adagrad state 0) before the newcomers' first lookup."""
-    rows = 9
-    p, (m,) = _shard(_data(rows, policy="lru"), process_group)
+    rows, dev = 9, process_group
+    p, (m,) = _shard(_data(rows, policy="lru"), dev)
     first, second = torch.arange(8) * 7919 + 11, torch.arange(4) * 104729 - 5
-    _, loss = p.model(_seq(first))
+    _, loss = p.model(_seq(first, dev))
     loss.backward()  # every row trained once: weights moved, Adagrad sums > 0
     rows_first = _rows(m, first)
     assert sorted(rows_first.tolist()) == list(range(rows - 1))
     (tbe,) = [k for k in p.embeddings._kernels()]
-    trained = _weights(p, "item").detach().clone()
+    trained = _weights(p, "item").clone()
     assert (tbe.split_optimizer_states()[0][0][: rows - 1] > 0).all()
-    out, _ = p.model(_seq(second))  # forward only: the eviction happens before the lookup
+    out, _ = p.model(_seq(second, dev))  # forward only: the eviction happens before the lookup
     rows_second = _rows(m, second)
     assert rows_second.unique().numel() == 4 and int(rows_second.max()) < rows - 1
     now_first = _rows(m, first)
@@ -130,31 +132,32 @@ def test_more_ids_than_rows_evicts_and_resets_the_rows(process_group):
     assert int(evicted.sum()) == 4
     assert sorted(rows_second.tolist()) == sorted(rows_first[evicted].tolist())  # the freed rows, reused
     assert torch.equal(now_first[~evicted], rows_first[~evicted])  # the others keep theirs
-    w = _weights(p, "item").detach()
-    state = tbe.split_optimizer_states()[0][0]
+    w = _weights(p, "item")
+    state = tbe.split_optimizer_states()[0][0].cpu()
     for r in rows_second.tolist():
         assert state[r] == 0
         assert not torch.equal(w[r], trained[r]) and float(w[r].abs().max()) <= INIT
     kept = rows_first[~evicted]
     assert torch.equal(w[kept], trained[kept]) and (state[kept] > 0).all()
-    torch.testing.assert_close(out["hist_item"].values(), w[rows_second], rtol=0, atol=0)
+    torch.testing.assert_close(out["hist_item"].values().cpu(), w[rows_second], rtol=0, atol=0)
 
 
 def test_pooled_zch_table(process_group):
     """A sparse feature's zch table (ManagedCollisionEmbeddingBagCollection): distinct raw ids, distinct rows; the
     pooled embedding is the sum of its ids' rows."""
-    p, mods = _shard(_data(64, bag_rows=16), process_group)
+    dev = process_group
+    p, mods = _shard(_data(64, bag_rows=16), dev)
     bag_m = next(m for m in mods if m.output_size() == 16)
     ids = torch.tensor([-3, 2**40, 7, 2**40 + 1, 99], dtype=torch.int64)
     bag = KeyedJaggedTensor.from_lengths_sync(keys=["user_segment", "context"], values=torch.cat(
-        [ids, torch.tensor([1, 2])]), lengths=torch.tensor([2, 3, 1, 1]))
-    p.model(_seq(torch.tensor([5, 6])), bag)
+        [ids, torch.tensor([1, 2])]), lengths=torch.tensor([2, 3, 1, 1])).to(dev)
+    p.model(_seq(torch.tensor([5, 6]), dev), bag)
     got = _rows(bag_m, ids)
     assert got.unique().numel() == 5 and int(got.max()) < 15
-    w = _weights(p, "user_segment").detach()
+    w = _weights(p, "user_segment")
     kt, _ = p.inner.mc_ebc(bag)
     expect = torch.stack([w[got[:2]].sum(0), w[got[2:]].sum(0)])
-    torch.testing.assert_close(kt["user_segment"], expect, rtol=0, atol=1e-6)
+    torch.testing.assert_close(kt["user_segment"].cpu(), expect, rtol=0, atol=1e-6)
 
 
 def test_the_id_history_grows_with_the_batch():
