@@ -20,8 +20,9 @@ Checks, each failing with one line `<file>:<row>: <feature>: <what> (got <value>
 opening, every file's column names and types (from its metadata) and a sample of its row groups (the first and the
 last; `check_rows="all"`: every row a pass reads, as for evaluation); then every batch as it is read: no nulls, the
 sequence columns of a history equally long and at most its max_len, candidates one id, sparse ids per row within
-[min_hot, max_hot], ids inside their table (raw-id tables: hashed instead), dense lists of their size with finite
-values, labels 0 or 1 (requests: 1..K candidates, every candidate and label list of a row equally long).
+[min_hot, max_hot], ids inside their table (raw-id tables: `hash: modulo` maps them into it, `hash: zch` takes
+any int64), dense lists of their size with finite values, labels 0 or 1 (requests: 1..K candidates, every
+candidate and label list of a row equally long).
 
 Reading: the files (in the given order) form one stream of rows cut into global batches of `batch_size` rows;
 rank r of W takes global batches r, r + W, ... (the same convention as the synthetic stream, so a world of W
@@ -250,7 +251,7 @@ def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str], max
     requests = max_candidates > 1
     check_columns(table.column_names, [f.type for f in table.schema], schema, where(0), allow_extra=True,
                   max_candidates=max_candidates)
-    cards, hashed = schema.cardinalities(), schema.hashed()
+    cards, hashed, zch = schema.cardinalities(), schema.hashed(), schema.zch_features()
     cols = {c: table.column(c).combine_chunks() for c in columns(schema)}
     out: dict[str, Any] = {}
     for f in schema.features:
@@ -270,7 +271,7 @@ def read_table(table: pa.Table, schema: Schema, where: Callable[[int], str], max
                 raise DataFileError(where(i), f"feature '{f.name}': {what}", int(lengths[i]))
         if f.name in hashed:
             ids = np.mod(ids, hashed[f.name])
-        else:
+        elif f.name not in zch:  # zch: the raw ids go to the model's managed-collision lookup as they are
             bad = (ids < 0) | (ids >= cards[f.name])
             if bad.any():
                 k = _first(bad)

@@ -26,7 +26,8 @@ Layout of the `data:` group (configs/data/*.yaml; docs/DATA.md)::
     labels:                     # task -> 0/1 column, in head order (requests: a list, one per candidate)
       <task>: <column>
     tables:                     # TorchRec EmbeddingConfig / EmbeddingBagConfig fields
-      <name>: {num_embeddings, embedding_dim, pooling: sum | mean, init_range, ids: dense | raw, hash: modulo | zch}
+      <name>: {num_embeddings, embedding_dim, pooling: sum | mean, init_range, ids: dense | raw, hash: modulo | zch,
+               zch_eviction_policy, zch_eviction_interval, zch_input_hash_size}
     synthetic: {zipf_alpha, action}  # synthetic only: item popularity law; the sequence feature holding event types
 
 Embedding collections: a table that a sequence or candidate feature uses is unpooled (TorchRec's
@@ -43,7 +44,10 @@ long ones.
 
 Raw ids: `ids: raw` tables take any 64-bit id; `hash: modulo` maps id -> id mod num_embeddings (Python's modulo, so
 negative ids land in range too). With n distinct ids spread evenly over m rows, the expected fraction of ids that
-share their row with another is 1 - (m / n) * (1 - exp(-n / m)) (n = m: 37%; n = m / 10: 4.8%).
+share their row with another is 1 - (m / n) * (1 - exp(-n / m)) (n = m: 37%; n = m / 10: 4.8%). `hash: zch` keeps
+the raw ids in the batch and gives each its own row through TorchRec's managed-collision modules
+(gem.model.embeddings): zero collisions while the distinct ids fit the table, evictions by
+`zch_eviction_policy` beyond that (ZchSpec).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ from gem.config import Checker, ConfigError, build, to_plain
 
 FEATURE_KINDS = ("sequence", "candidate", "sparse", "dense")
 POOLINGS = ("sum", "mean")
+ZCH_POLICIES = ("distance_lfu", "lfu", "lru")  # torchrec.modules.mc_modules' eviction policies
+ZCH_KEYS = ("zch_eviction_policy", "zch_eviction_interval", "zch_input_hash_size")
+MAX_INT64 = 2**63 - 1
 
 # What the old form's keys became (one line each, raised as a ConfigError).
 OLD_DATA_KEYS = {
@@ -89,6 +96,32 @@ class TableSpec:
     init_range: float | None = None  # uniform(-r, r); None: torchrec's default sqrt(1 / num_embeddings)
     ids: Literal["dense", "raw"] = "dense"  # dense: ids in [0, num_embeddings), checked; raw: any int64, hashed
     hash: Literal["modulo", "zch"] | None = None  # raw ids only
+    zch_eviction_policy: str | None = None  # hash: zch only (ZchSpec holds the defaults)
+    zch_eviction_interval: int | None = None
+    zch_input_hash_size: int | None = None
+
+    @property
+    def zch(self) -> ZchSpec | None:
+        """The managed-collision settings of a `hash: zch` table (defaults filled in), else None."""
+        if self.hash != "zch":
+            return None
+        given = {k[len("zch_"):]: getattr(self, k) for k in ZCH_KEYS if getattr(self, k) is not None}
+        return ZchSpec(**given)
+
+
+@dataclass(frozen=True)
+class ZchSpec:
+    """Zero-collision hashing of a raw-id table (TorchRec's MCHManagedCollisionModule; docs/DATA.md).
+
+    A raw id is first mixed into [0, input_hash_size) (gem.model.embeddings.zch_input_hash; distinct ids meet there
+    with probability ~ n^2 / (2 input_hash_size) for n of them), then looked up in the table's id -> row map. One
+    row (per shard) is kept for ids the map does not hold; every `eviction_interval` training steps the ids seen
+    since the last update enter the map, the lowest-scored ones leaving when it is full: `lfu` by count, `lru` by
+    last step seen, `distance_lfu` by count / steps since last seen."""
+
+    eviction_policy: str = "distance_lfu"
+    eviction_interval: int = 1
+    input_hash_size: int = 2**62
 
 
 @dataclass(frozen=True)
@@ -159,6 +192,7 @@ class EmbeddingTable:
     init_range: float | None = None
     ids: Literal["dense", "raw"] = "dense"
     hash: str | None = None
+    zch: ZchSpec | None = None  # hash: zch tables
 
 
 @dataclass(frozen=True)
@@ -254,10 +288,16 @@ class Schema:
         return {f.name: rows[f.table] for f in self.features if f.table is not None}
 
     def hashed(self) -> dict[str, int]:
-        """Feature -> num_embeddings for features whose table takes raw ids (`hash: modulo`)."""
+        """Feature -> num_embeddings for features whose table takes raw ids through `hash: modulo` (the reader maps
+        them into range)."""
         tables = self.table
         return {f.name: tables[f.table].num_embeddings for f in self.features
-                if f.table is not None and tables[f.table].ids == "raw"}
+                if f.table is not None and tables[f.table].hash == "modulo"}
+
+    def zch_features(self) -> set[str]:
+        """Features whose table is `hash: zch`: their raw ids reach the model as they are (any int64)."""
+        tables = self.table
+        return {f.name for f in self.features if f.table is not None and tables[f.table].hash == "zch"}
 
     @property
     def embedding_tables(self) -> list[EmbeddingTable]:
@@ -269,7 +309,7 @@ class Schema:
             out.append(EmbeddingTable(
                 name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                 features=tuple(f.name for f in users), kind="sequence" if unpooled else "bag",
-                pooling=t.pooling or "sum", init_range=t.init_range, ids=t.ids, hash=t.hash))
+                pooling=t.pooling or "sum", init_range=t.init_range, ids=t.ids, hash=t.hash, zch=t.zch))
         return out
 
     def embedding_dim(self, feature: str) -> int:
@@ -344,11 +384,22 @@ def _validate(s: Schema) -> None:
         need(t.embedding_dim >= 1, f"{k}.embedding_dim", "must be >= 1", t.embedding_dim)
         need(t.init_range is None or t.init_range > 0, f"{k}.init_range", "must be > 0 or null", t.init_range)
         if t.ids == "raw":
-            need(t.hash is not None, f"{k}.hash", "raw ids need a hash: modulo (or zch)", t.hash)
-            need(t.hash != "zch", f"{k}.hash", "zch (TorchRec managed collisions) is not supported: use hash: modulo "
-                 "and size num_embeddings for the collision rate you accept (docs/DATA.md)", t.hash)
+            need(t.hash is not None, f"{k}.hash", "raw ids need a hash: modulo or zch", t.hash)
         else:
             need(t.hash is None, f"{k}.hash", "only ids: raw tables are hashed (set ids: raw)", t.hash)
+        if t.hash != "zch":
+            for key in ZCH_KEYS:
+                need(getattr(t, key) is None, f"{k}.{key}", "only hash: zch tables take it", getattr(t, key))
+            continue
+        need(t.num_embeddings >= 2, f"{k}.num_embeddings", "hash: zch keeps one row for ids not in the table: "
+             "needs >= 2", t.num_embeddings)
+        z = t.zch
+        need(z.eviction_policy in ZCH_POLICIES, f"{k}.zch_eviction_policy", f"must be one of {', '.join(ZCH_POLICIES)}",
+             z.eviction_policy)
+        need(z.eviction_interval >= 1, f"{k}.zch_eviction_interval", "must be >= 1 (training steps)",
+             z.eviction_interval)
+        need(t.num_embeddings <= z.input_hash_size <= MAX_INT64, f"{k}.zch_input_hash_size",
+             f"must be in [num_embeddings={t.num_embeddings}, 2**63 - 1]", z.input_hash_size)
     for f in s.features:
         k = f"features.{f.name}"
         if f.kind == "dense":

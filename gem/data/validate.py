@@ -34,7 +34,7 @@ def _check_keys(kind: str, kjt: KeyedJaggedTensor, expected: list[str]) -> None:
 
 
 def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[str, int]) -> torch.Tensor:
-    """Checks lengths and id ranges; returns lengths as [num_keys, B]."""
+    """Checks lengths and the id ranges of the features in `cards`; returns lengths as [num_keys, B]."""
     keys = list(kjt.keys())
     lengths = kjt.lengths()
     if lengths.numel() != len(keys) * batch_size:
@@ -52,10 +52,10 @@ def _check_kjt(kind: str, kjt: KeyedJaggedTensor, batch_size: int, cards: dict[s
     if values.is_floating_point():
         raise BatchError(f"{kind}: ids must be integers, got {values.dtype}")
     for key, chunk in zip(keys, torch.split(values, per_key)):
-        if chunk.numel() == 0:
+        card = cards.get(key)
+        if chunk.numel() == 0 or card is None:  # None: a zch table's raw ids, any int64
             continue
         lo, hi = torch.aminmax(chunk)
-        card = cards[key]
         if int(lo) < 0 or int(hi) >= card:
             bad = (chunk < 0) | (chunk >= card)
             i = _first_bad(bad)[0]
@@ -105,7 +105,8 @@ def validate_batch(batch: Batch, schema: Schema) -> None:
     bsz = int(batch.dense.shape[0]) if batch.dense.dim() >= 1 else 0
     if bsz == 0:
         raise BatchError("batch has no users (batch size 0)")
-    cards = schema.cardinalities()
+    zch = schema.zch_features()
+    cards = {k: v for k, v in schema.cardinalities().items() if k not in zch}
     _check_keys("sequence", batch.sequence, schema.unpooled_names)
     _check_keys("sparse", batch.sparse, schema.sparse_names)
     counts = _check_requests(batch, bsz)

@@ -36,7 +36,7 @@ from gem import ops
 from gem.model import flops as flops_mod
 from gem.model.attention import Targets, build_blocks, make_norm
 from gem.model.config import ModelConfig
-from gem.model.embeddings import build_embeddings, pooled_embeddings, sequence_embeddings
+from gem.model.embeddings import build_embeddings, pooled_embeddings, sequence_embeddings, unpooled_outputs
 from gem.model.heads import MultiTaskHeads, mlp, mlp_out_dim
 
 # TorchRec's TrainPipelineSparseDist fx-traces forward to find each sharded embedding module's input, which must be
@@ -52,9 +52,14 @@ def history_input(ec_out, names: list[str], combine: str) -> torch.Tensor:
     return torch.cat(embs, dim=-1) if combine == "concat" else torch.stack(embs).sum(0)
 
 
-def pooled_features(kt, names: list[str]) -> tuple[torch.Tensor, ...]:
-    """Per sparse feature (in `names` order) its pooled embedding [B, dim] from the EmbeddingBagCollection."""
-    return tuple(pooled_embeddings(kt, names))
+def pooled_features(kts, names: list[str]) -> tuple[torch.Tensor, ...]:
+    """Per sparse feature (in `names` order) its pooled embedding [B, dim] from the bag collections' outputs."""
+    return tuple(pooled_embeddings(kts, names))
+
+
+def unpooled_features(ec_out, mc_out) -> dict:
+    """feature -> JaggedTensor over both unpooled collections (plain and zch tables; None: not in the model)."""
+    return unpooled_outputs(ec_out, mc_out)
 
 
 def candidate_features(ec_out, names: list[str]) -> tuple[torch.Tensor, ...]:
@@ -177,6 +182,7 @@ def final_norm(norms: nn.ModuleDict, name: str, x: torch.Tensor) -> torch.Tensor
 torch.fx.wrap("merge_by_time")
 torch.fx.wrap("final_norm")
 torch.fx.wrap("pooled_features")
+torch.fx.wrap("unpooled_features")
 torch.fx.wrap("candidate_features")
 torch.fx.wrap("merge_histories")
 torch.fx.wrap("run_tower")
@@ -264,7 +270,8 @@ class GEMModel(nn.Module):
         self.candidate_features = cfg.candidate_features
         self.sparse_features = cfg.sparse_features
         self.query_features = cfg.query_features
-        self.ec, self.ebc = build_embeddings(cfg, embedding_device)
+        # plain tables (ec, ebc) and hash: zch tables (mc_ec, mc_ebc); None where a model has none of that kind
+        self.ec, self.ebc, self.mc_ec, self.mc_ebc = build_embeddings(cfg, embedding_device)
 
         combine = cfg.tower.seq_combine
         self.input_projs = nn.ModuleDict()
@@ -306,8 +313,11 @@ class GEMModel(nn.Module):
 
     def dense_parameters(self):
         """Every parameter outside the embedding tables (what the dense optimizer / FSDP own)."""
-        emb = {id(p) for m in (self.ec, self.ebc) if m is not None for p in m.parameters()}
+        emb = {id(p) for m in self.embedding_collections() for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in emb]
+
+    def embedding_collections(self) -> list[nn.Module]:
+        return [m for m in (self.ec, self.ebc, self.mc_ec, self.mc_ebc) if m is not None]
 
     def _dense_dtype(self) -> torch.dtype:
         return self.summary_token.dtype
@@ -359,7 +369,11 @@ class GEMModel(nn.Module):
         """Per candidate its query tokens [C, n, d] and its request's dense features [C, num_dense]."""
         cands = candidate_features(ec_out, self.candidate_features)  # [C, dim] each
         c = cands[0].shape[0]
-        pooled = pooled_features(self.ebc(batch.sparse), self.sparse_features) if self.ebc is not None else ()
+        pooled = ()
+        if self.sparse_features:
+            pooled = pooled_features([self.ebc(batch.sparse) if self.ebc is not None else None,
+                                      self.mc_ebc(batch.sparse) if self.mc_ebc is not None else None],
+                                     self.sparse_features)
         pooled = per_candidate(pooled, batch.cand_offsets, c)  # a request's features on each of its candidates
         dense = per_candidate((batch.dense,), batch.cand_offsets, c)[0].to(self._dense_dtype())
         # Indexing, not iterating: under tracing `cands` / `pooled` are single Proxies.
@@ -376,7 +390,8 @@ class GEMModel(nn.Module):
 
     def forward(self, batch) -> ModelOutput:
         # The embedding modules are called on the batch's attributes directly (see the note at the top).
-        ec_out = self.ec(batch.sequence)
+        ec_out = unpooled_features(self.ec(batch.sequence) if self.ec is not None else None,
+                                   self.mc_ec(batch.sequence) if self.mc_ec is not None else None)
         xs = self._history_tokens(ec_out)
         tokens, dense = self._query_tokens(ec_out, batch, xs[0].dtype)
         c = tokens.shape[0]

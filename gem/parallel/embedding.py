@@ -3,6 +3,10 @@
 CUDA with several groups: torchrec's DMPCollection (2D sharding). Elsewhere (CPU/gloo, where DMPCollection
 asserts CUDA) the same layout is built from DMP over the sharding-group process subgroup plus an explicit
 average of each local shard's weights and fused-optimizer state over the replica group.
+
+`hash: zch` tables (TorchRec's managed-collision collections) are sharded row-wise by TorchRec's
+managed-collision sharders, over the whole world: each rank owns a block of the hashed id space and the id -> row
+map of its rows (its buffers are in the model's state dict, so checkpoints carry them).
 """
 
 from __future__ import annotations
@@ -17,14 +21,21 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection,
+)
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from gem.model.embeddings import zch_modules
 from gem.parallel.dims import ParallelConfigError, ParallelDims
 
 try:  # fbgemm's table-batched kernel: the object holding a group's weights and optimizer state
@@ -87,21 +98,100 @@ def _to_mapping(cfg: Any) -> Mapping | None:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+_COLLECTIONS = (EmbeddingCollection, EmbeddingBagCollection, BaseManagedCollisionEmbeddingCollection)
+
+
 def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """fqn -> EmbeddingCollection / EmbeddingBagCollection (unsharded) found in `model`."""
-    return {
-        name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingCollection, EmbeddingBagCollection))
-    }
+    """fqn -> EmbeddingCollection / EmbeddingBagCollection / managed-collision collection (unsharded) found in
+    `model`; the collection inside a managed-collision one is part of it, not listed."""
+    out: dict[str, nn.Module] = {}
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        if isinstance(m, _COLLECTIONS):
+            out[prefix] = m
+            return
+        for name, child in m.named_children():
+            walk(child, f"{prefix}.{name}" if prefix else name)
+
+    walk(model, "")
+    return out
+
+
+def _configs(m: nn.Module) -> tuple[list, bool]:
+    """(table configs, pooled) of a collection."""
+    inner = m._embedding_module if isinstance(m, BaseManagedCollisionEmbeddingCollection) else m
+    if isinstance(inner, EmbeddingBagCollection):
+        return list(inner.embedding_bag_configs()), True
+    return list(inner.embedding_configs()), False
 
 
 def _tables(model: nn.Module) -> dict[str, bool]:
     """table name -> is a bag (pooled) table."""
     out: dict[str, bool] = {}
     for m in embedding_modules(model).values():
-        if isinstance(m, EmbeddingBagCollection):
-            out.update({t.name: True for t in m.embedding_bag_configs()})
-        else:
-            out.update({t.name: False for t in m.embedding_configs()})
+        configs, pooled = _configs(m)
+        out.update({t.name: pooled for t in configs})
+    return out
+
+
+def zch_tables(model: nn.Module) -> set[str]:
+    """Tables behind a managed-collision module (`hash: zch`)."""
+    return {t.name for m in embedding_modules(model).values() if isinstance(m, BaseManagedCollisionEmbeddingCollection)
+            for t in _configs(m)[0]}
+
+
+def check_zch_layout(zch: list[str], cfg: Any, world_size: int) -> None:
+    """The `parallel:` layout (validated against `world_size`) can hold the `hash: zch` tables `zch`: one sharding
+    group (replicas would map an id to different rows) and row-wise sharding (TorchRec's managed-collision
+    sharders)."""
+    if not zch:
+        return
+    if cfg.emb_shard_group != world_size:
+        raise ParallelConfigError(
+            "parallel.emb_shard_group", f"hash: zch tables ({', '.join(zch)}) are sharded over every rank: their "
+            f"replicas would map the same id to different rows (set it to the world size {world_size})",
+            cfg.emb_shard_group)
+    st = _to_mapping(cfg.sharding_types) if not isinstance(cfg.sharding_types, (list, tuple, str)) \
+        else cfg.sharding_types
+    for name in zch:
+        allowed = st.get(name) if isinstance(st, Mapping) else st
+        allowed = [allowed] if isinstance(allowed, str) else allowed
+        if allowed and "row_wise" not in allowed:
+            raise ParallelConfigError("parallel.sharding_types", f"table {name!r} is hash: zch, which TorchRec shards "
+                                      "row_wise only", list(allowed))
+
+
+def zch_resume_problem(module: nn.Module, saved: Mapping[str, Any]) -> str | None:
+    """Why the id maps in `saved` (a loaded model state dict) cannot go into `module`'s sharded zch tables (None:
+    they can). TorchRec rebuilds a shard's map from saved shards it covers whole, so a table saved in W row-wise
+    shards resumes on W ranks or on fewer whose shards join saved ones, not on more."""
+    for m in zch_modules(module):
+        key = next((k for k in saved if k.endswith(f"_managed_collision_modules.{m.table}._output_segments_tensor")),
+                   None)
+        if key is None:
+            continue
+        bounds = sorted(set(saved[key].tolist()) - {-1})
+        start, end = m.rows
+        if start not in bounds or end not in bounds:
+            return (f"the hash: zch table '{m.table}' was saved in {len(bounds) - 1} row-wise shard(s) (row bounds "
+                    f"{bounds}); this rank's shard [{start}, {end}) would split one: resume on as many ranks, or on "
+                    "fewer whose shards join whole saved ones")
+    return None
+
+
+class _ZchBagSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's managed-collision bag sharder, row-wise offered on CPU too: like the plain bag sharder, it runs
+    row-wise there but does not say so (the intersection with the CPU bag sharder's types is empty)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return ["row_wise"]
+
+
+def sharders_for(model: nn.Module) -> list:
+    """The sharders of the collections in `model` (the managed-collision ones when it has zch tables)."""
+    out = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    if zch_tables(model):
+        out += [_ZchBagSharder(), ManagedCollisionEmbeddingCollectionSharder()]
     return out
 
 
@@ -109,6 +199,7 @@ def resolve_sharding_types(model: nn.Module, sharding_types: Any, device: torch.
     """Allowed sharding types per table (config list / per-table mapping, restricted to what the device runs)."""
     st = _to_mapping(sharding_types) if not isinstance(sharding_types, (list, tuple, str)) else sharding_types
     tables = _tables(model)
+    zch = zch_tables(model)
     if isinstance(st, Mapping):
         unknown = set(st) - set(tables)
         if unknown:
@@ -123,7 +214,9 @@ def resolve_sharding_types(model: nn.Module, sharding_types: Any, device: torch.
             allowed = st
         if isinstance(allowed, str):
             allowed = [allowed]
-        if device.type == "cpu":
+        if name in zch:
+            ok = ("row_wise",)  # TorchRec's managed-collision sharders: row-wise only
+        elif device.type == "cpu":
             ok = _CPU_BAG_TYPES + ("row_wise",) if is_bag else _CPU_SEQ_TYPES
         else:
             ok = _GPU_TYPES if is_bag else tuple(t for t in _GPU_TYPES if t != "table_row_wise")
@@ -140,15 +233,20 @@ def resolve_sharding_types(model: nn.Module, sharding_types: Any, device: torch.
 def _plan(model: nn.Module, allowed: dict[str, list[str] | None], group_size: int, local_size: int,
           device: torch.device, sharders: list) -> ShardingPlan:
     """Plan for one sharding group (ranks 0..group_size-1): planned on rank 0 and broadcast to every rank."""
+    zch = zch_tables(model)
     hand_row_wise = {n for n, a in allowed.items()
                      if device.type == "cpu" and a and "row_wise" in a and _tables(model)[n]
-                     and not any(t in _CPU_BAG_TYPES for t in a)}
+                     and not any(t in _CPU_BAG_TYPES for t in a) and n not in zch}
     constraints = {}
     for name, a in allowed.items():
         if name in hand_row_wise:
             a = ["table_wise"]  # placeholder, replaced by the hand-written row-wise plan below
+        # the managed-collision sharders list UVM kernels that the CPU estimator does not know
+        kernels = {"compute_kernels": ["fused"]} if name in zch and device.type == "cpu" else {}
         if a:
-            constraints[name] = ParameterConstraints(sharding_types=list(a))
+            constraints[name] = ParameterConstraints(sharding_types=list(a), **kernels)
+    for m in zch_modules(model):
+        m.set_buckets(group_size)  # one block of the hashed id space per rank of the group
     topology = Topology(world_size=group_size, local_world_size=min(local_size, group_size),
                         compute_device=device.type)
 
@@ -156,7 +254,7 @@ def _plan(model: nn.Module, allowed: dict[str, list[str] | None], group_size: in
         plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)
         # the CPU bag sharder does not offer row-wise to the planner, but runs it from an explicit plan
         for fqn, m in embedding_modules(model).items():
-            if not isinstance(m, EmbeddingBagCollection):
+            if not isinstance(m, EmbeddingBagCollection) or isinstance(m, ManagedCollisionEmbeddingBagCollection):
                 continue
             names = [t.name for t in m.embedding_bag_configs()]
             if not hand_row_wise.intersection(names):
@@ -174,9 +272,11 @@ def _plan(model: nn.Module, allowed: dict[str, list[str] | None], group_size: in
 def _wait_sharded_outputs(module: nn.Module) -> None:
     """Sharded EC/EBC return a LazyAwaitable; resolve it so the model sees the unsharded modules' output types
     (a dict of JaggedTensor / a KeyedTensor) and its forward works as before."""
-    from torchrec.distributed.types import LazyAwaitable, ShardedModule
+    from torchrec.distributed.types import Awaitable, LazyAwaitable, ShardedModule
 
     def wait(_m, _inputs, out):
+        if isinstance(out, tuple):  # a managed-collision collection: (embeddings, remapped ids or None)
+            return tuple(o.wait() if isinstance(o, Awaitable) else o for o in out)
         return out.wait() if isinstance(out, LazyAwaitable) else out
 
     for m in module.modules():
@@ -299,19 +399,21 @@ def shard_embeddings(model: nn.Module, dims: ParallelDims, sparse_optimizer_cfg:
     opt_cls, opt_kwargs = sparse_optimizer_spec(sparse_optimizer_cfg)
     check_sparse_optimizer_device(sparse_optimizer_cfg, device)
     table_params = [p for m in emb.values() for p in m.parameters()]
-    # keep the model's own initial values (DMP re-initialises shards); skipped for meta-device tables
+    # keep the model's own initial values (DMP re-initialises shards); skipped for meta-device tables. Weights
+    # only: a managed-collision module's buffers are laid out per shard by its sharder.
     full = {}
     if all(p.device.type != "meta" for p in table_params):
         for fqn, m in emb.items():
-            for k, v in m.state_dict().items():
+            for k, v in m.named_parameters():
                 full[f"{fqn}.{k}"] = v.detach().clone()
     apply_optimizer_in_backward(opt_cls, table_params, opt_kwargs)
 
-    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    sharders = sharders_for(model)
     allowed = resolve_sharding_types(model, dims.cfg.sharding_types, device)
     g = dims.emb_shard_group
-    plan = _plan(model, allowed, g, dims.local_world_size, device, sharders)
     n_rep = dims.emb_replicas
+    check_zch_layout(sorted(zch_tables(model)), dims.cfg, dims.world_size)
+    plan = _plan(model, allowed, g, dims.local_world_size, device, sharders)
     uses_collection = False
     if n_rep == 1:
         dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
@@ -325,9 +427,44 @@ def shard_embeddings(model: nn.Module, dims: ParallelDims, sparse_optimizer_cfg:
                                        sharders=sharders, data_parallel_wrapper=_NoDataParallel())
     if full:
         _copy_into_shards(dmp.module, full)
+    if device.type == "cpu":
+        _host_eviction_resets(dmp.module)
     _wait_sharded_outputs(dmp.module)
     return ShardedEmbeddings(dmp=dmp, replica_pg=dims.emb_replica_pg, n_replicas=n_rep,
                              uses_collection=uses_collection)
+
+
+class _HostRowReset:
+    """A table-batched kernel on CPU as TorchRec's managed-collision eviction uses it: fbgemm has no CPU kernel for
+    `reset_embedding_weight_momentum`, so the evicted rows' optimizer state is reset here, as the CUDA kernel does
+    (the row-wise Adagrad sum to 0; TorchRec then re-initialises the rows' weights from the table's init_fn)."""
+
+    def __init__(self, tbe: nn.Module) -> None:
+        self._tbe = tbe
+
+    def __getattr__(self, name: str):
+        return getattr(self._tbe, name)
+
+    @torch.no_grad()
+    def reset_embedding_weight_momentum(self, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
+                                        logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        t = int(logical_table_ids[0])
+        rows = pruned_indices[int(pruned_indices_offsets[0]):int(pruned_indices_offsets[1])]
+        if self._tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            self._tbe.split_optimizer_states()[t][0][rows] = 0
+        self._tbe.split_embedding_weights()[t][rows] = 0
+
+
+def _host_eviction_resets(module: nn.Module) -> None:
+    """Give every sharded managed-collision collection the CPU stand-in for its kernels' eviction reset."""
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
+
+    for m in module.modules():
+        if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection):
+            m._table_to_tbe_and_index = {name: (_HostRowReset(tbe), idx)
+                                         for name, (tbe, idx) in m._table_to_tbe_and_index.items()}
 
 
 def _remap_plan(plan: ShardingPlan, group_ranks: list[int], device: torch.device) -> None:

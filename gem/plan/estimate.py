@@ -206,6 +206,9 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
     """Memory, communication and step time of the validated layout `par` (compute: the mean rank's FLOPs at the
     reference rate, times the straggler factor); raises PlanError (one line) if a rank runs out of HBM
     (`check=False`: the estimate all the same; `overflow()` says what does not fit)."""
+    from gem.parallel.embedding import check_zch_layout
+
+    check_zch_layout([t.name for t in cfgs.model.tables if t.zch is not None], par, cluster.world)
     work = work or workload(cfgs, seed, cluster.world)
     units = units if units is not None else fsdp_units(cfgs.model, par.ep)
     act = activation_bytes(cfgs, cluster)

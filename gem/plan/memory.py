@@ -56,7 +56,7 @@ def fsdp_units(cfg: ModelConfig, ep: int = 1) -> list[FsdpUnit]:
 
     with torch.device("meta"):
         model = GEMModel(cfg, embedding_device="meta")
-    tables = {id(p) for m in (model.ec, model.ebc) if m is not None for p in m.parameters()}
+    tables = {id(p) for m in model.embedding_collections() for p in m.parameters()}
     blocks = model.blocks
     units: list[FsdpUnit] = []
     taken: set[int] = set(tables)

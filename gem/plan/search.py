@@ -31,7 +31,10 @@ def candidate_layouts(cfgs, cluster: ClusterSpec, options: PlanOptions) -> list:
     moe = any(cfgs.model.is_moe_block(i) for i in range(cfgs.model.tower.num_blocks))
     groups = options.emb_groups or tuple(g for g in divisors(world)
                                          if g & (g - 1) == 0 and g >= min(cluster.gpus_per_host, world))
+    from gem.parallel.embedding import check_zch_layout
+
     base = dataclasses.replace(cfgs.parallel, dense="fsdp")
+    zch = [t.name for t in cfgs.model.tables if t.zch is not None]
     out = []
     for shard in divisors(world):
         eps = [e for e in divisors(shard) if e == 1 or (moe and cfgs.model.moe.num_experts % e == 0)]
@@ -42,9 +45,11 @@ def candidate_layouts(cfgs, cluster: ClusterSpec, options: PlanOptions) -> list:
                     c = dataclasses.replace(base, dp_replicate=world // shard, dp_shard=shard, ep=ep,
                                             emb_shard_group=g, emb_sync_every=k)
                     try:
-                        out.append(validate_parallel(c, world))
+                        c = validate_parallel(c, world)
+                        check_zch_layout(zch, c, world)  # hash: zch tables: one sharding group
                     except ParallelConfigError:
                         continue
+                    out.append(c)
     return out
 
 

@@ -20,6 +20,13 @@ class EmbeddingPlan:
     ddr: dict[int, int] = field(default_factory=dict)
     kernels: dict[str, str] = field(default_factory=dict)  # table -> compute kernel
     group: int = 1
+    zch: dict[int, int] = field(default_factory=dict)  # rank in the group -> bytes of hash: zch id maps (in hbm)
+
+
+def zch_bytes_per_row(policy: str) -> int:
+    """Persistent managed-collision state per table row: the sorted raw id and its row (int64 each) and the
+    eviction policy's int64 counters (distance_lfu: count and last step; lfu: count; lru: last step)."""
+    return 8 * (2 + (2 if policy == "distance_lfu" else 1))
 
 
 def _capture_stats():
@@ -39,17 +46,16 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
                     sharding_types: Any = None, reserve_bytes: int = 0) -> EmbeddingPlan:
     """Plan the tables over one sharding group of `group` ranks of `cluster` (`reserve_bytes` of every GPU's HBM
     are kept for the dense part). Raises PlanError (one line) when they cannot fit."""
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
-    from gem.model.embeddings import build_embeddings
-    from gem.parallel.embedding import resolve_sharding_types
+    from gem.model.embeddings import build_embeddings, zch_modules
+    from gem.parallel.embedding import resolve_sharding_types, sharders_for
 
-    ec, ebc = build_embeddings(model_cfg, "meta")
     # the fqns GEMModel gives its tables
-    module = torch.nn.ModuleDict({"ec": ec, **({"ebc": ebc} if ebc is not None else {})})
+    module = torch.nn.ModuleDict(build_embeddings(model_cfg, "meta").named())
+    for m in zch_modules(module):
+        m.set_buckets(group)
     allowed = resolve_sharding_types(module, sharding_types, torch.device(cluster.compute_device))
     constraints = {n: ParameterConstraints(sharding_types=list(a)) for n, a in allowed.items()}
     quiet = logging.getLogger("torchrec")  # its advice and the dry-run warnings are meant for live jobs
@@ -64,7 +70,7 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints,
                                        storage_reservation=FixedPercentageStorageReservation(frac), stats=[stats])
     try:
-        plan = planner.plan(module, [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+        plan = planner.plan(module, sharders_for(module))
     except Exception as e:  # noqa: BLE001 - torchrec's PlannerError and its kin: reported in one line below
         need = sum(t.num_embeddings * t.embedding_dim * 4 for t in model_cfg.tables)
         have = group * (cluster.hbm_bytes - reserve_bytes + cluster.ddr_bytes_per_rank)
@@ -75,7 +81,8 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
         quiet.setLevel(level)
     out = EmbeddingPlan(plan=plan, group=group)
     for r in range(group):
-        out.hbm[r], out.ddr[r] = 0, 0
+        out.hbm[r], out.ddr[r], out.zch[r] = 0, 0, 0
+    zch = {t.name: zch_bytes_per_row(t.zch.eviction_policy) for t in model_cfg.tables if t.zch is not None}
     for so in stats.best_plan:
         out.kernels[so.name] = str(so.compute_kernel)
         for shard in so.shards:
@@ -83,4 +90,7 @@ def plan_embeddings(model_cfg: ModelConfig, cluster: ClusterSpec, group: int, ba
                 continue
             out.hbm[shard.rank] += int(shard.storage.hbm)
             out.ddr[shard.rank] += int(shard.storage.ddr)
+            if so.name in zch:  # the id maps live beside the rows on the rank's device
+                out.zch[shard.rank] += int(shard.size[0]) * zch[so.name]
+                out.hbm[shard.rank] += int(shard.size[0]) * zch[so.name]
     return out

@@ -540,6 +540,15 @@ class TrainCheckpointer:
         if not same_world:  # per-rank RNG streams only carry over to the same world size
             state.pop(f"rng_rank{self.rank}")
         self.checkpointer.load(path, state)
+        from gem.parallel.embedding import zch_resume_problem
+
+        problems = [zch_resume_problem(self.par.model, state["model"])]
+        if self.world_size > 1:  # one rank's shard may fit while another's does not: every rank stops
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, zch_resume_problem(self.par.model, state["model"]))
+        problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise CheckpointError(str(path), problem)
         self.par.model.load_state_dict(state["model"])
         step = int(state["progress"]["step"])
         self.optimizer.load_state_dict(state["optim"], step_count=step)

@@ -30,6 +30,7 @@ from gem.model.precision import apply_precision
 from gem.parallel import parallelize
 from gem.parallel.dims import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelConfig, init_distributed
 from gem.parallel.dims import validate as validate_parallel
+from gem.parallel.embedding import check_zch_layout
 from gem.train.checkpoint import Checkpointer, TrainCheckpointer, restart_count, run_config
 from gem.train.config import TrainConfig
 from gem.train.evaluator import Evaluator
@@ -78,7 +79,14 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     parallel = ParallelConfig.from_any(cfg.parallel)
     if world_size is not None:
         parallel = validate_parallel(parallel, world_size)
+        check_zch_layout([t.name for t in data.schema.tables if t.zch is not None], parallel, world_size)
     train = TrainConfig.from_dict(cfg.train)
+    for t in data.schema.tables:  # a checkpoint between two id-map updates would drop the ids seen since the last
+        k = t.zch.eviction_interval if t.zch is not None else 1
+        if train.checkpoint.every % k:
+            raise ConfigError("train.checkpoint.every", f"must be a multiple of data.tables.{t.name}."
+                              f"zch_eviction_interval={k}, so that checkpoints fall on the table's id-map updates",
+                              train.checkpoint.every)
     return Configs(model=model, data=data, parallel=parallel, train=train,
                    compile=CompileConfig.from_any(cfg.get("compile")),
                    activation_checkpoint=ActivationCheckpointConfig.from_any(cfg.get("activation_checkpoint")),

@@ -234,6 +234,19 @@ def test_one_override_adds_or_deletes_a_feature():
         build_configs(compose(["~data.features.context"]))
 
 
+def test_a_data_group_keeps_its_batch_size_under_the_default_experiment(tmp_path):
+    """The default experiment (tiny_cpu) applies under every data group: it must not replace the group's own
+    batch_size / eval_batches."""
+    from gem.train.trainer import build_configs
+    from tests.train._util import compose
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "ours.yaml").write_text("defaults: [synthetic, _self_]\nbatch_size: 48\neval_batches: 3\n")
+    for extra in ([], ["experiment=tiny_cpu"]):
+        cfgs = build_configs(compose([f"hydra.searchpath=[file://{tmp_path}]", "data=ours", *extra]))
+        assert (cfgs.data.batch_size, cfgs.data.eval_batches) == (48, 3), extra
+
+
 def test_a_model_setting_naming_a_missing_task_is_refused():
     from gem.train.trainer import build_configs
     from tests.train._util import compose
