@@ -15,6 +15,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
+from gem.model.precision import block_fp8_norm, block_fp8_swiglu
 from gem.ops.rotary import RopeConfig, cos_sin_table, qkv_rope, rope_tables
 
 
@@ -47,8 +48,9 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x) -> torch.Tensor:
+        """x: a tensor, or (fp8_block) its 1x128 blocks for w1 and w3 (`block_fp8_norm`)."""
+        return self.w2(block_fp8_swiglu(self.w1(x), self.w3(x), self.w2))
 
 
 class JaggedSelfAttention(nn.Module):
@@ -63,11 +65,12 @@ class JaggedSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.out = nn.Linear(num_heads * head_dim, d_model, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, d_model] -> q [T, H, D], k, v [T, H_kv, D]."""
-        t = x.shape[0]
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d_model] (or, fp8_block, its 1x128 blocks from `block_fp8_norm`) -> q [T, H, D], k, v [T, H_kv, D]."""
+        qkv = self.qkv(x)
+        t = qkv.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
         return q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
@@ -115,18 +118,18 @@ class TransformerBlock(nn.Module):
     def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """norm + QKV projection; with `rope` = (positions, cos table, sin table) q and k rotated too."""
-        if rope is None:
-            return self.attn.project(self.attn_norm(x))
         a = self.attn
-        return qkv_rope(a.qkv(self.attn_norm(x)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
+        h = block_fp8_norm(self.attn_norm, x, a.qkv)  # fp8_block: the norm writes the QKV GEMM's FP8 input
+        if rope is None:
+            return a.project(h)
+        return qkv_rope(a.qkv(h), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn.out(o)
-        h = self.ffn_norm(x)
         if isinstance(self.ffn, MoE):
-            y, aux = self.ffn(h)
-        else:
-            y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
+            y, aux = self.ffn(self.ffn_norm(x))
+        else:  # fp8_block: the norm writes the up projections' FP8 input (one pass for w1 and w3)
+            y, aux = self.ffn(block_fp8_norm(self.ffn_norm, x, self.ffn.w1, self.ffn.w3)), x.new_zeros((), dtype=torch.float32)
         return x + y, aux
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, targets: Targets | None = None

@@ -48,8 +48,9 @@ from gem.config import ConfigError
 from gem.ops import fp8_block as fb
 from gem.ops import mx
 
-__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
-           "fp8_grouped_mm", "inductor_options"]
+__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision",
+           "block_fp8_norm", "block_fp8_swiglu", "check_precision_device", "fp8_grouped_mm", "inductor_options",
+           "invalidate_fp8_weights"]
 
 log = logging.getLogger("gem.model")
 
@@ -345,18 +346,71 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     return (a @ b.t()).to(dt)
 
 
+# The weights' FP8 copies (W and W^T codes, 128x128 scales), made once per optimizer step: kept on the weight
+# tensor the layer multiplies by, keyed on (generation, the tensor's version counter, its data pointer). In-place
+# updates bump the version counter; FSDP2 all-gathers into its unsharded parameter without bumping it
+# (torch.autograd._unsafe_preserve_version_counter), so the generation is bumped after every optimizer step (a global
+# torch.optim post-step hook) and every state-dict load into a BlockFP8Linear. Under gradient accumulation the
+# micro-batches of one step share the copy. Anything else that rewrites the weights in place without bumping their
+# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded).
+_generation = 0
+_hook = None
+
+
+def invalidate_fp8_weights() -> None:
+    """Drop every BlockFP8Linear's cached FP8 weight: the next forward quantizes the weight again."""
+    global _generation
+    _generation += 1
+
+
+def _install_step_hook() -> None:
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(lambda *_: invalidate_fp8_weights())
+
+
+_CACHE_ATTR = "_gem_fp8_block_weight"
+
+
+@torch.library.custom_op("gem::fp8_block_cached_weight", mutates_args=())
+def cached_weight_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_128x128(w), from the copy kept on w while it is current (see above). The outputs are shared by
+    every call until the weight changes: callers only read them."""
+    _install_step_hook()
+    if w.is_inference():  # no version counter to key on
+        return tuple(t.clone() for t in torch.ops.gem.fp8_block_quantize_weight(w))
+    key = (_generation, w._version, w.data_ptr())
+    hit = getattr(w, _CACHE_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = torch.ops.gem.fp8_block_quantize_weight(w)
+    setattr(w, _CACHE_ATTR, (key, out))
+    return out
+
+
+@cached_weight_op.register_fake
+def _(w):
+    n, k = w.shape
+    return (w.new_empty((n, k), dtype=fb.E4M3), w.new_empty((k, n), dtype=fb.E4M3),
+            w.new_empty((fb.cdiv(n, fb.BLOCK), fb.cdiv(k, fb.BLOCK)), dtype=torch.float32))
+
+
 class _BlockFP8LinearFn(torch.autograd.Function):
     """y = x W^T + b with the three GEMMs block-scaled: x and the output gradient in 1x128 blocks along each GEMM's
     reduction axis (features for the forward and input gradient, tokens for the weight gradient, both layouts from
-    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per forward). The backward keeps
-    only FP8 copies of x and W."""
+    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per optimizer step). x arrives
+    quantized already (qx, sx, qxt, sxt: a fused producer's fp8_block.BlockFP8Act, x its gradient carrier) or is
+    quantized here. The backward keeps only FP8 copies of x and W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
+    def forward(ctx, x, weight, bias, dtype, qx, sx, qxt, sxt):
         x2 = _flat(x)
         need_w = ctx.needs_input_grad[1]
-        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
-        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight)
+        if qx is None:
+            qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
+        qw, qwt, sw = torch.ops.gem.fp8_block_cached_weight(weight)
         y = block_mm(qx, sx, qw, sw, True, dtype)
         if bias is not None:
             y = y + bias.to(dtype)
@@ -379,20 +433,63 @@ class _BlockFP8LinearFn(torch.autograd.Function):
                 dw = block_mm(qgt, sgt.t(), qxt, sxt.t(), False, ctx.dtype).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class BlockFP8Linear(nn.Linear):
     """nn.Linear with block-scaled FP8 GEMMs (forward, input gradient and weight gradient; see the module
-    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict."""
+    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict. Takes a tensor, or an
+    fp8_block.BlockFP8Act that a fused producer (block_fp8_norm, block_fp8_swiglu) wrote for it."""
 
     align = fb.BLOCK
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fb.BlockFP8Act) -> torch.Tensor:
         dtype = torch.bfloat16  # block-scaled _scaled_mm writes bf16
+        if isinstance(x, fb.BlockFP8Act):
+            act, x = x, x.out
+            if act.data_t is None and self.weight.requires_grad and torch.is_grad_enabled():
+                raise ValueError("BlockFP8Linear: the weight gradient needs the input's token-blocked layout "
+                                 "(produce it with transposed=True)")
+            pre = (act.data, act.scale, act.data_t, act.scale_t)
+        else:
+            pre = (None,) * 4
         with torch.autocast(x.device.type, enabled=False):
-            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype)
+            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype, *pre)
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        invalidate_fp8_weights()  # the load may have written an FSDP shard, not the tensor the cache keys on
+
+
+def _block_fp8_consumers(consumers) -> bool:
+    return bool(consumers) and all(type(c) is BlockFP8Linear for c in consumers)
+
+
+def _wgrad(consumers) -> bool:
+    return torch.is_grad_enabled() and any(c.weight.requires_grad for c in consumers)
+
+
+def block_fp8_norm(norm: nn.Module, x: torch.Tensor, *consumers: nn.Module) -> torch.Tensor | fb.BlockFP8Act:
+    """norm(x) for `consumers` (the modules that take it): an RMSNorm or LayerNorm over the last axis feeding only
+    BlockFP8Linear layers writes its output straight into their 1x128 blocks (fp8_block.rms_norm_1x128 /
+    layer_norm_1x128); any other norm or consumer gets norm(x) as before."""
+    if not _block_fp8_consumers(consumers):
+        return norm(x)
+    if isinstance(norm, nn.RMSNorm) and len(norm.normalized_shape) == 1:
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return fb.rms_norm_1x128(x, norm.weight, eps, transposed=_wgrad(consumers))
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        return fb.layer_norm_1x128(x, norm.weight, norm.bias, norm.eps, transposed=_wgrad(consumers))
+    return norm(x)
+
+
+def block_fp8_swiglu(a: torch.Tensor, b: torch.Tensor, down: nn.Module) -> torch.Tensor | fb.BlockFP8Act:
+    """silu(a) * b for the down projection `down`: written straight into its 1x128 blocks
+    (fp8_block.swiglu_1x128) when it is a BlockFP8Linear, else as before."""
+    if not _block_fp8_consumers((down,)):
+        return F.silu(a) * b
+    return fb.swiglu_1x128(a, b, transposed=_wgrad((down,)))
 
 
 def inductor_options(model: nn.Module) -> dict:

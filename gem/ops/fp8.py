@@ -52,9 +52,8 @@ def _quantize_reference(y2d, scaling, fmt, block):
     return mx_quantize_reference(y2d, block, fmt)
 
 
-def norm_quant_reference(x2d, weight, bias, eps, layer, scaling, fmt, block, y_dequant=False):
-    """RMSNorm (LayerNorm: layer) in fp32 -> (y, codes, scales, (mean or None, rstd) fp32 [rows]).
-    y_dequant (MX only): codes of the fp32 norm, y their dequantized value."""
+def norm_reference(x2d, weight, bias, eps, layer):
+    """RMSNorm (LayerNorm: layer) in fp32 -> (y fp32, mean fp32 [rows] or None, rstd fp32 [rows])."""
     xf = x2d.float()
     mean = xf.mean(-1) if layer else None
     xc = xf - mean[:, None] if layer else xf
@@ -62,6 +61,13 @@ def norm_quant_reference(x2d, weight, bias, eps, layer, scaling, fmt, block, y_d
     y32 = xc * rstd[:, None] * weight.float()
     if bias is not None:
         y32 = y32 + bias.float()
+    return y32, mean, rstd
+
+
+def norm_quant_reference(x2d, weight, bias, eps, layer, scaling, fmt, block, y_dequant=False):
+    """RMSNorm (LayerNorm: layer) in fp32 -> (y, codes, scales, (mean or None, rstd) fp32 [rows]).
+    y_dequant (MX only): codes of the fp32 norm, y their dequantized value."""
+    y32, mean, rstd = norm_reference(x2d, weight, bias, eps, layer)
     if y_dequant:
         codes, scale = mx_quantize_reference(y32, block, fmt)
         return mx_dequantize_reference(codes, scale, block, fmt, x2d.dtype), codes, scale, (mean, rstd)
@@ -80,8 +86,13 @@ def norm_bwd_reference(x2d, weight, g2d, mean, rstd, has_bias):
     return (r * dx).to(x2d.dtype), (g * xhat).sum(0), g.sum(0) if has_bias else None
 
 
+def swiglu_reference(a2d, b2d):
+    """silu(a) * b in fp32, rounded once to a's dtype."""
+    return (F.silu(a2d.float()) * b2d.float()).to(a2d.dtype)
+
+
 def swiglu_quant_reference(a2d, b2d, scaling, fmt, block):
-    h = (F.silu(a2d.float()) * b2d.float()).to(a2d.dtype)
+    h = swiglu_reference(a2d, b2d)
     return (h, *_quantize_reference(h, scaling, fmt, block))
 
 

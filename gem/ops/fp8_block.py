@@ -22,13 +22,15 @@ give the same bytes (NaN payloads included: codes 0x7F).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from gem.ops._common import cdiv, resolve_kernel
 
-__all__ = ["BLOCK", "FP8_MAX", "dequantize_1x128", "dequantize_128x128", "quantize_1x128", "quantize_128x128"]
+__all__ = ["BLOCK", "FP8_MAX", "BlockFP8Act", "dequantize_1x128", "dequantize_128x128", "layer_norm_1x128",
+           "quantize_1x128", "quantize_128x128", "rms_norm_1x128", "swiglu_1x128"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -220,3 +222,246 @@ def _(w):
     n, k = w.shape
     return (w.new_empty((n, k), dtype=E4M3), w.new_empty((k, n), dtype=E4M3),
             w.new_empty((cdiv(n, BLOCK), cdiv(k, BLOCK)), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------- producers
+# RMSNorm / LayerNorm and SwiGLU that write their output straight into 1x128 blocks (and the token-blocked
+# transposed layout), for a BlockFP8Linear that takes the result as its input: no separate quantization pass, and
+# no bf16 copy of the output unless asked for. Their backward is the op's own (gem.ops.fp8's kernels), from the
+# inputs they save; the gradient arrives through BlockFP8Act.out.
+
+
+class BlockFP8Act(NamedTuple):
+    """A GEMM input already in 1x128 blocks, as BlockFP8Linear takes it.
+
+    out: [..., K] in the producer's dtype, the tensor the gradient flows back through. Its values are the
+    producer's output when it was asked for (output=True), else it is a zero-strided placeholder of that shape.
+    data / scale: E4M3 [M, K] / fp32 [M, ceil(K / 128)] (M: the tokens, out's leading dims flattened).
+    data_t / scale_t: E4M3 [K, Mp] / fp32 [Mp / 128, K], blocks along the tokens (the weight gradient's operand),
+    or None when not produced (transposed=False)."""
+
+    out: torch.Tensor
+    data: torch.Tensor
+    scale: torch.Tensor
+    data_t: torch.Tensor | None
+    scale_t: torch.Tensor | None
+
+
+def _empty(t: torch.Tensor, dtype=E4M3) -> torch.Tensor:
+    return t.new_empty((0,), dtype=dtype)
+
+
+def _codes(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return _empty(like) if t is None else t.view(E4M3)
+
+
+def _block_outputs_fake(x2d, transposed):
+    m, k = x2d.shape
+    mp = cdiv(m, BLOCK) * BLOCK
+    q, s = x2d.new_empty((m, k), dtype=E4M3), x2d.new_empty((m, cdiv(k, BLOCK)), dtype=torch.float32)
+    if not transposed:
+        return q, s, _empty(x2d), _empty(x2d, torch.float32)
+    return q, s, x2d.new_empty((k, mp), dtype=E4M3), x2d.new_empty((mp // BLOCK, k), dtype=torch.float32)
+
+
+def _reference_blocks(y2d, transposed):
+    q, s = quantize_1x128_reference(y2d)
+    if not transposed:
+        return q.view(E4M3), s, _empty(y2d), _empty(y2d, torch.float32)
+    qt, st = quantize_1x128_t_reference(y2d)
+    return q.view(E4M3), s, qt.view(E4M3), st
+
+
+@torch.library.custom_op("gem::fp8_block_norm_fwd", mutates_args=())
+def norm_fwd_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, layer: bool,
+                transposed: bool, write_y: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """(y (empty unless write_y), q, s, qt, st (empty unless transposed), mean (empty for RMSNorm), rstd)."""
+    if impl == "triton" and x2d.numel():
+        from gem.ops.triton_fp8_block import norm_quant_triton
+
+        y, q, s, qt, st, mean, rstd = norm_quant_triton(x2d, weight, bias, eps, layer, transposed, write_y)
+        return (_empty(x2d, x2d.dtype) if y is None else y, q.view(E4M3), s, _codes(qt, x2d),
+                _empty(x2d, torch.float32) if st is None else st, _empty(x2d, torch.float32) if mean is None else mean,
+                rstd)
+    from gem.ops.fp8 import norm_reference
+
+    y32, mean, rstd = norm_reference(x2d, weight, bias, eps, layer)
+    y = y32.to(x2d.dtype)
+    return (y if write_y else _empty(x2d, x2d.dtype), *_reference_blocks(y, transposed),
+            _empty(x2d, torch.float32) if mean is None else mean, rstd)
+
+
+@norm_fwd_op.register_fake
+def _(x2d, weight, bias, eps, layer, transposed, write_y, impl):
+    m = x2d.shape[0]
+    y = x2d.new_empty(x2d.shape) if write_y else _empty(x2d, x2d.dtype)
+    stat = x2d.new_empty((m,), dtype=torch.float32)
+    return (y, *_block_outputs_fake(x2d, transposed), stat if layer else _empty(x2d, torch.float32), stat.clone())
+
+
+@torch.library.custom_op("gem::fp8_block_norm_bwd", mutates_args=())
+def norm_bwd_op(x2d: torch.Tensor, weight: torch.Tensor, g2d: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                layer: bool, has_bias: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dw fp32 [K], db fp32 [K] (empty without bias)) of the norm, from its saved inputs."""
+    m = None if not layer else mean
+    if impl == "triton" and x2d.numel():
+        from gem.ops.triton_fp8 import norm_bwd_triton
+
+        dx, dw, db = norm_bwd_triton(x2d, weight, g2d, m, rstd, has_bias)
+    else:
+        from gem.ops.fp8 import norm_bwd_reference
+
+        dx, dw, db = norm_bwd_reference(x2d, weight, g2d, m, rstd, has_bias)
+    return dx, dw, _empty(x2d, torch.float32) if db is None else db
+
+
+@norm_bwd_op.register_fake
+def _(x2d, weight, g2d, mean, rstd, layer, has_bias, impl):
+    k = x2d.shape[1]
+    return (x2d.new_empty(x2d.shape), x2d.new_empty((k,), dtype=torch.float32),
+            x2d.new_empty((k,) if has_bias else (0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("gem::fp8_block_swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(a2d: torch.Tensor, b2d: torch.Tensor, transposed: bool, write_y: bool,
+                  impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h (empty unless write_y), q, s, qt, st (empty unless transposed))."""
+    if impl == "triton" and a2d.numel():
+        from gem.ops.triton_fp8_block import swiglu_quant_triton
+
+        h, q, s, qt, st = swiglu_quant_triton(a2d, b2d, transposed, write_y)
+        return (_empty(a2d, a2d.dtype) if h is None else h, q.view(E4M3), s, _codes(qt, a2d),
+                _empty(a2d, torch.float32) if st is None else st)
+    from gem.ops.fp8 import swiglu_reference
+
+    h = swiglu_reference(a2d, b2d)
+    return (h if write_y else _empty(a2d, a2d.dtype), *_reference_blocks(h, transposed))
+
+
+@swiglu_fwd_op.register_fake
+def _(a2d, b2d, transposed, write_y, impl):
+    return (a2d.new_empty(a2d.shape) if write_y else _empty(a2d, a2d.dtype), *_block_outputs_fake(a2d, transposed))
+
+
+@torch.library.custom_op("gem::fp8_block_swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(a2d: torch.Tensor, b2d: torch.Tensor, g2d: torch.Tensor,
+                  impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) in a's dtype of h = silu(a) * b."""
+    if impl == "triton" and a2d.numel():
+        from gem.ops.triton_fp8 import swiglu_bwd_triton
+
+        return swiglu_bwd_triton(a2d, b2d, g2d)
+    from gem.ops.fp8 import swiglu_bwd_reference
+
+    return swiglu_bwd_reference(a2d, b2d, g2d)
+
+
+@swiglu_bwd_op.register_fake
+def _(a2d, b2d, g2d, impl):
+    return a2d.new_empty(a2d.shape), b2d.new_empty(b2d.shape)
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, layer, transposed, write_y, impl):
+        x2d = _rows(x)
+        y, q, s, qt, st, mean, rstd = torch.ops.gem.fp8_block_norm_fwd(x2d, weight, bias, eps, layer, transposed,
+                                                                       write_y, impl)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.layer, ctx.has_bias, ctx.impl = layer, bias is not None, impl
+        ctx.mark_non_differentiable(q, s, qt, st)
+        return (y if write_y else x.new_zeros(()).expand(x.shape)), q, s, qt, st
+
+    @staticmethod
+    def backward(ctx, gy, *_):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        g2d = _rows(gy.to(x2d.dtype))
+        dx, dw, db = torch.ops.gem.fp8_block_norm_bwd(x2d, weight, g2d, mean, rstd, ctx.layer, ctx.has_bias, ctx.impl)
+        return (dx.view(gy.shape), dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+                db.to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None) + (None,) * 5
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, transposed, write_y, impl):
+        a2d, b2d = _rows(a), _rows(b)
+        h, q, s, qt, st = torch.ops.gem.fp8_block_swiglu_fwd(a2d, b2d, transposed, write_y, impl)
+        ctx.save_for_backward(a2d, b2d)
+        ctx.impl = impl
+        ctx.mark_non_differentiable(q, s, qt, st)
+        return (h if write_y else a.new_zeros(()).expand(a.shape)), q, s, qt, st
+
+    @staticmethod
+    def backward(ctx, gh, *_):
+        a2d, b2d = ctx.saved_tensors
+        da, db = torch.ops.gem.fp8_block_swiglu_bwd(a2d, b2d, _rows(gh.to(a2d.dtype)), ctx.impl)
+        return da.view(gh.shape), db.view(gh.shape), None, None, None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).contiguous()
+
+
+def _producer_impl(kernel: str, *tensors: torch.Tensor) -> str:
+    impl = resolve_kernel(kernel, *tensors)
+    if kernel == "auto" and impl == "triton" and not tensors[0].is_cuda:
+        return "reference"  # the Triton interpreter would be far too slow for a model on CPU
+    return impl
+
+
+def _pack(outs, shape, transposed, write_y) -> BlockFP8Act:
+    out, q, s, qt, st = outs
+    return BlockFP8Act(out.view(shape) if write_y else out, q, s, qt if transposed else None,
+                       st if transposed else None)
+
+
+def _norm(x, weight, bias, eps, layer, transposed, output, kernel, where) -> BlockFP8Act:
+    _check_x(x, where)
+    k = x.shape[-1]
+    if k == 0:
+        raise ValueError(f"{where}: x needs a non-empty last axis to normalize (got shape {tuple(x.shape)})")
+    if weight is None:
+        weight = torch.ones(k, dtype=x.dtype if bias is None else bias.dtype, device=x.device)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (k,) or t.dtype not in _DTYPES):
+            raise ValueError(f"{where}: {name} must be a float [{k}] tensor (got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))})")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise ValueError(f"{where}: bias must have weight's dtype (got {bias.dtype} and {weight.dtype})")
+    impl = _producer_impl(kernel, x, weight)
+    outs = _NormFn.apply(x, weight.contiguous(), None if bias is None else bias.contiguous(), float(eps), layer,
+                         transposed, output, impl)
+    return _pack(outs, x.shape, transposed, output)
+
+
+def rms_norm_1x128(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, transposed: bool = True,
+                   output: bool = False, kernel: str = "auto") -> BlockFP8Act:
+    """RMSNorm over the last axis (x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype) written
+    straight into 1x128 blocks: the bytes of quantize_1x128(y, transposed) for that y, in one kernel. output=True
+    also writes y (BlockFP8Act.out); the gradient of out flows to x and weight. weight None: no affine scale."""
+    return _norm(x, weight, None, eps, False, transposed, output, kernel, "gem.ops.fp8_block.rms_norm_1x128")
+
+
+def layer_norm_1x128(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     eps: float = 1e-5, transposed: bool = True, output: bool = False,
+                     kernel: str = "auto") -> BlockFP8Act:
+    """LayerNorm over the last axis (F.layer_norm's biased variance) written straight into 1x128 blocks, as
+    rms_norm_1x128; the gradient of out flows to x, weight and bias."""
+    return _norm(x, weight, bias, eps, True, transposed, output, kernel, "gem.ops.fp8_block.layer_norm_1x128")
+
+
+def swiglu_1x128(a: torch.Tensor, b: torch.Tensor, transposed: bool = True, output: bool = False,
+                 kernel: str = "auto") -> BlockFP8Act:
+    """h = silu(a) * b (in fp32, rounded once to a's dtype) written straight into 1x128 blocks along the last
+    axis (the down projection's reduction axis): the bytes of quantize_1x128(h, transposed). output=True also
+    writes h (BlockFP8Act.out); the gradient of out flows to a and b."""
+    where = "gem.ops.fp8_block.swiglu_1x128"
+    _check_x(a, where)
+    if not isinstance(b, torch.Tensor) or b.shape != a.shape or b.dtype != a.dtype or b.device != a.device:
+        raise ValueError(f"{where}: b must match a in shape, dtype and device (got "
+                         f"{tuple(getattr(b, 'shape', ()))} {getattr(b, 'dtype', type(b).__name__)} vs "
+                         f"{tuple(a.shape)} {a.dtype})")
+    impl = _producer_impl(kernel, a, b)
+    return _pack(_SwiGLUFn.apply(a, b, transposed, output, impl), a.shape, transposed, output)
