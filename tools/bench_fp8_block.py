@@ -1,9 +1,12 @@
 """Block-scaled FP8 on one GPU: the quantize kernels' GB/s against a torch copy of the same tensor, and the
 block-scaled GEMMs (torch._scaled_mm, 1x128 x 128x128 and 1x128 x 1x128) against bf16 `mm` and row-wise fp8.
 
-    python tools/bench_fp8_block.py [--sections quant,gemm,layer,sweep] [--tokens 65536]
+    python tools/bench_fp8_block.py [--sections quant,gemm,layer,fused,block,sweep] [--tokens 65536]
 
 CUDA events, warmup excluded; bytes moved = input + codes + scales (both layouts when transposed).
+fused: RMSNorm / SwiGLU writing 1x128 blocks (both layouts) against the op compiled by Inductor, then the quantizer.
+block: a dense block's GEMM path, forward + backward (norm -> QKV; norm -> w1, w3 -> SwiGLU -> w2) in bf16,
+fp8_block quantizing each GEMM input itself, and fp8_block with the fused producers.
 """
 
 from __future__ import annotations
@@ -59,10 +62,82 @@ def quant(tokens: int) -> None:
     print(f"| [4096, 1024] bf16 | 128x128 + transposed | {ms:.4f} | {gbs:.0f} | {2 * w.nbytes / copy / 1e6:.0f} | |")
 
 
+def fused(tokens: int) -> None:
+    """Producers fused with the 1x128 quantizer (both layouts) against Inductor's op + the quantizer."""
+    print("| producer [tokens, K] | unfused ms (Inductor op + quantizer) | fused ms | x | fused GB/s |")
+    print("|---|---|---|---|---|")
+    rms = torch.compile(lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6))
+    swiglu = torch.compile(lambda a, b: torch.nn.functional.silu(a) * b)
+    for k in (1024, 2048):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        unf = _ms(lambda: tfb.quantize_1x128_triton(rms(x, w), True))
+        fus = _ms(partial(tfb.norm_quant_triton, x, w, None, 1e-6, False, True, False))
+        nbytes = x.nbytes + 2 * x.numel() + 8 * x.numel() // 128
+        print(f"| RMSNorm [{tokens}, {k}] | {unf:.3f} | {fus:.3f} | {unf / fus:.2f} | {nbytes / fus / 1e6:.0f} |")
+    for k in (4096, 8192):
+        a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+        unf = _ms(lambda: tfb.quantize_1x128_triton(swiglu(a, b), True))
+        fus = _ms(partial(tfb.swiglu_quant_triton, a, b, True, False))
+        nbytes = 2 * a.nbytes + 2 * a.numel() + 8 * a.numel() // 128
+        print(f"| SwiGLU [{tokens}, {k}] | {unf:.3f} | {fus:.3f} | {unf / fus:.2f} | {nbytes / fus / 1e6:.0f} |")
+        del a, b
+
+
+class _DenseBlock(torch.nn.Module):
+    """The GEMM path of a dense pre-norm block, without attention: norm -> QKV; norm -> w1, w3 -> SwiGLU -> w2."""
+
+    def __init__(self, d: int, d_ff: int):
+        super().__init__()
+        self.n1, self.n2 = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.RMSNorm(d, eps=1e-6)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w1, self.w3 = torch.nn.Linear(d, d_ff, bias=False), torch.nn.Linear(d, d_ff, bias=False)
+        self.w2 = torch.nn.Linear(d_ff, d, bias=False)
+        self.fuse = True
+
+    def forward(self, x):
+        if self.fuse:
+            qkv = self.qkv(prec.block_fp8_norm(self.n1, x, self.qkv))
+            h = prec.block_fp8_norm(self.n2, x, self.w1, self.w3)
+            return qkv, self.w2(prec.block_fp8_swiglu(self.w1(h), self.w3(h), self.w2))
+        h = self.n2(x)
+        return self.qkv(self.n1(x)), self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+def block(tokens: int, d: int = 1024, d_ff: int = 4096) -> None:
+    print(f"| dense block GEMM path, {tokens} tokens, d {d}, d_ff {d_ff}, fwd + bwd | ms | x bf16 |")
+    print("|---|---|---|")
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g1 = torch.randn(tokens, 3 * d, device="cuda", dtype=torch.bfloat16)
+    g2 = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    base = None
+    for name, precision, fuse in (("bf16", "bf16", False), ("fp8_block, quantizer per GEMM", "fp8_block", False),
+                                  ("fp8_block, fused producers + cached weights", "fp8_block", True)):
+        torch.manual_seed(0)
+        m = _DenseBlock(d, d_ff).cuda().bfloat16()
+        prec.apply_precision(m, precision, "cuda", ["qkv", "w1", "w2", "w3"])
+        m.fuse = fuse
+        fn = torch.compile(m)  # Inductor fuses the unfused paths' norms / SwiGLU as in the model's regions
+
+        def step():
+            a, b = fn(x)
+            torch.autograd.backward((a, b), (g1, g2))
+        ms = _ms(step, iters=20)
+        base = base or ms
+        print(f"| {name} | {ms:.3f} | {base / ms:.2f} |")
+
+
 def sweep(tokens: int) -> None:
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     copy_gbs = 2 * x.nbytes / _ms(partial(y.copy_, x)) / 1e6
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    for warps in (4, 8, 16):
+        tfb.NORM_WARPS = warps
+        gbs = (x.nbytes + 2.06 * x.numel()) / _ms(partial(tfb.norm_quant_triton, x, w, None, 1e-6, False, True,
+                                                          False)) / 1e6
+        print(f"fused RMSNorm warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
     for bm in (8, 16, 32, 64, 128):
         for warps in (2, 4, 8):
             tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS = bm, warps
@@ -129,7 +204,7 @@ def main() -> None:
     args = p.parse_args()
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
     for s in args.sections.split(","):
-        {"quant": quant, "gemm": gemm, "sweep": sweep, "layer": layer}[s](args.tokens)
+        {"quant": quant, "gemm": gemm, "sweep": sweep, "layer": layer, "fused": fused, "block": block}[s](args.tokens)
 
 
 if __name__ == "__main__":

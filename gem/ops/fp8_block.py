@@ -43,7 +43,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def pow2_scale_reference(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 amax (>= 0 or NaN) -> (scale, 1 / scale, non-finite mask), the bit arithmetic of the kernels."""
-    bits = amax.float().contiguous().view(torch.int32)
+    bits = amax.float().contiguous().view(torch.int32) & 0x7FFFFFFF  # a NaN amax may carry the sign bit (x86's)
     ex = bits >> 23
     k = (ex - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp_min(-126)
     nonfinite = ex >= 255
