@@ -62,6 +62,15 @@ def quant(tokens: int) -> None:
     print(f"| [4096, 1024] bf16 | 128x128 + transposed | {ms:.4f} | {gbs:.0f} | {2 * w.nbytes / copy / 1e6:.0f} | |")
 
 
+def _then_quantize(op, a, b):
+    return tfb.quantize_1x128_triton(op(a, b), True)
+
+
+def _block_step(fn, x, g1, g2):
+    a, b = fn(x)
+    torch.autograd.backward((a, b), (g1, g2))
+
+
 def fused(tokens: int) -> None:
     """Producers fused with the 1x128 quantizer (both layouts) against Inductor's op + the quantizer."""
     print("| producer [tokens, K] | unfused ms (Inductor op + quantizer) | fused ms | x | fused GB/s |")
@@ -71,18 +80,17 @@ def fused(tokens: int) -> None:
     for k in (1024, 2048):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        unf = _ms(lambda: tfb.quantize_1x128_triton(rms(x, w), True))
+        unf = _ms(partial(_then_quantize, rms, x, w))
         fus = _ms(partial(tfb.norm_quant_triton, x, w, None, 1e-6, False, True, False))
         nbytes = x.nbytes + 2 * x.numel() + 8 * x.numel() // 128
         print(f"| RMSNorm [{tokens}, {k}] | {unf:.3f} | {fus:.3f} | {unf / fus:.2f} | {nbytes / fus / 1e6:.0f} |")
     for k in (4096, 8192):
         a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn_like(a)
-        unf = _ms(lambda: tfb.quantize_1x128_triton(swiglu(a, b), True))
+        unf = _ms(partial(_then_quantize, swiglu, a, b))
         fus = _ms(partial(tfb.swiglu_quant_triton, a, b, True, False))
         nbytes = 2 * a.nbytes + 2 * a.numel() + 8 * a.numel() // 128
         print(f"| SwiGLU [{tokens}, {k}] | {unf:.3f} | {fus:.3f} | {unf / fus:.2f} | {nbytes / fus / 1e6:.0f} |")
-        del a, b
 
 
 class _DenseBlock(torch.nn.Module):
@@ -119,34 +127,32 @@ def block(tokens: int, d: int = 1024, d_ff: int = 4096) -> None:
         prec.apply_precision(m, precision, "cuda", ["qkv", "w1", "w2", "w3"])
         m.fuse = fuse
         fn = torch.compile(m)  # Inductor fuses the unfused paths' norms / SwiGLU as in the model's regions
-
-        def step():
-            a, b = fn(x)
-            torch.autograd.backward((a, b), (g1, g2))
-        ms = _ms(step, iters=20)
+        ms = _ms(partial(_block_step, fn, x, g1, g2), iters=20)
         base = base or ms
         print(f"| {name} | {ms:.3f} | {base / ms:.2f} |")
 
 
 def sweep(tokens: int) -> None:
+    """Launch configs of the quantizer and the fused producers on [tokens, 1024] bf16, against a torch copy."""
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     copy_gbs = 2 * x.nbytes / _ms(partial(y.copy_, x)) / 1e6
+    print(f"copy: {copy_gbs:.0f} GB/s")
+    saved = tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS, tfb.TRANS_WARPS, tfb.NORM_WARPS
+    for bm in (16, 32, 64):
+        for warps in (4, 8):
+            tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS = bm, warps
+            gbs = (x.nbytes + x.numel() * 1.03) / _ms(partial(tfb.quantize_1x128_triton, x)) / 1e6
+            print(f"1x128 BLOCK_M={bm} warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     for warps in (4, 8, 16):
-        tfb.NORM_WARPS = warps
+        tfb.TRANS_WARPS = tfb.NORM_WARPS = warps
+        gbs = (x.nbytes + 2.06 * x.numel()) / _ms(partial(tfb.quantize_1x128_triton, x, True)) / 1e6
+        print(f"1x128 + transposed warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
         gbs = (x.nbytes + 2.06 * x.numel()) / _ms(partial(tfb.norm_quant_triton, x, w, None, 1e-6, False, True,
                                                           False)) / 1e6
         print(f"fused RMSNorm warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
-    for bm in (8, 16, 32, 64, 128):
-        for warps in (2, 4, 8):
-            tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS = bm, warps
-            gbs = (x.nbytes + x.numel() * 1.03) / _ms(partial(tfb.quantize_1x128_triton, x)) / 1e6
-            print(f"rows BLOCK_M={bm} warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
-    for warps in (4, 8, 16):
-        tfb.TRANS_WARPS = warps
-        gbs = (x.nbytes + 2.06 * x.numel()) / _ms(partial(tfb.quantize_1x128_triton, x, True)) / 1e6
-        print(f"transposed warps={warps}: {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
+    tfb.ROWS_BLOCK_M, tfb.ROWS_WARPS, tfb.TRANS_WARPS, tfb.NORM_WARPS = saved
 
 
 def gemm(tokens: int) -> None:

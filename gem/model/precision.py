@@ -26,7 +26,10 @@ unchanged, so checkpoints and FSDP see the same model):
   from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
   scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
-  the FP8 copies of x and W. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
+  the FP8 copies of x and W. W's copies are made once per optimizer step (cached_weight_op). The tower's RMSNorm /
+  LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
+  GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_swiglu: gem.ops.fp8_block's fused producers); other
+  inputs (attention output, interaction, gradients) go through the standalone 1x128 quantizer. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
   interaction's projections are converted too (BLOCK_FILTER). MoE experts named by the filter run fp8's row-wise
   grouped recipe.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.

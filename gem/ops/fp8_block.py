@@ -100,6 +100,40 @@ def dequantize_128x128_reference(codes: torch.Tensor, scale: torch.Tensor, dtype
     return (codes.view(E4M3).float() * s).to(dtype)
 
 
+def norm_reference(x2d, weight, bias, eps, layer):
+    """RMSNorm (LayerNorm: layer) in fp32 -> (y fp32, mean fp32 [rows] or None, rstd fp32 [rows])."""
+    xf = x2d.float()
+    mean = xf.mean(-1) if layer else None
+    xc = xf - mean[:, None] if layer else xf
+    rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
+    y32 = xc * rstd[:, None] * weight.float()
+    if bias is not None:
+        y32 = y32 + bias.float()
+    return y32, mean, rstd
+
+
+def norm_bwd_reference(x2d, weight, g2d, mean, rstd, has_bias):
+    """(dx in x's dtype, dw fp32 [n], db fp32 [n] or None) of y = (x - mean) * rstd * w (+ b), mean None: 0."""
+    g, r = g2d.float(), rstd[:, None]
+    xhat = (x2d.float() if mean is None else x2d.float() - mean[:, None]) * r
+    gw = g * weight.float()
+    dx = gw - xhat * (gw * xhat).mean(-1, keepdim=True)
+    if mean is not None:
+        dx = dx - gw.mean(-1, keepdim=True)
+    return (r * dx).to(x2d.dtype), (g * xhat).sum(0), g.sum(0) if has_bias else None
+
+
+def swiglu_reference(a2d, b2d):
+    """silu(a) * b in fp32, rounded once to a's dtype."""
+    return (F.silu(a2d.float()) * b2d.float()).to(a2d.dtype)
+
+
+def swiglu_bwd_reference(a, b, g):
+    af, bf, gf = a.float(), b.float(), g.float()
+    sig = torch.sigmoid(af)
+    return (gf * bf * sig * (1 + af * (1 - sig))).to(a.dtype), (gf * af * sig).to(b.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------- public API
 
 
@@ -227,7 +261,7 @@ def _(w):
 # ---------------------------------------------------------------------------------------------------- producers
 # RMSNorm / LayerNorm and SwiGLU that write their output straight into 1x128 blocks (and the token-blocked
 # transposed layout), for a BlockFP8Linear that takes the result as its input: no separate quantization pass, and
-# no bf16 copy of the output unless asked for. Their backward is the op's own (gem.ops.fp8's kernels), from the
+# no bf16 copy of the output unless asked for. Their backward is the op's own (Triton kernels), from the
 # inputs they save; the gradient arrives through BlockFP8Act.out.
 
 
@@ -285,8 +319,6 @@ def norm_fwd_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return (_empty(x2d, x2d.dtype) if y is None else y, q.view(E4M3), s, _codes(qt, x2d),
                 _empty(x2d, torch.float32) if st is None else st, _empty(x2d, torch.float32) if mean is None else mean,
                 rstd)
-    from gem.ops.fp8 import norm_reference
-
     y32, mean, rstd = norm_reference(x2d, weight, bias, eps, layer)
     y = y32.to(x2d.dtype)
     return (y if write_y else _empty(x2d, x2d.dtype), *_reference_blocks(y, transposed),
@@ -307,12 +339,10 @@ def norm_bwd_op(x2d: torch.Tensor, weight: torch.Tensor, g2d: torch.Tensor, mean
     """(dx in x's dtype, dw fp32 [K], db fp32 [K] (empty without bias)) of the norm, from its saved inputs."""
     m = None if not layer else mean
     if impl == "triton" and x2d.numel():
-        from gem.ops.triton_fp8 import norm_bwd_triton
+        from gem.ops.triton_fp8_block import norm_bwd_triton
 
         dx, dw, db = norm_bwd_triton(x2d, weight, g2d, m, rstd, has_bias)
     else:
-        from gem.ops.fp8 import norm_bwd_reference
-
         dx, dw, db = norm_bwd_reference(x2d, weight, g2d, m, rstd, has_bias)
     return dx, dw, _empty(x2d, torch.float32) if db is None else db
 
@@ -334,8 +364,6 @@ def swiglu_fwd_op(a2d: torch.Tensor, b2d: torch.Tensor, transposed: bool, write_
         h, q, s, qt, st = swiglu_quant_triton(a2d, b2d, transposed, write_y)
         return (_empty(a2d, a2d.dtype) if h is None else h, q.view(E4M3), s, _codes(qt, a2d),
                 _empty(a2d, torch.float32) if st is None else st)
-    from gem.ops.fp8 import swiglu_reference
-
     h = swiglu_reference(a2d, b2d)
     return (h if write_y else _empty(a2d, a2d.dtype), *_reference_blocks(h, transposed))
 
@@ -350,11 +378,9 @@ def swiglu_bwd_op(a2d: torch.Tensor, b2d: torch.Tensor, g2d: torch.Tensor,
                   impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, db) in a's dtype of h = silu(a) * b."""
     if impl == "triton" and a2d.numel():
-        from gem.ops.triton_fp8 import swiglu_bwd_triton
+        from gem.ops.triton_fp8_block import swiglu_bwd_triton
 
         return swiglu_bwd_triton(a2d, b2d, g2d)
-    from gem.ops.fp8 import swiglu_bwd_reference
-
     return swiglu_bwd_reference(a2d, b2d, g2d)
 
 

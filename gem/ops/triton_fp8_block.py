@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem.ops._common import cdiv, triton_interpreting
+from gem.ops._common import cdiv, next_pow2, triton_interpreting
 from gem.ops.triton_mx import (
     IN_KIND_OF,
     bits_view,
@@ -26,6 +26,7 @@ from gem.ops.triton_mx import (
     round_bits,
     store_fp32_bits,
 )
+from gem.ops.triton_utils import num_sms
 
 BLOCK = 128
 
@@ -166,6 +167,56 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, y_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K
 
 
 @triton.jit
+def _norm_bwd_kernel(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, rows, n, rows_per_prog,
+                     IN_KIND: tl.constexpr, W_KIND: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """RMSNorm (LayerNorm: LAYER) backward of rows [pid * rows_per_prog, ...): dx, and this program's partial
+    dw (and db) in fp32, one row of dw_ptr (db_ptr). xhat = (x - mean) * rstd, mean 0 for RMSNorm."""
+    pid = tl.program_id(0)
+    col = tl.arange(0, BLOCK_N)
+    cvalid = col < n
+    w = load_fp32_bits(w_ptr, col, cvalid, W_KIND).to(tl.float32, bitcast=True)
+    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(rows_per_prog):
+        row = pid.to(tl.int64) * rows_per_prog + i
+        ok = row < rows
+        valid = cvalid & ok
+        offs = row * n + col
+        x = load_fp32_bits(x_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
+        g = load_fp32_bits(g_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
+        rstd = tl.load(rstd_ptr + row, mask=ok, other=0.0)
+        if LAYER:
+            x = tl.where(valid, x - tl.load(mean_ptr + row, mask=ok, other=0.0), 0.0)
+        xhat = x * rstd
+        gw = g * w
+        dx = gw - xhat * (tl.sum(gw * xhat, axis=0) / n)
+        if LAYER:
+            dx -= tl.sum(gw, axis=0) / n
+        store_fp32_bits(dx_ptr, offs, (rstd * dx).to(tl.int32, bitcast=True), valid, IN_KIND)
+        acc_w += g * xhat
+        if HAS_BIAS:
+            acc_b += g
+    tl.store(dw_ptr + pid.to(tl.int64) * n + col, acc_w, mask=cvalid)
+    if HAS_BIAS:
+        tl.store(db_ptr + pid.to(tl.int64) * n + col, acc_b, mask=cvalid)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(a_ptr, b_ptr, g_ptr, da_ptr, db_ptr, total, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    a = load_fp32_bits(a_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
+    b = load_fp32_bits(b_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
+    g = load_fp32_bits(g_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    da = g * b * sig * (1.0 + a * (1.0 - sig))
+    db = g * (a * sig)
+    store_fp32_bits(da_ptr, offs, da.to(tl.int32, bitcast=True), valid, IN_KIND)
+    store_fp32_bits(db_ptr, offs, db.to(tl.int32, bitcast=True), valid, IN_KIND)
+
+
+@triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, NKB, OUT_KIND: tl.constexpr, WEIGHT: tl.constexpr,
                     EXACT: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -278,3 +329,40 @@ def dequantize_triton(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         codes, scale, bits_view(out), m, k, cdiv(k, BLOCK), OUT_KIND=IN_KIND_OF[dtype], WEIGHT=weight,
         EXACT=triton_interpreting(), BLOCK_M=bm, num_warps=ROWS_WARPS if not weight else TRANS_WARPS)
     return out
+
+
+def _warps(width: int) -> int:
+    return min(16, max(4, width // 512))
+
+
+def norm_bwd_triton(x2d: torch.Tensor, weight: torch.Tensor, g2d: torch.Tensor, mean, rstd: torch.Tensor,
+                    has_bias: bool):
+    """RMSNorm (mean None) or LayerNorm backward from the saved x, weight and stats: (dx in x's dtype, dw fp32 [n],
+    db fp32 [n] or None)."""
+    rows, n = x2d.shape
+    dx = torch.empty_like(x2d)
+    if rows == 0:
+        zero = torch.zeros(n, dtype=torch.float32, device=x2d.device)
+        return dx, zero, zero.clone() if has_bias else None
+    progs = min(rows, 4 * num_sms(x2d.device))
+    per = cdiv(rows, progs)
+    progs = cdiv(rows, per)
+    dw = torch.empty((progs, n), dtype=torch.float32, device=x2d.device)
+    db = torch.empty_like(dw) if has_bias else dw
+    width = next_pow2(n)
+    _norm_bwd_kernel[(progs,)](
+        bits_view(x2d), bits_view(weight), bits_view(g2d), rstd if mean is None else mean, rstd, bits_view(dx), dw,
+        db, rows, n, per, IN_KIND=IN_KIND_OF[x2d.dtype], W_KIND=IN_KIND_OF[weight.dtype], LAYER=mean is not None,
+        HAS_BIAS=has_bias, BLOCK_N=width, num_warps=_warps(width))
+    return dx, dw.sum(0), db.sum(0) if has_bias else None
+
+
+def swiglu_bwd_triton(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor):
+    """(da, db) in a's dtype from a, b and the gradient of h (all contiguous, same shape and dtype)."""
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    total = a.numel()
+    if total:
+        blk = 1024
+        _swiglu_bwd_kernel[(cdiv(total, blk),)](bits_view(a), bits_view(b), bits_view(g), bits_view(da),
+                                               bits_view(db), total, IN_KIND=IN_KIND_OF[a.dtype], BLOCK=blk)
+    return da, db

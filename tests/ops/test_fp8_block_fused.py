@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gem.ops import fp8_block as fb
-from gem.ops.fp8 import norm_reference, swiglu_reference
+from gem.ops.fp8_block import norm_reference, swiglu_reference
 from tests.ops.test_mx import _same
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
