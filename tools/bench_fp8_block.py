@@ -6,7 +6,8 @@ block-scaled GEMMs (torch._scaled_mm, 1x128 x 128x128 and 1x128 x 1x128) against
 CUDA events, warmup excluded; bytes moved = input + codes + scales (both layouts when transposed).
 fused: RMSNorm / SwiGLU writing 1x128 blocks (both layouts) against the op compiled by Inductor, then the quantizer.
 block: a dense block's GEMM path, forward + backward (norm -> QKV; norm -> w1, w3 -> SwiGLU -> w2) in bf16,
-fp8_block quantizing each GEMM input itself, and fp8_block with the fused producers.
+fp8_block quantizing each GEMM input itself, with the fused forward producers, and with the SwiGLU backward
+writing FP8 gradients too (the model's path).
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class _DenseBlock(torch.nn.Module):
         if self.fuse:
             qkv = self.qkv(prec.block_fp8_norm(self.n1, x, self.qkv))
             h = prec.block_fp8_norm(self.n2, x, self.w1, self.w3)
-            return qkv, self.w2(prec.block_fp8_swiglu(self.w1(h), self.w3(h), self.w2))
+            if self.fuse == "forward":  # the producers' forward only: the FFN's gradients quantized by its layers
+                return qkv, self.w2(fb.swiglu_1x128(self.w1(h), self.w3(h), transposed=True))
+            return qkv, prec.block_fp8_ffn(h, self.w1, self.w3, self.w2)
         h = self.n2(x)
         return self.qkv(self.n1(x)), self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
 
@@ -121,7 +124,8 @@ def block(tokens: int, d: int = 1024, d_ff: int = 4096) -> None:
     g2 = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
     base = None
     for name, precision, fuse in (("bf16", "bf16", False), ("fp8_block, quantizer per GEMM", "fp8_block", False),
-                                  ("fp8_block, fused producers + cached weights", "fp8_block", True)):
+                                  ("fp8_block, fused forward producers", "fp8_block", "forward"),
+                                  ("fp8_block, fused producers + FP8 SwiGLU gradients", "fp8_block", True)):
         torch.manual_seed(0)
         m = _DenseBlock(d, d_ff).cuda().bfloat16()
         prec.apply_precision(m, precision, "cuda", ["qkv", "w1", "w2", "w3"])

@@ -15,7 +15,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
-from gem.model.precision import block_fp8_norm, block_fp8_swiglu
+from gem.model.precision import block_fp8_ffn, block_fp8_norm
 from gem.ops.rotary import RopeConfig, cos_sin_table, qkv_rope, rope_tables
 
 
@@ -50,7 +50,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """x: a tensor, or (fp8_block) its 1x128 blocks for w1 and w3 (`block_fp8_norm`)."""
-        return self.w2(block_fp8_swiglu(self.w1(x), self.w3(x), self.w2))
+        return block_fp8_ffn(x, self.w1, self.w3, self.w2)
 
 
 class JaggedSelfAttention(nn.Module):

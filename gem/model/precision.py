@@ -28,8 +28,9 @@ unchanged, so checkpoints and FSDP see the same model):
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
   the FP8 copies of x and W. W's copies are made once per optimizer step (cached_weight_op). The tower's RMSNorm /
   LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
-  GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_swiglu: gem.ops.fp8_block's fused producers); other
-  inputs (attention output, interaction, gradients) go through the standalone 1x128 quantizer. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
+  GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_ffn: gem.ops.fp8_block's fused producers), and the
+  SwiGLU backward writes w1's and w3's output gradients straight into FP8 blocks; other inputs (attention output,
+  interaction, the other gradients) go through the standalone 1x128 quantizer. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
   interaction's projections are converted too (BLOCK_FILTER). MoE experts named by the filter run fp8's row-wise
   grouped recipe.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
@@ -52,7 +53,7 @@ from gem.ops import fp8_block as fb
 from gem.ops import mx
 
 __all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision",
-           "block_fp8_norm", "block_fp8_swiglu", "check_precision_device", "fp8_grouped_mm", "inductor_options",
+           "block_fp8_ffn", "block_fp8_norm", "check_precision_device", "fp8_grouped_mm", "inductor_options",
            "invalidate_fp8_weights"]
 
 log = logging.getLogger("gem.model")
@@ -442,7 +443,7 @@ class _BlockFP8LinearFn(torch.autograd.Function):
 class BlockFP8Linear(nn.Linear):
     """nn.Linear with block-scaled FP8 GEMMs (forward, input gradient and weight gradient; see the module
     docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict. Takes a tensor, or an
-    fp8_block.BlockFP8Act that a fused producer (block_fp8_norm, block_fp8_swiglu) wrote for it."""
+    fp8_block.BlockFP8Act that a fused producer (block_fp8_norm, or a SwiGLU's block_fp8_ffn) wrote for it."""
 
     align = fb.BLOCK
 
@@ -487,12 +488,77 @@ def block_fp8_norm(norm: nn.Module, x: torch.Tensor, *consumers: nn.Module) -> t
     return norm(x)
 
 
-def block_fp8_swiglu(a: torch.Tensor, b: torch.Tensor, down: nn.Module) -> torch.Tensor | fb.BlockFP8Act:
-    """silu(a) * b for the down projection `down`: written straight into its 1x128 blocks
-    (fp8_block.swiglu_1x128) when it is a BlockFP8Linear, else as before."""
-    if not _block_fp8_consumers((down,)):
-        return F.silu(a) * b
-    return fb.swiglu_1x128(a, b, transposed=_wgrad((down,)))
+class _BlockFP8SwiGLUFn(torch.autograd.Function):
+    """w2(silu(w1 x) * w3 x) with BlockFP8Linear's GEMMs, where the SwiGLU between them writes FP8 both ways: its
+    forward writes h only as w2's 1x128 blocks (fp8_block.swiglu_1x128's kernel), its backward da and db only as
+    w1's and w3's gradient blocks (no bf16 h, da or db, no quantization pass over them). x arrives quantized
+    (qx, sx, qxt, sxt from block_fp8_norm) or is quantized here once for w1 and w3. a = w1 x and b = w3 x are kept
+    for the backward in `act_dtype` (what the layers return: bf16 under autocast, else x's dtype); the GEMMs write
+    bf16, so gradients reach every GEMM in bf16 as they reach a layer. The same bytes, so the same results, as the three
+    layers called one after the other with swiglu_1x128 between them."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, act_dtype, qx, sx, qxt, sxt, impl):
+        x2 = _flat(x)
+        need_w = any(ctx.needs_input_grad[1:4])
+        if qx is None:
+            qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)
+        q1, q1t, s1 = torch.ops.gem.fp8_block_cached_weight(w1)
+        q3, q3t, s3 = torch.ops.gem.fp8_block_cached_weight(w3)
+        q2, q2t, s2 = torch.ops.gem.fp8_block_cached_weight(w2)
+        bf16 = torch.bfloat16
+        a = block_mm(qx, sx, q1, s1, True, bf16).to(act_dtype)
+        b = block_mm(qx, sx, q3, s3, True, bf16).to(act_dtype)
+        _, qh, sh, qht, sht = torch.ops.gem.fp8_block_swiglu_fwd(a, b, need_w, False, impl)
+        y = block_mm(qh, sh, q2, s2, True, bf16)
+        ctx.save_for_backward(a, b, qxt, sxt, qht, sht, q1t, s1, q3t, s3, q2t, s2)
+        ctx.x_shape, ctx.x_dtype, ctx.impl = x.shape, x.dtype, impl
+        ctx.w_dtypes = (w1.dtype, w3.dtype, w2.dtype)
+        return y.reshape(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        a, b, qxt, sxt, qht, sht, q1t, s1, q3t, s3, q2t, s2 = ctx.saved_tensors
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        bf16 = torch.bfloat16
+        dx = dw1 = dw3 = dw2 = None
+        qg, sg, qgt, sgt = torch.ops.gem.fp8_block_quantize_act(_flat(gy), need_w2)
+        if need_w2:
+            dw2 = block_mm(qgt, sgt.t(), qht, sht.t(), False, bf16).to(ctx.w_dtypes[2])
+        if need_x or need_w1 or need_w3:
+            dh = block_mm(qg, sg, q2t, s2.t(), True, bf16).to(a.dtype)
+            need_t = need_w1 or need_w3
+            qa, sa, qat, sat, qb, sb, qbt, sbt = torch.ops.gem.fp8_block_swiglu_bwd_quant(a, b, dh, need_t, ctx.impl)
+            if need_x:  # autograd's sum of the two layers' input gradients, in x's dtype
+                dx = (block_mm(qa, sa, q1t, s1.t(), True, bf16).to(ctx.x_dtype)
+                      + block_mm(qb, sb, q3t, s3.t(), True, bf16).to(ctx.x_dtype)).reshape(ctx.x_shape)
+            if need_w1:
+                dw1 = block_mm(qat, sat.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[0])
+            if need_w3:
+                dw3 = block_mm(qbt, sbt.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[1])
+        return dx, dw1, dw3, dw2, None, None, None, None, None, None
+
+
+def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module) -> torch.Tensor:
+    """w2(silu(w1(x)) * w3(x)). When the three are bias-free BlockFP8Linear layers, one op whose SwiGLU writes its
+    FP8 output and, in the backward, its FP8 gradients (_BlockFP8SwiGLUFn); x may then be block_fp8_norm's
+    BlockFP8Act. Otherwise the three layers as they are."""
+    layers = (w1, w3, w2)
+    if not _block_fp8_consumers(layers) or any(m.bias is not None for m in layers):
+        return w2(F.silu(w1(x)) * w3(x))
+    if isinstance(x, fb.BlockFP8Act):
+        act, x = x, x.out
+        if act.data_t is None and _wgrad((w1, w3)):
+            raise ValueError("block_fp8_ffn: the weight gradient needs the input's token-blocked layout "
+                             "(produce it with transposed=True)")
+        pre = (act.data, act.scale, act.data_t, act.scale_t)
+    else:
+        pre = (None,) * 4
+    dev = x.device.type
+    act_dtype = torch.bfloat16 if torch.is_autocast_enabled(dev) else x.dtype  # what three BlockFP8Linear give
+    impl = "triton" if x.is_cuda else "reference"
+    with torch.autocast(dev, enabled=False):  # the GEMMs write bf16: the output gradient arrives in bf16, as a layer's
+        return _BlockFP8SwiGLUFn.apply(x, w1.weight, w3.weight, w2.weight, act_dtype, *pre, impl).to(act_dtype)
 
 
 def inductor_options(model: nn.Module) -> dict:

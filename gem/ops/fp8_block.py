@@ -426,6 +426,29 @@ class _SwiGLUFn(torch.autograd.Function):
         return da.view(gh.shape), db.view(gh.shape), None, None, None
 
 
+@torch.library.custom_op("gem::fp8_block_swiglu_bwd_quant", mutates_args=())
+def swiglu_bwd_quant_op(a2d: torch.Tensor, b2d: torch.Tensor, g2d: torch.Tensor, transposed: bool,
+                        impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SwiGLU's backward with da and db written only as 1x128 blocks: (q, s, qt, st) of da, then of db (qt / st
+    empty unless transposed); the bytes of quantize_1x128 of swiglu_bwd_op's (da, db) rounded to bf16 (the dtype a
+    BlockFP8Linear receives its output gradient in)."""
+    if impl == "triton" and a2d.numel():
+        from gem.ops.triton_fp8_block import swiglu_bwd_quant_triton
+
+        out = []
+        for q, s, qt, st in swiglu_bwd_quant_triton(a2d, b2d, g2d, transposed):
+            out += [q.view(E4M3), s, _codes(qt, a2d), _empty(a2d, torch.float32) if st is None else st]
+        return tuple(out)
+    da, db = swiglu_bwd_reference(a2d, b2d, g2d)
+    return (*_reference_blocks(da.bfloat16(), transposed), *_reference_blocks(db.bfloat16(), transposed))
+
+
+@swiglu_bwd_quant_op.register_fake
+def _(a2d, b2d, g2d, transposed, impl):
+    return (*_block_outputs_fake(a2d, transposed), *_block_outputs_fake(a2d, transposed))
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).contiguous()
 

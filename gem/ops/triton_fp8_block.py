@@ -217,6 +217,32 @@ def _swiglu_bwd_kernel(a_ptr, b_ptr, g_ptr, da_ptr, db_ptr, total, IN_KIND: tl.c
 
 
 @triton.jit
+def _swiglu_bwd_quant_kernel(a_ptr, b_ptr, g_ptr, qa_ptr, sa_ptr, qat_ptr, sat_ptr, qb_ptr, sb_ptr, qbt_ptr, sbt_ptr,
+                             M, K, MP, NKB, IN_KIND: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
+                             BLOCK_M: tl.constexpr):
+    """SwiGLU's backward of one [BLOCK_M, 128] tile (_swiglu_bwd_kernel's arithmetic), da and db rounded to bf16
+    (the dtype a BlockFP8Linear receives its output gradient in) and written only as their 1 x 128 blocks."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    mrow = rm < M
+    mcol = rk < K
+    mask = mrow[:, None] & mcol[None, :]
+    offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    a = load_fp32_bits(a_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    b = load_fp32_bits(b_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    g = load_fp32_bits(g_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    da = g * b * sig * (1.0 + a * (1.0 - sig))
+    db = g * (a * sig)
+    _emit_1x128(round_bits(da.to(tl.int32, bitcast=True), 1), rm, rk, mrow, mcol, pid_m, pid_k, qa_ptr, sa_ptr,
+                qat_ptr, sat_ptr, K, MP, NKB, TRANS, EXACT)
+    _emit_1x128(round_bits(db.to(tl.int32, bitcast=True), 1), rm, rk, mrow, mcol, pid_m, pid_k, qb_ptr, sb_ptr,
+                qbt_ptr, sbt_ptr, K, MP, NKB, TRANS, EXACT)
+
+
+@triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, NKB, OUT_KIND: tl.constexpr, WEIGHT: tl.constexpr,
                     EXACT: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -285,6 +311,22 @@ def quantize_128x128_triton(w: torch.Tensor):
         bits_view(w), q, s, qt, s, n, k, n, nkb, IN_KIND=IN_KIND_OF[w.dtype], TRANS=False, WEIGHT=True,
         EXACT=triton_interpreting(), BLOCK_M=BLOCK, num_warps=TRANS_WARPS)
     return q, qt, s
+
+
+def swiglu_bwd_quant_triton(a2d: torch.Tensor, b2d: torch.Tensor, g2d: torch.Tensor, transposed: bool):
+    """SwiGLU's backward from a, b and the gradient of h (all [M, K] contiguous, non-empty, one dtype), da and db
+    written only in 1 x 128 blocks -> ((q, s, qt, st) of da, (q, s, qt, st) of db; qt / st None without
+    transposed)."""
+    m, k = a2d.shape
+    qa, sa, qat, sat, mp = _outputs(m, k, transposed, a2d.device)
+    qb, sb, qbt, sbt, _ = _outputs(m, k, transposed, a2d.device)
+    bm = BLOCK if transposed else ROWS_BLOCK_M
+    _swiglu_bwd_quant_kernel[(cdiv(mp, bm), cdiv(k, BLOCK))](
+        bits_view(a2d), bits_view(b2d), bits_view(g2d), qa, sa, qat, sat, qb, sb, qbt, sbt, m, k, mp, cdiv(k, BLOCK),
+        IN_KIND=IN_KIND_OF[a2d.dtype], TRANS=transposed, EXACT=triton_interpreting(), BLOCK_M=bm,
+        num_warps=TRANS_WARPS if transposed else ROWS_WARPS)
+    none = (None, None)
+    return (qa, sa, *((qat, sat) if transposed else none)), (qb, sb, *((qbt, sbt) if transposed else none))
 
 
 def norm_quant_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, layer: bool,

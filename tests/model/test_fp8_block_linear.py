@@ -330,40 +330,61 @@ def _run_block(blk, x, offsets):
 
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 def test_block_feeds_its_fp8_gemms_from_the_producers(monkeypatch, norm):
-    """Under fp8_block the attention norm, the FFN norm and SwiGLU write their consumers' FP8 blocks (one producer
-    call each, w1 and w3 sharing one); the block computes what it computes with each producer's output handed over
-    as a tensor (exactly), and what the unfused modules compute (to the norm's rounding); bf16 calls no producer."""
+    """Under fp8_block the attention norm and the FFN norm write their consumers' FP8 blocks (one producer call
+    each, w1 and w3 sharing one) and the FFN runs as one op whose SwiGLU writes FP8 both ways; the block computes
+    exactly what it computes with each producer's output handed over as a tensor and the FFN as three layers with
+    swiglu_1x128 between them, and what the unfused modules compute (to the norm's rounding). bf16 calls none."""
     from gem.model import attention
+    from gem.model import precision as prec
 
-    producers = {"norm": "layer_norm_1x128" if norm == "layernorm" else "rms_norm_1x128", "swiglu": "swiglu_1x128"}
-    calls = {k: _counting(monkeypatch, fb, name) for k, name in producers.items()}
+    norm_name = "layer_norm_1x128" if norm == "layernorm" else "rms_norm_1x128"
+    norm_calls = _counting(monkeypatch, fb, norm_name)
+    ffn_calls, ffn_apply = [], prec._BlockFP8SwiGLUFn.apply
+    monkeypatch.setattr(prec._BlockFP8SwiGLUFn, "apply", lambda *a: ffn_calls.append(1) or ffn_apply(*a))
     x, offsets = torch.randn(13, 128), torch.tensor([0, 9, 13])
     _run_block(_block("bf16", norm), x, offsets)
-    assert calls == {"norm": [], "swiglu": []}
+    assert norm_calls == [] and ffn_calls == []
     blk = _block("fp8_block", norm)
     fused = _run_block(blk, x, offsets)
-    assert (len(calls["norm"]), len(calls["swiglu"])) == (2, 1)
+    assert (len(norm_calls), len(ffn_calls)) == (2, 1)
 
-    norm_fn, swiglu_fn = attention.block_fp8_norm, attention.block_fp8_swiglu
-
-    def as_tensor(produced):
-        return produced.out if isinstance(produced, fb.BlockFP8Act) else produced
-
-    monkeypatch.setattr(fb, "rms_norm_1x128", lambda *a, **k: _rms(*a, **{**k, "output": True}))
-    monkeypatch.setattr(fb, "layer_norm_1x128", lambda *a, **k: _ln(*a, **{**k, "output": True}))
-    monkeypatch.setattr(fb, "swiglu_1x128", lambda *a, **k: _sw(*a, **{**k, "output": True}))
-    monkeypatch.setattr(attention, "block_fp8_norm", lambda *a: as_tensor(norm_fn(*a)))
-    monkeypatch.setattr(attention, "block_fp8_swiglu", lambda *a: as_tensor(swiglu_fn(*a)))
+    norm_fn, producer = attention.block_fp8_norm, getattr(fb, norm_name)
+    monkeypatch.setattr(fb, norm_name, lambda *a, **k: producer(*a, **{**k, "output": True}))
+    monkeypatch.setattr(attention, "block_fp8_norm", lambda *a: norm_fn(*a).out)
+    monkeypatch.setattr(attention, "block_fp8_ffn",
+                        lambda x_, w1, w3, w2: w2(fb.swiglu_1x128(w1(x_), w3(x_), output=True).out))
     for a, b in zip(fused, _run_block(blk, x, offsets)):
         assert torch.equal(a, b)
 
     monkeypatch.setattr(attention, "block_fp8_norm", lambda norm_, x_, *_: norm_(x_))
-    monkeypatch.setattr(attention, "block_fp8_swiglu", lambda a_, b_, _down: F.silu(a_) * b_)
+    monkeypatch.setattr(attention, "block_fp8_ffn", lambda x_, w1, w3, w2: w2(F.silu(w1(x_)) * w3(x_)))
     for a, b in zip(fused, _run_block(blk, x, offsets)):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
-_rms, _ln, _sw = fb.rms_norm_1x128, fb.layer_norm_1x128, fb.swiglu_1x128
+def test_ffn_op_equals_three_layers():
+    """block_fp8_ffn against w1, w3 -> swiglu_1x128 -> w2 (fused forward, every gradient quantized by the layers):
+    the same bytes everywhere, so equal outputs and gradients; with a BlockFP8Act input and a plain one."""
+    from gem.model.precision import block_fp8_ffn
+
+    w1, w3, w2 = _linear(128, 256, False, 6), _linear(128, 256, False, 7), _linear(256, 128, False, 8)
+    x = torch.randn(130, 128, requires_grad=True)
+    wn = torch.randn(128, requires_grad=True)
+    gy = torch.randn(130, 128)
+    params = [x, wn, w1.weight, w3.weight, w2.weight]
+    for pre in (True, False):
+        runs = []
+        for fused in (True, False):
+            h = fb.rms_norm_1x128(x, wn, output=not pre)
+            h = h if pre else h.out
+            y = block_fp8_ffn(h, w1, w3, w2) if fused else w2(fb.swiglu_1x128(w1(h), w3(h)))
+            y.backward(gy)
+            runs.append([y.detach()] + [p.grad for p in params])
+            for p in params:
+                p.grad = None
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+
 
 
 def test_block_regions_compile_with_the_producers():

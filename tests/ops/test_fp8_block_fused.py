@@ -158,6 +158,21 @@ def test_swiglu_matches_unfused(kernel, dtype, shape):
         assert (ok | (got.isnan() & want.isnan()) | (got.isinf() & (got.float() == want))).all()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape,dtype", [((130, 200), torch.bfloat16), ((3, 128), torch.float32)])
+def test_swiglu_backward_writes_fp8_gradients(kernel, shape, dtype):
+    """The backward that writes da and db only as 1x128 blocks: the bytes of quantizing the unfused backward's
+    (in bf16, as a BlockFP8Linear receives its output gradient)."""
+    a, b = (t.detach() for t in _swiglu_inputs(shape, dtype, 5))
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for transposed in (True, False):
+        out = fb.swiglu_bwd_quant_op(a, b, g, transposed, kernel)
+        for grad, (q, s, qt, st) in zip(fb.swiglu_bwd_op(a, b, g, kernel), (out[:4], out[4:])):
+            act = fb.BlockFP8Act(grad, q, s, qt if transposed else None, st if transposed else None)
+            _check_bytes(act, grad.bfloat16(), transposed)  # rounded as a layer's output gradient arrives
+            assert transposed or qt.numel() == 0
+
+
 def test_swiglu_nan_and_bad_arguments():
     a, b = torch.randn(4, 128), torch.randn(4, 128)
     a[2, 5] = float("nan")
