@@ -111,7 +111,7 @@ def _norm_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mrow = rm < M
     rows = rm.to(tl.int64)[:, None] * K
-    kf = K.to(tl.float32)
+    kf = tl.cast(K, tl.float32)
     mean = tl.zeros([BLOCK_M], dtype=tl.float32)
     if LAYER:
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
