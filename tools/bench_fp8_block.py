@@ -16,6 +16,7 @@ import argparse
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from gem.model import precision as prec
 from gem.ops import fp8_block as fb
@@ -95,7 +96,9 @@ def fused(tokens: int) -> None:
 
 
 class _DenseBlock(torch.nn.Module):
-    """The GEMM path of a dense pre-norm block, without attention: norm -> QKV; norm -> w1, w3 -> SwiGLU -> w2."""
+    """The GEMM path of a dense pre-norm block, without attention: norm -> QKV; norm -> w1, w3 -> SwiGLU -> w2.
+    As in gem.model.attention.TransformerBlock, the FP8 weight copies are looked up in eager code and the rest runs
+    as one compiled region."""
 
     def __init__(self, d: int, d_ff: int):
         super().__init__()
@@ -105,15 +108,23 @@ class _DenseBlock(torch.nn.Module):
         self.w2 = torch.nn.Linear(d_ff, d, bias=False)
         self.fuse = True
 
-    def forward(self, x):
-        if self.fuse:
-            qkv = self.qkv(prec.block_fp8_norm(self.n1, x, self.qkv))
+    def region(self, x, w8):
+        if self.fuse == "forward":  # the producers' forward only: the FFN's gradients quantized by its layers
+            qkv = prec.fp8_call(self.qkv, prec.block_fp8_norm(self.n1, x, self.qkv), w8[0])
             h = prec.block_fp8_norm(self.n2, x, self.w1, self.w3)
-            if self.fuse == "forward":  # the producers' forward only: the FFN's gradients quantized by its layers
-                return qkv, self.w2(fb.swiglu_1x128(self.w1(h), self.w3(h), transposed=True))
-            return qkv, prec.block_fp8_ffn(h, self.w1, self.w3, self.w2)
+            a, b = prec.fp8_call(self.w1, h, w8[1]), prec.fp8_call(self.w3, h, w8[2])
+            return qkv, prec.fp8_call(self.w2, fb.swiglu_1x128(a, b, transposed=True), w8[3])
+        if self.fuse:
+            qkv = prec.fp8_call(self.qkv, prec.block_fp8_norm(self.n1, x, self.qkv), w8[0])
+            return qkv, prec.block_fp8_ffn(prec.block_fp8_norm(self.n2, x, self.w1, self.w3), self.w1, self.w3,
+                                           self.w2, w8[1:])
         h = self.n2(x)
-        return self.qkv(self.n1(x)), self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+        w8 = w8 or (None,) * 4
+        a, b = prec.fp8_call(self.w1, h, w8[1]), prec.fp8_call(self.w3, h, w8[2])
+        return prec.fp8_call(self.qkv, self.n1(x), w8[0]), prec.fp8_call(self.w2, F.silu(a) * b, w8[3])
+
+    def forward(self, x):
+        return self.region(x, prec.fp8_weights(self.qkv, self.w1, self.w3, self.w2))
 
 
 def block(tokens: int, d: int = 1024, d_ff: int = 4096) -> None:
@@ -130,10 +141,10 @@ def block(tokens: int, d: int = 1024, d_ff: int = 4096) -> None:
         m = _DenseBlock(d, d_ff).cuda().bfloat16()
         prec.apply_precision(m, precision, "cuda", ["qkv", "w1", "w2", "w3"])
         m.fuse = fuse
-        fn = torch.compile(m)  # Inductor fuses the unfused paths' norms / SwiGLU as in the model's regions
-        ms = _ms(partial(_block_step, fn, x, g1, g2), iters=20)
+        m.region = torch.compile(m.region)  # Inductor fuses the unfused paths' norms / SwiGLU as in the model
+        ms = _ms(partial(_block_step, m, x, g1, g2), iters=20)
         base = base or ms
-        print(f"| {name} | {ms:.3f} | {base / ms:.2f} |")
+        print(f"| {name} | {ms:.3f} | {base / ms:.2f} |", flush=True)
 
 
 def sweep(tokens: int) -> None:

@@ -26,7 +26,7 @@ unchanged, so checkpoints and FSDP see the same model):
   from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
   scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
-  the FP8 copies of x and W. W's copies are made once per optimizer step (cached_weight_op). The tower's RMSNorm /
+  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights). The tower's RMSNorm /
   LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
   GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_ffn: gem.ops.fp8_block's fused producers), and the
   SwiGLU backward writes w1's and w3's output gradients straight into FP8 blocks; other inputs (attention output,
@@ -52,9 +52,23 @@ from gem.config import ConfigError
 from gem.ops import fp8_block as fb
 from gem.ops import mx
 
-__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision",
-           "block_fp8_ffn", "block_fp8_norm", "check_precision_device", "fp8_grouped_mm", "inductor_options",
-           "invalidate_fp8_weights"]
+__all__ = [
+    "BLOCK_FILTER",
+    "DEFAULT_FILTER",
+    "PRECISIONS",
+    "BlockFP8Linear",
+    "FP8Linear",
+    "MXFP8Linear",
+    "apply_precision",
+    "block_fp8_ffn",
+    "block_fp8_norm",
+    "check_precision_device",
+    "fp8_call",
+    "fp8_grouped_mm",
+    "fp8_weights",
+    "inductor_options",
+    "invalidate_fp8_weights",
+]
 
 log = logging.getLogger("gem.model")
 
@@ -357,8 +371,12 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
 # torch.optim post-step hook) and every state-dict load into a BlockFP8Linear. Under gradient accumulation the
 # micro-batches of one step share the copy. Anything else that rewrites the weights in place without bumping their
 # version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded).
+# The lookup runs in eager code: a compiled region gets the copies as arguments (fp8_weights, called by the module
+# that owns the region before entering it), never as outputs of an op inside the graph, whose buffers Inductor may
+# reuse. A BlockFP8Linear called inside a compiled region without them quantizes its weight in the graph, per call.
 _generation = 0
 _hook = None
+_CACHE_ATTR = "_gem_fp8_block_weight"
 
 
 def invalidate_fp8_weights() -> None:
@@ -375,30 +393,35 @@ def _install_step_hook() -> None:
         _hook = register_optimizer_step_post_hook(lambda *_: invalidate_fp8_weights())
 
 
-_CACHE_ATTR = "_gem_fp8_block_weight"
-
-
-@torch.library.custom_op("gem::fp8_block_cached_weight", mutates_args=())
-def cached_weight_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_128x128(w), from the copy kept on w while it is current (see above). The outputs are shared by
-    every call until the weight changes: callers only read them."""
+@torch.compiler.disable
+def _cached_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_128x128(w) from the copy kept on w while it is current (see above); callers only read it."""
     _install_step_hook()
     if w.is_inference():  # no version counter to key on
-        return tuple(t.clone() for t in torch.ops.gem.fp8_block_quantize_weight(w))
+        return torch.ops.gem.fp8_block_quantize_weight(w.detach())
     key = (_generation, w._version, w.data_ptr())
     hit = getattr(w, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
-    out = torch.ops.gem.fp8_block_quantize_weight(w)
+    out = torch.ops.gem.fp8_block_quantize_weight(w.detach())
     setattr(w, _CACHE_ATTR, (key, out))
     return out
 
 
-@cached_weight_op.register_fake
-def _(w):
-    n, k = w.shape
-    return (w.new_empty((n, k), dtype=fb.E4M3), w.new_empty((k, n), dtype=fb.E4M3),
-            w.new_empty((fb.cdiv(n, fb.BLOCK), fb.cdiv(k, fb.BLOCK)), dtype=torch.float32))
+def fp8_weights(*layers: nn.Module) -> tuple | None:
+    """The current FP8 copies (qw, qwt, sw) of each layer's weight, None for a layer that is not a
+    BlockFP8Linear; None when none is. Eager: call it outside a compiled region and hand the result in."""
+    if not any(type(m) is BlockFP8Linear for m in layers):
+        return None
+    return tuple(_cached_weight(m.weight) if type(m) is BlockFP8Linear else None for m in layers)
+
+
+def _weight_fp8(w: torch.Tensor, w8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if w8 is not None:
+        return w8
+    if torch.compiler.is_compiling():
+        return torch.ops.gem.fp8_block_quantize_weight(w.detach())
+    return _cached_weight(w)
 
 
 class _BlockFP8LinearFn(torch.autograd.Function):
@@ -409,12 +432,11 @@ class _BlockFP8LinearFn(torch.autograd.Function):
     quantized here. The backward keeps only FP8 copies of x and W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype, qx, sx, qxt, sxt):
+    def forward(ctx, x, weight, bias, dtype, qx, sx, qxt, sxt, qw, qwt, sw):
         x2 = _flat(x)
         need_w = ctx.needs_input_grad[1]
         if qx is None:
             qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
-        qw, qwt, sw = torch.ops.gem.fp8_block_cached_weight(weight)
         y = block_mm(qx, sx, qw, sw, True, dtype)
         if bias is not None:
             y = y + bias.to(dtype)
@@ -437,7 +459,7 @@ class _BlockFP8LinearFn(torch.autograd.Function):
                 dw = block_mm(qgt, sgt.t(), qxt, sxt.t(), False, ctx.dtype).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class BlockFP8Linear(nn.Linear):
@@ -447,7 +469,8 @@ class BlockFP8Linear(nn.Linear):
 
     align = fb.BLOCK
 
-    def forward(self, x: torch.Tensor | fb.BlockFP8Act) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fb.BlockFP8Act, w8: tuple | None = None) -> torch.Tensor:
+        """w8: this layer's fp8_weights() entry, looked up outside the compiled region the call runs in."""
         dtype = torch.bfloat16  # block-scaled _scaled_mm writes bf16
         if isinstance(x, fb.BlockFP8Act):
             act, x = x, x.out
@@ -458,7 +481,7 @@ class BlockFP8Linear(nn.Linear):
         else:
             pre = (None,) * 4
         with torch.autocast(x.device.type, enabled=False):
-            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype, *pre)
+            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype, *pre, *_weight_fp8(self.weight, w8))
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -498,14 +521,11 @@ class _BlockFP8SwiGLUFn(torch.autograd.Function):
     layers called one after the other with swiglu_1x128 between them."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, act_dtype, qx, sx, qxt, sxt, impl):
+    def forward(ctx, x, w1, w3, w2, act_dtype, qx, sx, qxt, sxt, impl, q1, q1t, s1, q3, q3t, s3, q2, q2t, s2):
         x2 = _flat(x)
         need_w = any(ctx.needs_input_grad[1:4])
         if qx is None:
             qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)
-        q1, q1t, s1 = torch.ops.gem.fp8_block_cached_weight(w1)
-        q3, q3t, s3 = torch.ops.gem.fp8_block_cached_weight(w3)
-        q2, q2t, s2 = torch.ops.gem.fp8_block_cached_weight(w2)
         bf16 = torch.bfloat16
         a = block_mm(qx, sx, q1, s1, True, bf16).to(act_dtype)
         b = block_mm(qx, sx, q3, s3, True, bf16).to(act_dtype)
@@ -536,16 +556,18 @@ class _BlockFP8SwiGLUFn(torch.autograd.Function):
                 dw1 = block_mm(qat, sat.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[0])
             if need_w3:
                 dw3 = block_mm(qbt, sbt.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[1])
-        return dx, dw1, dw3, dw2, None, None, None, None, None, None
+        return (dx, dw1, dw3, dw2) + (None,) * 15
 
 
-def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module) -> torch.Tensor:
+def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module, w8: tuple | None = None) -> torch.Tensor:
     """w2(silu(w1(x)) * w3(x)). When the three are bias-free BlockFP8Linear layers, one op whose SwiGLU writes its
     FP8 output and, in the backward, its FP8 gradients (_BlockFP8SwiGLUFn); x may then be block_fp8_norm's
-    BlockFP8Act. Otherwise the three layers as they are."""
+    BlockFP8Act. Otherwise the three layers as they are. w8: fp8_weights(w1, w3, w2), looked up outside the
+    compiled region the call runs in."""
     layers = (w1, w3, w2)
+    w8 = w8 or (None,) * 3
     if not _block_fp8_consumers(layers) or any(m.bias is not None for m in layers):
-        return w2(F.silu(w1(x)) * w3(x))
+        return fp8_call(w2, F.silu(fp8_call(w1, x, w8[0])) * fp8_call(w3, x, w8[1]), w8[2])
     if isinstance(x, fb.BlockFP8Act):
         act, x = x, x.out
         if act.data_t is None and _wgrad((w1, w3)):
@@ -558,7 +580,14 @@ def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module) -> torch.Tenso
     act_dtype = torch.bfloat16 if torch.is_autocast_enabled(dev) else x.dtype  # what three BlockFP8Linear give
     impl = "triton" if x.is_cuda else "reference"
     with torch.autocast(dev, enabled=False):  # the GEMMs write bf16: the output gradient arrives in bf16, as a layer's
-        return _BlockFP8SwiGLUFn.apply(x, w1.weight, w3.weight, w2.weight, act_dtype, *pre, impl).to(act_dtype)
+        weights = (t for m, c in zip(layers, w8) for t in _weight_fp8(m.weight, c))
+        return _BlockFP8SwiGLUFn.apply(x, w1.weight, w3.weight, w2.weight, act_dtype, *pre, impl,
+                                       *weights).to(act_dtype)
+
+
+def fp8_call(layer: nn.Module, x, w8: tuple | None):
+    """layer(x), with its FP8 weight copies when it is a BlockFP8Linear and they were looked up."""
+    return layer(x) if w8 is None else layer(x, w8=w8)
 
 
 def inductor_options(model: nn.Module) -> dict:

@@ -352,12 +352,12 @@ def test_block_feeds_its_fp8_gemms_from_the_producers(monkeypatch, norm):
     monkeypatch.setattr(fb, norm_name, lambda *a, **k: producer(*a, **{**k, "output": True}))
     monkeypatch.setattr(attention, "block_fp8_norm", lambda *a: norm_fn(*a).out)
     monkeypatch.setattr(attention, "block_fp8_ffn",
-                        lambda x_, w1, w3, w2: w2(fb.swiglu_1x128(w1(x_), w3(x_), output=True).out))
+                        lambda x_, w1, w3, w2, _w8: w2(fb.swiglu_1x128(w1(x_), w3(x_), output=True).out))
     for a, b in zip(fused, _run_block(blk, x, offsets)):
         assert torch.equal(a, b)
 
     monkeypatch.setattr(attention, "block_fp8_norm", lambda norm_, x_, *_: norm_(x_))
-    monkeypatch.setattr(attention, "block_fp8_ffn", lambda x_, w1, w3, w2: w2(F.silu(w1(x_)) * w3(x_)))
+    monkeypatch.setattr(attention, "block_fp8_ffn", lambda x_, w1, w3, w2, _w8: w2(F.silu(w1(x_)) * w3(x_)))
     for a, b in zip(fused, _run_block(blk, x, offsets)):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
 
@@ -387,11 +387,26 @@ def test_ffn_op_equals_three_layers():
 
 
 
-def test_block_regions_compile_with_the_producers():
+def test_block_regions_compile_with_the_producers(monkeypatch):
+    """The compiled regions take the producers' blocks and the FP8 weight copies as arguments (looked up in eager
+    code, once per optimizer step: no quantization of a weight inside the graphs); same results as eager, before
+    and after an optimizer step."""
+    import copy
+
     blk = _block("fp8_block")
+    eager_blk = copy.deepcopy(blk)
     x, offsets = torch.randn(13, 128), torch.tensor([0, 4, 13])
-    eager = _run_block(blk, x, offsets)
     torch._dynamo.reset()
     blk.compile_regions(backend="aot_eager", fullgraph=True)
-    for a, b in zip(eager, _run_block(blk, x, offsets)):
-        assert torch.equal(a, b)
+    calls = _counting(monkeypatch, fb, "quantize_128x128")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (blk, eager_blk)]
+    for step in range(2):
+        for _ in range(2):
+            got, want = _run_block(blk, x, offsets), _run_block(eager_blk, x, offsets)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+        assert len(calls) == 10 * (step + 1)  # five weights, both blocks, once per step
+        for m, opt in zip((blk, eager_blk), opts):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.01)
+            opt.step()
