@@ -15,6 +15,10 @@ Layouts (what torch._scaled_mm's block-wise recipes take; the token axis may be 
 - quantize_128x128(w [N, K]): data [N, K], data_t [K, N] (w^T, the input-gradient GEMM's operand), scale
   [ceil(N / 128), ceil(K / 128)] (w^T's scales are scale.t()).
 
+Producers that write their output straight into these blocks (BlockFP8Act: both layouts from one kernel, the bytes
+of quantize_1x128 of the op's own output, no bf16 copy unless asked for): rms_norm_1x128, layer_norm_1x128,
+swiglu_1x128; and swiglu_bwd_quant_op, SwiGLU's backward writing da and db only as blocks.
+
 kernel: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the reference) | "triton" | "reference"; both
 give the same bytes (NaN payloads included: codes 0x7F).
 """
