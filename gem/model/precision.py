@@ -19,7 +19,7 @@ unchanged, so checkpoints and FSDP see the same model):
   default) run their experts with the same recipe through torch._scaled_grouped_mm. Layers whose dims are not
   multiples of 16 stay nn.Linear. The quantization is plain torch ops inside the blocks' compiled regions, so
   Inductor fuses it into the kernels that produce each GEMM input (norms, SwiGLU, their backwards): on the H200
-  that beat quantizing the gradients with gem.ops.fp8's one-pass kernel by 3.5% of the step. Those regions compile
+  that beat quantizing the gradients with a one-pass row-wise Triton kernel by 3.5% of the step. Those regions compile
   without Inductor's mix-order reduction (inductor_options).
 - fp8_block (any device): block-scaled E4M3 as DeepSeek-V3 trains (gem.ops.fp8_block): activations and gradients
   in 1x128 blocks along each GEMM's reduction axis (the weight gradient's runs over the tokens: both layouts come
