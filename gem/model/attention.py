@@ -15,6 +15,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
+from gem.model.precision import block_fp8_ffn, block_fp8_norm, fp8_call, fp8_weights
 from gem.ops.rotary import RopeConfig, cos_sin_table, qkv_rope, rope_tables
 
 
@@ -47,8 +48,10 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x, w8: tuple | None = None) -> torch.Tensor:
+        """x: a tensor, or (fp8_block) its 1x128 blocks for w1 and w3 (`block_fp8_norm`); w8: fp8_weights(w1, w3,
+        w2) when the call runs in a compiled region."""
+        return block_fp8_ffn(x, self.w1, self.w3, self.w2, w8)
 
 
 class JaggedSelfAttention(nn.Module):
@@ -63,11 +66,13 @@ class JaggedSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.out = nn.Linear(num_heads * head_dim, d_model, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, d_model] -> q [T, H, D], k, v [T, H_kv, D]."""
-        t = x.shape[0]
+    def project(self, x, w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d_model] (or, fp8_block, its 1x128 blocks from `block_fp8_norm`) -> q [T, H, D], k, v [T, H_kv, D].
+        w8: fp8_weights(qkv) when the call runs in a compiled region."""
+        qkv = fp8_call(self.qkv, x, w8)
+        t = qkv.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
         return q.reshape(t, h, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
@@ -112,22 +117,36 @@ class TransformerBlock(nn.Module):
         self.ffn = ffn
         self._rope_in_qkv = False  # set by compile_regions
 
-    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """norm + QKV projection; with `rope` = (positions, cos table, sin table) q and k rotated too."""
-        if rope is None:
-            return self.attn.project(self.attn_norm(x))
+    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm + QKV projection; with `rope` = (positions, cos table, sin table) q and k rotated too. w8: the QKV
+        layer's fp8_weights entry (fp8_block)."""
         a = self.attn
-        return qkv_rope(a.qkv(self.attn_norm(x)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
+        h = block_fp8_norm(self.attn_norm, x, a.qkv)  # fp8_block: the norm writes the QKV GEMM's FP8 input
+        if rope is None:
+            return a.project(h, w8)
+        return qkv_rope(fp8_call(a.qkv, h, w8), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
 
-    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn.out(o)
-        h = self.ffn_norm(x)
+    def _finish(self, x: torch.Tensor, o: torch.Tensor, w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """w8: (the output projection's, the SwiGLU's) fp8_weights entries (fp8_block)."""
+        w_out, w_ffn = w8 if w8 is not None else (None, None)
+        x = x + fp8_call(self.attn.out, o, w_out)
         if isinstance(self.ffn, MoE):
-            y, aux = self.ffn(h)
-        else:
-            y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
+            y, aux = self.ffn(self.ffn_norm(x))
+        else:  # fp8_block: the norm writes the up projections' FP8 input (one pass for w1 and w3)
+            h = block_fp8_norm(self.ffn_norm, x, self.ffn.w1, self.ffn.w3)
+            y, aux = self.ffn(h, w_ffn), x.new_zeros((), dtype=torch.float32)
         return x + y, aux
+
+    def _fp8_weights(self) -> tuple[tuple | None, tuple | None]:
+        """fp8_block: the block's FP8 weight copies for `_qkv` and `_finish`, looked up here in eager code (after
+        FSDP's all-gather) and handed to the compiled regions as arguments; (None, None) otherwise."""
+        a = self.attn
+        ffn = () if isinstance(self.ffn, MoE) else (self.ffn.w1, self.ffn.w3, self.ffn.w2)
+        w8 = fp8_weights(a.qkv, a.out, *ffn)
+        if w8 is None:
+            return None, None
+        return w8[0], (w8[1], w8[2:] if ffn and any(t is not None for t in w8[2:]) else None)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, targets: Targets | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +156,10 @@ class TransformerBlock(nn.Module):
             rope = (targets.positions, cos, sin)
         elif self._rope_in_qkv:
             rope = rope_tables(offsets, x.shape[0], max_len, a.rope.resolve_dim(a.head_dim), a.rope.base)
-        q, k, v = self._qkv(x, rope)
+        w_qkv, w_finish = self._fp8_weights()
+        q, k, v = self._qkv(x, rope, w_qkv)
         return self._finish(x, a.attend(q, k, v, offsets, max_len, roped=rope is not None,
-                                        num_targets=None if targets is None else targets.num_targets))
+                                        num_targets=None if targets is None else targets.num_targets), w_finish)
 
     def compile_regions(self, **compile_kwargs) -> None:
         """torch.compile `_qkv` and `_finish` (the token count varies per batch: dynamic after the first)."""

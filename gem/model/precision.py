@@ -19,14 +19,18 @@ unchanged, so checkpoints and FSDP see the same model):
   default) run their experts with the same recipe through torch._scaled_grouped_mm. Layers whose dims are not
   multiples of 16 stay nn.Linear. The quantization is plain torch ops inside the blocks' compiled regions, so
   Inductor fuses it into the kernels that produce each GEMM input (norms, SwiGLU, their backwards): on the H200
-  that beat quantizing the gradients with gem.ops.fp8's one-pass kernel by 3.5% of the step. Those regions compile
+  that beat quantizing the gradients with a one-pass row-wise Triton kernel by 3.5% of the step. Those regions compile
   without Inductor's mix-order reduction (inductor_options).
 - fp8_block (any device): block-scaled E4M3 as DeepSeek-V3 trains (gem.ops.fp8_block): activations and gradients
   in 1x128 blocks along each GEMM's reduction axis (the weight gradient's runs over the tokens: both layouts come
   from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
   scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
-  the FP8 copies of x and W. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
+  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights). The tower's RMSNorm /
+  LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
+  GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_ffn: gem.ops.fp8_block's fused producers), and the
+  SwiGLU backward writes w1's and w3's output gradients straight into FP8 blocks; other inputs (attention output,
+  interaction, the other gradients) go through the standalone 1x128 quantizer. Layers whose dims are not multiples of 128 stay nn.Linear; under the default filter the
   interaction's projections are converted too (BLOCK_FILTER). MoE experts named by the filter run fp8's row-wise
   grouped recipe.
 - fp8 with `backend="torchao"`: torchao's Float8Linear, row-wise recipe (torchao.float8), where it is installed.
@@ -48,8 +52,23 @@ from gem.config import ConfigError
 from gem.ops import fp8_block as fb
 from gem.ops import mx
 
-__all__ = ["BLOCK_FILTER", "DEFAULT_FILTER", "PRECISIONS", "BlockFP8Linear", "FP8Linear", "MXFP8Linear", "apply_precision", "check_precision_device",
-           "fp8_grouped_mm", "inductor_options"]
+__all__ = [
+    "BLOCK_FILTER",
+    "DEFAULT_FILTER",
+    "PRECISIONS",
+    "BlockFP8Linear",
+    "FP8Linear",
+    "MXFP8Linear",
+    "apply_precision",
+    "block_fp8_ffn",
+    "block_fp8_norm",
+    "check_precision_device",
+    "fp8_call",
+    "fp8_grouped_mm",
+    "fp8_weights",
+    "inductor_options",
+    "invalidate_fp8_weights",
+]
 
 log = logging.getLogger("gem.model")
 
@@ -345,18 +364,79 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     return (a @ b.t()).to(dt)
 
 
+# The weights' FP8 copies (W and W^T codes, 128x128 scales), made once per optimizer step: kept on the weight
+# tensor the layer multiplies by, keyed on (generation, the tensor's version counter, its data pointer). In-place
+# updates bump the version counter; FSDP2 all-gathers into its unsharded parameter without bumping it
+# (torch.autograd._unsafe_preserve_version_counter), so the generation is bumped after every optimizer step (a global
+# torch.optim post-step hook) and every state-dict load into a BlockFP8Linear. Under gradient accumulation the
+# micro-batches of one step share the copy. Anything else that rewrites the weights in place without bumping their
+# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded).
+# The lookup runs in eager code: a compiled region gets the copies as arguments (fp8_weights, called by the module
+# that owns the region before entering it), never as outputs of an op inside the graph, whose buffers Inductor may
+# reuse. A BlockFP8Linear called inside a compiled region without them quantizes its weight in the graph, per call.
+_generation = 0
+_hook = None
+_CACHE_ATTR = "_gem_fp8_block_weight"
+
+
+def invalidate_fp8_weights() -> None:
+    """Drop every BlockFP8Linear's cached FP8 weight: the next forward quantizes the weight again."""
+    global _generation
+    _generation += 1
+
+
+def _install_step_hook() -> None:
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(lambda *_: invalidate_fp8_weights())
+
+
+@torch.compiler.disable
+def _cached_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_128x128(w) from the copy kept on w while it is current (see above); callers only read it."""
+    _install_step_hook()
+    if w.is_inference():  # no version counter to key on
+        return torch.ops.gem.fp8_block_quantize_weight(w.detach())
+    key = (_generation, w._version, w.data_ptr())
+    hit = getattr(w, _CACHE_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = torch.ops.gem.fp8_block_quantize_weight(w.detach())
+    setattr(w, _CACHE_ATTR, (key, out))
+    return out
+
+
+def fp8_weights(*layers: nn.Module) -> tuple | None:
+    """The current FP8 copies (qw, qwt, sw) of each layer's weight, None for a layer that is not a
+    BlockFP8Linear; None when none is. Eager: call it outside a compiled region and hand the result in."""
+    if not any(type(m) is BlockFP8Linear for m in layers):
+        return None
+    return tuple(_cached_weight(m.weight) if type(m) is BlockFP8Linear else None for m in layers)
+
+
+def _weight_fp8(w: torch.Tensor, w8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if w8 is not None:
+        return w8
+    if torch.compiler.is_compiling():
+        return torch.ops.gem.fp8_block_quantize_weight(w.detach())
+    return _cached_weight(w)
+
+
 class _BlockFP8LinearFn(torch.autograd.Function):
     """y = x W^T + b with the three GEMMs block-scaled: x and the output gradient in 1x128 blocks along each GEMM's
     reduction axis (features for the forward and input gradient, tokens for the weight gradient, both layouts from
-    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per forward). The backward keeps
-    only FP8 copies of x and W."""
+    one pass over the tensor), W in 128x128 tiles (W and W^T from one pass, once per optimizer step). x arrives
+    quantized already (qx, sx, qxt, sxt: a fused producer's fp8_block.BlockFP8Act, x its gradient carrier) or is
+    quantized here. The backward keeps only FP8 copies of x and W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
+    def forward(ctx, x, weight, bias, dtype, qx, sx, qxt, sxt, qw, qwt, sw):
         x2 = _flat(x)
         need_w = ctx.needs_input_grad[1]
-        qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
-        qw, qwt, sw = torch.ops.gem.fp8_block_quantize_weight(weight)
+        if qx is None:
+            qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)  # from x's own dtype
         y = block_mm(qx, sx, qw, sw, True, dtype)
         if bias is not None:
             y = y + bias.to(dtype)
@@ -379,20 +459,135 @@ class _BlockFP8LinearFn(torch.autograd.Function):
                 dw = block_mm(qgt, sgt.t(), qxt, sxt.t(), False, ctx.dtype).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class BlockFP8Linear(nn.Linear):
     """nn.Linear with block-scaled FP8 GEMMs (forward, input gradient and weight gradient; see the module
-    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict."""
+    docstring): cuBLAS on sm_90, emulated elsewhere; same parameters, same state dict. Takes a tensor, or an
+    fp8_block.BlockFP8Act that a fused producer (block_fp8_norm, or a SwiGLU's block_fp8_ffn) wrote for it."""
 
     align = fb.BLOCK
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fb.BlockFP8Act, w8: tuple | None = None) -> torch.Tensor:
+        """w8: this layer's fp8_weights() entry, looked up outside the compiled region the call runs in."""
         dtype = torch.bfloat16  # block-scaled _scaled_mm writes bf16
+        if isinstance(x, fb.BlockFP8Act):
+            act, x = x, x.out
+            if act.data_t is None and self.weight.requires_grad and torch.is_grad_enabled():
+                raise ValueError("BlockFP8Linear: the weight gradient needs the input's token-blocked layout "
+                                 "(produce it with transposed=True)")
+            pre = (act.data, act.scale, act.data_t, act.scale_t)
+        else:
+            pre = (None,) * 4
         with torch.autocast(x.device.type, enabled=False):
-            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype)
+            y = _BlockFP8LinearFn.apply(x, self.weight, self.bias, dtype, *pre, *_weight_fp8(self.weight, w8))
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        invalidate_fp8_weights()  # the load may have written an FSDP shard, not the tensor the cache keys on
+
+
+def _block_fp8_consumers(consumers) -> bool:
+    return bool(consumers) and all(type(c) is BlockFP8Linear for c in consumers)
+
+
+def _wgrad(consumers) -> bool:
+    return torch.is_grad_enabled() and any(c.weight.requires_grad for c in consumers)
+
+
+def block_fp8_norm(norm: nn.Module, x: torch.Tensor, *consumers: nn.Module) -> torch.Tensor | fb.BlockFP8Act:
+    """norm(x) for `consumers` (the modules that take it): an RMSNorm or LayerNorm over the last axis feeding only
+    BlockFP8Linear layers writes its output straight into their 1x128 blocks (fp8_block.rms_norm_1x128 /
+    layer_norm_1x128); any other norm or consumer gets norm(x) as before."""
+    if not _block_fp8_consumers(consumers):
+        return norm(x)
+    if isinstance(norm, nn.RMSNorm) and len(norm.normalized_shape) == 1:
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return fb.rms_norm_1x128(x, norm.weight, eps, transposed=_wgrad(consumers))
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        return fb.layer_norm_1x128(x, norm.weight, norm.bias, norm.eps, transposed=_wgrad(consumers))
+    return norm(x)
+
+
+class _BlockFP8SwiGLUFn(torch.autograd.Function):
+    """w2(silu(w1 x) * w3 x) with BlockFP8Linear's GEMMs, where the SwiGLU between them writes FP8 both ways: its
+    forward writes h only as w2's 1x128 blocks (fp8_block.swiglu_1x128's kernel), its backward da and db only as
+    w1's and w3's gradient blocks (no bf16 h, da or db, no quantization pass over them). x arrives quantized
+    (qx, sx, qxt, sxt from block_fp8_norm) or is quantized here once for w1 and w3. a = w1 x and b = w3 x are kept
+    for the backward in `act_dtype` (what the layers return: bf16 under autocast, else x's dtype); the GEMMs write
+    bf16, so gradients reach every GEMM in bf16 as they reach a layer. The same bytes, so the same results, as the three
+    layers called one after the other with swiglu_1x128 between them."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, act_dtype, qx, sx, qxt, sxt, impl, q1, q1t, s1, q3, q3t, s3, q2, q2t, s2):
+        x2 = _flat(x)
+        need_w = any(ctx.needs_input_grad[1:4])
+        if qx is None:
+            qx, sx, qxt, sxt = torch.ops.gem.fp8_block_quantize_act(x2, need_w)
+        bf16 = torch.bfloat16
+        a = block_mm(qx, sx, q1, s1, True, bf16).to(act_dtype)
+        b = block_mm(qx, sx, q3, s3, True, bf16).to(act_dtype)
+        _, qh, sh, qht, sht = torch.ops.gem.fp8_block_swiglu_fwd(a, b, need_w, False, impl)
+        y = block_mm(qh, sh, q2, s2, True, bf16)
+        ctx.save_for_backward(a, b, qxt, sxt, qht, sht, q1t, s1, q3t, s3, q2t, s2)
+        ctx.x_shape, ctx.x_dtype, ctx.impl = x.shape, x.dtype, impl
+        ctx.w_dtypes = (w1.dtype, w3.dtype, w2.dtype)
+        return y.reshape(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        a, b, qxt, sxt, qht, sht, q1t, s1, q3t, s3, q2t, s2 = ctx.saved_tensors
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        bf16 = torch.bfloat16
+        dx = dw1 = dw3 = dw2 = None
+        qg, sg, qgt, sgt = torch.ops.gem.fp8_block_quantize_act(_flat(gy), need_w2)
+        if need_w2:
+            dw2 = block_mm(qgt, sgt.t(), qht, sht.t(), False, bf16).to(ctx.w_dtypes[2])
+        if need_x or need_w1 or need_w3:
+            dh = block_mm(qg, sg, q2t, s2.t(), True, bf16).to(a.dtype)
+            need_t = need_w1 or need_w3
+            qa, sa, qat, sat, qb, sb, qbt, sbt = torch.ops.gem.fp8_block_swiglu_bwd_quant(a, b, dh, need_t, ctx.impl)
+            if need_x:  # autograd's sum of the two layers' input gradients, in x's dtype
+                dx = (block_mm(qa, sa, q1t, s1.t(), True, bf16).to(ctx.x_dtype)
+                      + block_mm(qb, sb, q3t, s3.t(), True, bf16).to(ctx.x_dtype)).reshape(ctx.x_shape)
+            if need_w1:
+                dw1 = block_mm(qat, sat.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[0])
+            if need_w3:
+                dw3 = block_mm(qbt, sbt.t(), qxt, sxt.t(), False, bf16).to(ctx.w_dtypes[1])
+        return (dx, dw1, dw3, dw2) + (None,) * 15
+
+
+def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module, w8: tuple | None = None) -> torch.Tensor:
+    """w2(silu(w1(x)) * w3(x)). When the three are bias-free BlockFP8Linear layers, one op whose SwiGLU writes its
+    FP8 output and, in the backward, its FP8 gradients (_BlockFP8SwiGLUFn); x may then be block_fp8_norm's
+    BlockFP8Act. Otherwise the three layers as they are. w8: fp8_weights(w1, w3, w2), looked up outside the
+    compiled region the call runs in."""
+    layers = (w1, w3, w2)
+    w8 = w8 or (None,) * 3
+    if not _block_fp8_consumers(layers) or any(m.bias is not None for m in layers):
+        return fp8_call(w2, F.silu(fp8_call(w1, x, w8[0])) * fp8_call(w3, x, w8[1]), w8[2])
+    if isinstance(x, fb.BlockFP8Act):
+        act, x = x, x.out
+        if act.data_t is None and _wgrad((w1, w3)):
+            raise ValueError("block_fp8_ffn: the weight gradient needs the input's token-blocked layout "
+                             "(produce it with transposed=True)")
+        pre = (act.data, act.scale, act.data_t, act.scale_t)
+    else:
+        pre = (None,) * 4
+    dev = x.device.type
+    act_dtype = torch.bfloat16 if torch.is_autocast_enabled(dev) else x.dtype  # what three BlockFP8Linear give
+    impl = "triton" if x.is_cuda else "reference"
+    with torch.autocast(dev, enabled=False):  # the GEMMs write bf16: the output gradient arrives in bf16, as a layer's
+        weights = (t for m, c in zip(layers, w8) for t in _weight_fp8(m.weight, c))
+        return _BlockFP8SwiGLUFn.apply(x, w1.weight, w3.weight, w2.weight, act_dtype, *pre, impl,
+                                       *weights).to(act_dtype)
+
+
+def fp8_call(layer: nn.Module, x, w8: tuple | None):
+    """layer(x), with its FP8 weight copies when it is a BlockFP8Linear and they were looked up."""
+    return layer(x) if w8 is None else layer(x, w8=w8)
 
 
 def inductor_options(model: nn.Module) -> dict:

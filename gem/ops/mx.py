@@ -18,7 +18,6 @@ Scales are returned as uint8 E8M0 bits (bias 127, 0xFF = NaN); `scale_as_e8m0` v
 torch.float8_e8m0fnu. Inputs may be fp32, bf16 or fp16; the math is exact in fp32. The Triton kernels
 (gem.ops.triton_mx) agree with the reference bit for bit (NaN payloads aside).
 
-An RMSNorm fused with MX quantization of its output is gem.ops.fp8.rms_norm_mx.
 """
 
 from __future__ import annotations

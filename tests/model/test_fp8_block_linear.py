@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gem.model.precision import BLOCK_FILTER, BlockFP8Linear, apply_precision
@@ -217,3 +218,195 @@ def test_cublas_scale_layouts(m, k, n):
         out = torch._scaled_mm(a, b.t(), scale_a=scale_a.to("meta"), scale_b=scale_b.to("meta"),
                                out_dtype=torch.bfloat16)
         assert out.shape == (mm, nn_)
+
+
+# ------------------------------------------------------------------------------------- cached weights, producers
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    fn = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _fresh_output(lin, x, calls):
+    """lin's output from a layer that has never seen lin's weight (no cached copy); its quantization uncounted."""
+    other = _linear(lin.in_features, lin.out_features, False, 0)
+    other.weight = nn.Parameter(lin.weight.detach().clone())
+    n = len(calls)
+    out = other(x)
+    del calls[n:]
+    return out
+
+
+def test_weight_quantized_once_per_optimizer_step(monkeypatch):
+    calls = _counting(monkeypatch, fb, "quantize_128x128")
+    lin = _linear(256, 128, False, 3)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    x = torch.randn(70, 256)
+    for _ in range(2):  # gradient accumulation: two micro-batches, one weight
+        lin(x).square().sum().backward()
+    assert len(calls) == 1
+    before = lin(x).detach()
+    opt.step()
+    after = lin(x)
+    assert len(calls) == 2 and not torch.equal(after, before)
+    assert torch.equal(after, _fresh_output(lin, x, calls))
+    lin(x)
+    assert len(calls) == 2
+    with torch.no_grad():  # an in-place edit bumps the version counter
+        lin.weight.mul_(0.5)
+    assert torch.equal(lin(x), _fresh_output(lin, x, calls)) and len(calls) == 3
+
+
+def test_weight_cache_follows_fsdp_style_updates(monkeypatch):
+    """FSDP2 all-gathers into its unsharded parameter without bumping the version counter: the optimizer step
+    before it (on the shard) and a state-dict load invalidate the copy."""
+    calls = _counting(monkeypatch, fb, "quantize_128x128")
+    lin = _linear(128, 128, False, 4)
+    shard = nn.Parameter(lin.weight.detach().clone())
+    opt = torch.optim.SGD([shard], lr=1.0)
+    x = torch.randn(9, 128)
+    lin(x)
+    shard.grad = torch.randn_like(shard)
+    opt.step()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(lin.weight):
+        version = lin.weight._version
+        lin.weight.copy_(shard)
+    assert lin.weight._version == version
+    assert torch.equal(lin(x), _fresh_output(lin, x, calls)) and len(calls) == 2
+    state = {"weight": torch.randn(128, 128)}
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(lin.weight):
+        lin.load_state_dict(state)
+    assert torch.equal(lin(x), _fresh_output(lin, x, calls)) and len(calls) == 3
+
+
+def test_fused_input_equals_quantizing_the_same_values():
+    """A BlockFP8Act from a producer gives the GEMMs the bytes quantize_1x128 gives its output: the same forward,
+    input, norm-weight and weight gradients as handing the layer that output as a tensor."""
+    lin = _linear(256, 384, True, 5)
+    x = torch.randn(130, 256, requires_grad=True)
+    w = torch.randn(256, requires_grad=True)
+    gy = torch.randn(130, 384)
+    runs = []
+    for output in (False, True):
+        act = fb.rms_norm_1x128(x, w, output=output)
+        y = lin(act if not output else act.out)
+        y.backward(gy)
+        runs.append([y.detach(), x.grad, w.grad, lin.weight.grad, lin.bias.grad])
+        x.grad = w.grad = lin.weight.grad = lin.bias.grad = None
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="token-blocked layout"):
+        lin(fb.rms_norm_1x128(x, w, transposed=False))
+    with torch.no_grad():
+        lin(fb.rms_norm_1x128(x, w, transposed=False))  # no weight gradient: the tokens' layout is not needed
+
+
+def _block(precision, norm="rmsnorm"):
+    from gem.model.attention import JaggedSelfAttention, SwiGLU, TransformerBlock
+
+    torch.manual_seed(11)
+    blk = TransformerBlock(128, JaggedSelfAttention(128, 1, 1, 128, kernel="reference"), SwiGLU(128, 256), norm=norm)
+    if precision != "bf16":
+        apply_precision(blk, precision, "cpu", ["attn.qkv", "attn.out", "ffn.w1", "ffn.w2", "ffn.w3"])
+    return blk
+
+
+def _run_block(blk, x, offsets):
+    x = x.clone().requires_grad_()
+    y, _ = blk(x, offsets, 9)
+    y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+    grads = [x.grad] + [p.grad for p in blk.parameters()]
+    blk.zero_grad()
+    return [y.detach()] + grads
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_block_feeds_its_fp8_gemms_from_the_producers(monkeypatch, norm):
+    """Under fp8_block the attention norm and the FFN norm write their consumers' FP8 blocks (one producer call
+    each, w1 and w3 sharing one) and the FFN runs as one op whose SwiGLU writes FP8 both ways; the block computes
+    exactly what it computes with each producer's output handed over as a tensor and the FFN as three layers with
+    swiglu_1x128 between them, and what the unfused modules compute (to the norm's rounding). bf16 calls none."""
+    from gem.model import attention
+    from gem.model import precision as prec
+
+    norm_name = "layer_norm_1x128" if norm == "layernorm" else "rms_norm_1x128"
+    norm_calls = _counting(monkeypatch, fb, norm_name)
+    ffn_calls, ffn_apply = [], prec._BlockFP8SwiGLUFn.apply
+    monkeypatch.setattr(prec._BlockFP8SwiGLUFn, "apply", lambda *a: ffn_calls.append(1) or ffn_apply(*a))
+    x, offsets = torch.randn(13, 128), torch.tensor([0, 9, 13])
+    _run_block(_block("bf16", norm), x, offsets)
+    assert norm_calls == [] and ffn_calls == []
+    blk = _block("fp8_block", norm)
+    fused = _run_block(blk, x, offsets)
+    assert (len(norm_calls), len(ffn_calls)) == (2, 1)
+
+    norm_fn, producer = attention.block_fp8_norm, getattr(fb, norm_name)
+    monkeypatch.setattr(fb, norm_name, lambda *a, **k: producer(*a, **{**k, "output": True}))
+    monkeypatch.setattr(attention, "block_fp8_norm", lambda *a: norm_fn(*a).out)
+    monkeypatch.setattr(attention, "block_fp8_ffn",
+                        lambda x_, w1, w3, w2, _w8: w2(fb.swiglu_1x128(w1(x_), w3(x_), output=True).out))
+    for a, b in zip(fused, _run_block(blk, x, offsets)):
+        assert torch.equal(a, b)
+
+    monkeypatch.setattr(attention, "block_fp8_norm", lambda norm_, x_, *_: norm_(x_))
+    monkeypatch.setattr(attention, "block_fp8_ffn", lambda x_, w1, w3, w2, _w8: w2(F.silu(w1(x_)) * w3(x_)))
+    for a, b in zip(fused, _run_block(blk, x, offsets)):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+def test_ffn_op_equals_three_layers():
+    """block_fp8_ffn against w1, w3 -> swiglu_1x128 -> w2 (fused forward, every gradient quantized by the layers):
+    the same bytes everywhere, so equal outputs and gradients; with a BlockFP8Act input and a plain one."""
+    from gem.model.precision import block_fp8_ffn
+
+    w1, w3, w2 = _linear(128, 256, False, 6), _linear(128, 256, False, 7), _linear(256, 128, False, 8)
+    x = torch.randn(130, 128, requires_grad=True)
+    wn = torch.randn(128, requires_grad=True)
+    gy = torch.randn(130, 128)
+    params = [x, wn, w1.weight, w3.weight, w2.weight]
+    for pre in (True, False):
+        runs = []
+        for fused in (True, False):
+            h = fb.rms_norm_1x128(x, wn, output=not pre)
+            h = h if pre else h.out
+            y = block_fp8_ffn(h, w1, w3, w2) if fused else w2(fb.swiglu_1x128(w1(h), w3(h)))
+            y.backward(gy)
+            runs.append([y.detach()] + [p.grad for p in params])
+            for p in params:
+                p.grad = None
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+
+
+
+def test_block_regions_compile_with_the_producers(monkeypatch):
+    """The compiled regions take the producers' blocks and the FP8 weight copies as arguments (looked up in eager
+    code, once per optimizer step: no quantization of a weight inside the graphs); same results as eager, before
+    and after an optimizer step."""
+    import copy
+
+    blk = _block("fp8_block")
+    eager_blk = copy.deepcopy(blk)
+    x, offsets = torch.randn(13, 128), torch.tensor([0, 4, 13])
+    torch._dynamo.reset()
+    blk.compile_regions(backend="aot_eager", fullgraph=True)
+    calls = _counting(monkeypatch, fb, "quantize_128x128")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (blk, eager_blk)]
+    for step in range(2):
+        for _ in range(2):
+            got, want = _run_block(blk, x, offsets), _run_block(eager_blk, x, offsets)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+        assert len(calls) == 10 * (step + 1)  # five weights, both blocks, once per step
+        for m, opt in zip((blk, eager_blk), opts):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.01)
+            opt.step()

@@ -73,10 +73,12 @@ def test_reference_matches_first_principles(dtype):
 
 
 def test_scale_of_special_amax():
-    amax = torch.tensor([0.0, 2.0**-149, 448.0, 448.0 * (1 + 2.0**-23), 1.0, 3.4e38, float("inf"), float("nan")])
+    neg_nan = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000, x86's NaN
+    amax = torch.tensor([0.0, 2.0**-149, 448.0, 448.0 * (1 + 2.0**-23), 1.0, 3.4e38, float("inf"), float("nan"),
+                         neg_nan])
     s, inv, nonfinite = fb.pow2_scale_reference(amax)
     assert s[:6].tolist() == [2.0**-126, 2.0**-126, 1.0, 2.0, 2.0**-8, 2.0**120]
-    assert s[6:].isnan().all() and nonfinite.tolist() == [False] * 6 + [True] * 2
+    assert s[6:].isnan().all() and nonfinite.tolist() == [False] * 6 + [True] * 3
     assert torch.equal(s[:6] * inv[:6], torch.ones(6))
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gem.ops import fp8, mx
+from gem.ops import mx
 
 # fp16 outputs that overflow become inf, as they should; the interpreter's numpy cast warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -289,87 +289,3 @@ def test_cuda_triton_matches_reference(dtype, elem):
         for out in DTYPES:
             _same(mx.dequantize(d_gpu, s_gpu, block, axis, out, kernel="triton").cpu(),
                   mx.dequantize(d_ref, s_ref, block, axis, out, kernel="reference"))
-
-
-# ----------------------------------------------------------------------------- fused RMSNorm + MX quantize
-
-
-def _norm_then_quant(x, w, eps, elem):
-    """rms_norm computed in float64, then the reference quantize (of its value rounded to fp32); also returns
-    the float64 norm output."""
-    n = x.shape[-1]
-    y64 = torch.nn.functional.rms_norm(x.double(), (n,), None if w is None else w.double(), eps)
-    return mx.quantize(y64.float(), elem=elem, kernel="reference") + (y64,)
-
-
-def _assert_codes_close(data, scale, want_data, want_scale, y64):
-    """Equal but for the rounding of the norm itself (the kernel's fp32 sum and rsqrt are a few ulps off the
-    exact value): a code may differ only where the exact y sits at a rounding tie between two adjacent codes,
-    and a scale only where the block's exact amax sits at a power of two."""
-    def flat(t):
-        return t.reshape(-1, t.shape[-1])
-
-    data, want_data, y64 = flat(data), flat(want_data), flat(y64)
-    scale, want_scale = flat(scale), flat(want_scale)
-    amax = torch.nn.functional.pad(y64.abs(), (0, (-y64.shape[-1]) % 32)).reshape(*scale.shape, 32).amax(-1)
-    near_pow2 = (amax.log2() - amax.log2().round()).abs() < 1e-5
-    assert (near_pow2 | (scale == want_scale)).all()
-    blocks = (scale == want_scale).repeat_interleave(32, -1)[:, : data.shape[-1]]
-    a, b = data.view(torch.uint8), want_data.view(torch.uint8)
-    bad = (a != b) & blocks
-    if bad.any():
-        X = torch.exp2(want_scale.double() - 127).repeat_interleave(32, -1)[:, : data.shape[-1]][bad]
-        va, vb = data[bad].double(), want_data[bad].double()
-        mid = (va + vb) / 2
-        assert ((y64[bad] / X - mid).abs() <= 1e-5 * mid.abs()).all(), "a code differs away from a rounding tie"
-    assert (a != b).float().mean() <= 0.01
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype,elem", [(torch.float32, "e4m3"), (torch.bfloat16, "e4m3"), (torch.float16, "e5m2")])
-@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 70)])
-def test_rms_norm_mx_forward_backward(kernel, dtype, elem, shape):
-    g = torch.Generator().manual_seed(4)
-    n = shape[-1]
-    x = (torch.randn(shape, generator=g) * 3).to(dtype).requires_grad_()
-    w = (torch.rand(n, generator=g) + 0.5).requires_grad_()
-    gy = torch.randn(shape, generator=g).to(dtype).float()  # exact in dtype: the grad y receives
-    y, data, scale = fp8.rms_norm_mx(x, w, eps=1e-5, elem=elem, kernel=kernel)
-    want_data, want_scale, y64 = _norm_then_quant(x.detach(), w.detach(), 1e-5, elem)
-    assert y.dtype == dtype and data.dtype == mx.FORMATS[elem].dtype and scale.shape == want_scale.shape
-    _assert_codes_close(data, scale, want_data, want_scale, y64)
-    # y is the dequantized value of (data, scale)
-    _same(y, mx.dequantize(data, scale, dtype=dtype, kernel="reference"))
-    (y.float() * gy).sum().backward()
-    # straight-through: the gradients of rms_norm (in fp32) itself
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
-    (torch.nn.functional.rms_norm(x32, (n,), w32, 1e-5) * gy).sum().backward()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # dx is rounded to dtype
-    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(w.grad, w32.grad, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_rms_norm_mx_no_weight_and_zero_rows(kernel):
-    x = torch.randn(4, 64)
-    x[1] = 0.0  # rstd = 1 / sqrt(eps), y = 0: the smallest scale
-    y, data, scale = fp8.rms_norm_mx(x, None, eps=1e-6, kernel=kernel)
-    want_data, want_scale, y64 = _norm_then_quant(x, None, 1e-6, "e4m3")
-    _assert_codes_close(data, scale, want_data, want_scale, y64)
-    assert (scale[1] == 0).all() and (y[1] == 0).all()
-    with pytest.raises(ValueError, match="non-empty last axis"):
-        fp8.rms_norm_mx(torch.randn(3, 0), kernel=kernel)
-    with pytest.raises(ValueError, match=r"weight must be a float \[64\]"):
-        fp8.rms_norm_mx(x, torch.ones(32), kernel=kernel)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_rms_norm_mx(dtype):
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(512, 1000, generator=g) * 3).to(dtype)
-    w = torch.rand(1000, generator=g) + 0.5
-    y, data, scale = fp8.rms_norm_mx(x.cuda(), w.cuda(), kernel="triton")
-    want_data, want_scale, y64 = _norm_then_quant(x, w, 1e-6, "e4m3")
-    _assert_codes_close(data.cpu(), scale.cpu(), want_data, want_scale, y64)
-    _same(y.cpu(), mx.dequantize(data.cpu(), scale.cpu(), dtype=dtype, kernel="reference"))
