@@ -5,7 +5,7 @@ compile (Triton's warmup path, against a stand-in driver that reports an sm_90 t
 ptxas. Catches what the interpreter cannot: compile errors of the real lowering (layouts, pipelining, TMA, dtype
 rules) and shared memory over the H200's 227 KB per block. It cannot catch what only shows when a kernel runs.
 
-    python tools/compile_check.py [--ops jfa,gdpa,block]   # a line per op call, then a summary; exit 1 on failure
+    python tools/compile_check.py [--ops jfa,gdpa,block,rope,fp8]   # a line per op call, then a summary; exit 1 on failure
 
 Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU session on the ops changed.
 
@@ -208,6 +208,27 @@ def _cases():
                 cos, sin = rotary.cos_sin_table(300, rd, 10000.0, x.device)
                 rotary._rope_launch(cfg, x, torch.empty_like(x), pos, cos, sin, rd, interleaved, False)
             cases.append(("rope", f"rope cfg{i} {cfg} d={d} rd={rd} interleaved={interleaved} bfloat16", rope_case))
+    # fp8_block's quantizer and fused producers (ragged 333 tokens: a partial 128-token block in both layouts)
+    from gem.ops import triton_fp8_block as tf
+
+    for dtype in (torch.bfloat16, torch.float32):
+        def fp8(dtype=dtype):
+            g = torch.Generator().manual_seed(0)
+            x, a, b = (torch.randn(333, 1024, generator=g).to(dtype) for _ in range(3))
+            w = torch.randn(1024, generator=g).to(dtype)
+            for transposed in (False, True):
+                q, s, *_ = tf.quantize_1x128_triton(x, transposed)
+                tf.dequantize_triton(q, s, dtype, False)
+                tf.swiglu_quant_triton(a, b, transposed, True)
+                tf.swiglu_bwd_quant_triton(a, b, x, transposed)
+                for layer in (False, True):
+                    *_, mean, rstd = tf.norm_quant_triton(x, w, w if layer else None, 1e-6, layer, transposed,
+                                                             True)
+                    tf.norm_bwd_triton(x, w, x, mean, rstd, layer)
+            q, _, s = tf.quantize_128x128_triton(x[:256])
+            tf.dequantize_triton(q, s, dtype, True)
+            tf.swiglu_bwd_triton(a, b, x)
+        cases.append(("fp8", f"fp8_block quantizers and producers {str(dtype)[6:]}", fp8))
     return cases
 
 
@@ -238,7 +259,7 @@ def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default="jfa,gdpa,block,rope", help="comma list of jfa, gdpa, block, rope")
+    ap.add_argument("--ops", default="jfa,gdpa,block,rope,fp8", help="comma list of jfa, gdpa, block, rope, fp8")
     ap.add_argument("--quick", action="store_true",
                     help="JFA's dispatched forms and bf16 only (the CPU suite's subset, a few minutes cold)")
     ap.add_argument("--resources", action="store_true",
@@ -249,8 +270,8 @@ def main() -> int:
                          "in the GPU every-config test), so --resources shows each candidate's registers")
     a = ap.parse_args()
     ops = set(a.ops.split(","))
-    if not ops <= {"jfa", "gdpa", "block", "rope"}:
-        print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block, rope")
+    if not ops <= {"jfa", "gdpa", "block", "rope", "fp8"}:
+        print(f"compile_check: --ops {sorted(ops)}: expected a comma list of jfa, gdpa, block, rope, fp8")
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the GPU config lists are used only without it)")
@@ -262,8 +283,8 @@ def main() -> int:
     if a.every_config:
         cases = [c for op, name, thunk in cases for c in _per_config(op, name, thunk)]
     for op, name, thunk in cases:
-        if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and (name.startswith("jfa pointer")
-                                                                            or name.startswith("jfa base d=64")))
+        if op not in ops or (a.quick and ("float32" in name or (op == "jfa" and name.startswith(("jfa pointer",
+                                                                                              "jfa base d=64")))
                                           or (op == "rope" and "cfg0" not in name) or "one-pass bwd" in name
                                           or "hstu" in name)):
             continue

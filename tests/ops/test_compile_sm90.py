@@ -1,6 +1,6 @@
 """The Triton kernels compile for the H200 (sm_90, down to cubins through ptxas) with the GPU's launch configs,
-on this GPU-less machine: tools/compile_check.py --quick (JFA's backward forms, GDPA, BlockAttention, the rope op;
-bf16)."""
+on this GPU-less machine: tools/compile_check.py --quick (JFA's backward forms, GDPA, BlockAttention, the rope op,
+fp8_block's quantizers and fused producers; bf16)."""
 
 import os
 import subprocess
@@ -22,4 +22,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert r.returncode == 0, out[-4000:]
     assert "0 failed case(s)" in out and "FAIL" not in out, out[-4000:]
     cases = [ln for ln in out.splitlines() if ln.startswith("ok ")]
-    assert {c.split()[1] for c in cases} == {"jfa", "gdpa", "block", "rope"}, out[-4000:]
+    assert {c.split()[1] for c in cases} == {"jfa", "gdpa", "block", "rope", "fp8"}, out[-4000:]
