@@ -67,7 +67,7 @@ def simulate_rows(experiments: list[str], worlds: list[int], batches: int, seed:
         cfgs = typed_configs([f"experiment={name}"])
         schema, b = cfgs.data.schema, cfgs.data.batch_size
         for w in worlds:
-            s = simulate(cfgs.model, schema, b, w, batches, seed)
+            s = simulate(cfgs.model, schema, b, w, batches, seed, cfgs.data.max_candidates)
             gen = torch.Generator().manual_seed(seed + 1)
             ms = []
             for _ in range(timings):

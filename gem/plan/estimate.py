@@ -127,7 +127,7 @@ def workload(cfgs, seed: int = 0, world: int = 1, straggler_batches: int = 64) -
         per_history[first] += int(counts.sum())
     ids = comm.expected_ids_per_example(cfgs.data.schema, means, float(counts.float().mean()))
     flops = train_flops(cfgs.model, offsets, lengths_to_offsets(counts) if k > 1 else None)
-    straggler = simulate(cfgs.model, cfgs.data.schema, b, world, straggler_batches, seed)
+    straggler = simulate(cfgs.model, cfgs.data.schema, b, world, straggler_batches, seed, k)
     return Workload(batch=b, tokens=sum(per_history.values()), flops=flops, ids_per_example=ids,
                     history_tokens=per_history, candidates=int(counts.sum()), straggler=straggler,
                     balance=cfgs.data.balance)

@@ -2,8 +2,8 @@
 
 Each step waits for its slowest rank, so a step of W ranks takes (straggler factor) x the time of a perfectly even
 split of the same work. Costs are the model's FLOPs per example (gem.model.flops.example_flops) on history lengths
-drawn from each history's length law (gem.data.synthetic.sample_lengths), `batches` global batches of
-W x batch examples each; `none`: rank r takes the r-th block of `batch` examples as drawn, `cost`: the partition of
+drawn from each history's length law (gem.data.synthetic.sample_lengths) and, for requests, candidate counts drawn
+as the synthetic data draws them; `batches` global batches of W x batch examples each; `none`: rank r takes the r-th block of `batch` examples as drawn, `cost`: the partition of
 data.balance=cost (gem.data.balance.partition).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from gem.data.balance import partition
 from gem.data.schema import Schema
-from gem.data.synthetic import sample_lengths
+from gem.data.synthetic import sample_candidate_counts, sample_lengths
 from gem.model.flops import example_flops
 
 
@@ -31,8 +31,10 @@ class Straggler:
         return self.cost if balance == "cost" else self.none
 
 
-def simulate(model_cfg, schema: Schema, batch: int, world: int, batches: int = 64, seed: int = 0) -> Straggler:
-    """The straggler factors for `world` ranks of `batch` examples each (1.0 on one rank)."""
+def simulate(model_cfg, schema: Schema, batch: int, world: int, batches: int = 64, seed: int = 0,
+             max_candidates: int = 1) -> Straggler:
+    """The straggler factors for `world` ranks of `batch` examples (requests of 1..max_candidates candidates, drawn
+    as the synthetic data draws them) each (1.0 on one rank)."""
     if world == 1 or batches < 1:
         return Straggler(1.0, 1.0)
     gen = torch.Generator().manual_seed(seed)
@@ -42,7 +44,8 @@ def simulate(model_cfg, schema: Schema, batch: int, world: int, batches: int = 6
     for start in range(0, batches, per_draw):
         k = min(per_draw, batches - start)
         lengths = {h.name: sample_lengths(h, k * n, gen) for h in schema.histories}
-        costs = example_flops(model_cfg, lengths).numpy().reshape(k, world, batch)
+        counts = sample_candidate_counts(max_candidates, k * n, gen) if max_candidates > 1 else None
+        costs = example_flops(model_cfg, lengths, counts).numpy().reshape(k, world, batch)
         max_none += costs.sum(2).max(1).sum()
         total += costs.sum()
         for c in costs.reshape(k, n):

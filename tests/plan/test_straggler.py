@@ -55,6 +55,21 @@ def test_straggler_factor_by_hand(two_lengths, batch):
         assert want.cost < want.none
 
 
+@pytest.mark.parametrize("form", ["interaction", "targets", "rows"])
+def test_candidate_counts_make_stragglers(form):
+    """Histories of one fixed length, 1 or 2 candidates per request (each with probability 1/2): the counts alone
+    spread the ranks' costs, as two lengths do above."""
+    cfgs = compose(["data.histories.events.max_len=3", "data.histories.events.min_len=3",
+                    "data.histories.events.distribution=uniform", "data.max_candidates=2", f"model.candidates={form}"])
+    c1, c2 = example_flops(cfgs.model, {"events": torch.tensor([3, 3])}, torch.tensor([1, 2])).tolist()
+    assert c2 > c1 > 0
+    got = simulate(cfgs.model, cfgs.data.schema, 2, 2, batches=6000, seed=1, max_candidates=2)
+    want = _expected(c1, c2, 2)
+    assert got.none == pytest.approx(want.none, rel=0.01)
+    assert got.cost == pytest.approx(want.cost, rel=0.01)
+    assert got.cost < got.none
+
+
 def test_one_rank_has_no_straggler(two_lengths):
     cfgs, _, _ = two_lengths
     assert simulate(cfgs.model, cfgs.data.schema, 4, 1) == Straggler(1.0, 1.0)
