@@ -110,18 +110,18 @@ class _DenseBlock(torch.nn.Module):
 
     def region(self, x, w8):
         if self.fuse == "forward":  # the producers' forward only: the FFN's gradients quantized by its layers
-            qkv = prec.fp8_call(self.qkv, prec.block_fp8_norm(self.n1, x, self.qkv), w8[0])
+            qkv = self.qkv(prec.block_fp8_norm(self.n1, x, self.qkv), **prec.fp8_kw(w8[0]))
             h = prec.block_fp8_norm(self.n2, x, self.w1, self.w3)
-            a, b = prec.fp8_call(self.w1, h, w8[1]), prec.fp8_call(self.w3, h, w8[2])
-            return qkv, prec.fp8_call(self.w2, fb.swiglu_1x128(a, b, transposed=True), w8[3])
+            a, b = self.w1(h, **prec.fp8_kw(w8[1])), self.w3(h, **prec.fp8_kw(w8[2]))
+            return qkv, self.w2(fb.swiglu_1x128(a, b, transposed=True), **prec.fp8_kw(w8[3]))
         if self.fuse:
-            qkv = prec.fp8_call(self.qkv, prec.block_fp8_norm(self.n1, x, self.qkv), w8[0])
+            qkv = self.qkv(prec.block_fp8_norm(self.n1, x, self.qkv), **prec.fp8_kw(w8[0]))
             return qkv, prec.block_fp8_ffn(prec.block_fp8_norm(self.n2, x, self.w1, self.w3), self.w1, self.w3,
                                            self.w2, w8[1:])
         h = self.n2(x)
         w8 = w8 or (None,) * 4
-        a, b = prec.fp8_call(self.w1, h, w8[1]), prec.fp8_call(self.w3, h, w8[2])
-        return prec.fp8_call(self.qkv, self.n1(x), w8[0]), prec.fp8_call(self.w2, F.silu(a) * b, w8[3])
+        a, b = self.w1(h, **prec.fp8_kw(w8[1])), self.w3(h, **prec.fp8_kw(w8[2]))
+        return self.qkv(self.n1(x), **prec.fp8_kw(w8[0])), self.w2(F.silu(a) * b, **prec.fp8_kw(w8[3]))
 
     def forward(self, x):
         return self.region(x, prec.fp8_weights(self.qkv, self.w1, self.w3, self.w2))

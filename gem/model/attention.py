@@ -15,7 +15,7 @@ from torch import nn
 
 from gem import ops
 from gem.model.moe import MoE
-from gem.model.precision import block_fp8_ffn, block_fp8_norm, fp8_call, fp8_weights
+from gem.model.precision import block_fp8_ffn, block_fp8_norm, fp8_kw, fp8_weights
 from gem.ops.rotary import RopeConfig, cos_sin_table, qkv_rope, rope_tables
 
 
@@ -69,7 +69,7 @@ class JaggedSelfAttention(nn.Module):
     def project(self, x, w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d_model] (or, fp8_block, its 1x128 blocks from `block_fp8_norm`) -> q [T, H, D], k, v [T, H_kv, D].
         w8: fp8_weights(qkv) when the call runs in a compiled region."""
-        qkv = fp8_call(self.qkv, x, w8)
+        qkv = self.qkv(x, **fp8_kw(w8))
         t = qkv.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
@@ -125,12 +125,12 @@ class TransformerBlock(nn.Module):
         h = block_fp8_norm(self.attn_norm, x, a.qkv)  # fp8_block: the norm writes the QKV GEMM's FP8 input
         if rope is None:
             return a.project(h, w8)
-        return qkv_rope(fp8_call(a.qkv, h, w8), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
+        return qkv_rope(a.qkv(h, **fp8_kw(w8)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor, w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """w8: (the output projection's, the SwiGLU's) fp8_weights entries (fp8_block)."""
         w_out, w_ffn = w8 if w8 is not None else (None, None)
-        x = x + fp8_call(self.attn.out, o, w_out)
+        x = x + self.attn.out(o, **fp8_kw(w_out))
         if isinstance(self.ffn, MoE):
             y, aux = self.ffn(self.ffn_norm(x))
         else:  # fp8_block: the norm writes the up projections' FP8 input (one pass for w1 and w3)

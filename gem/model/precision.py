@@ -63,8 +63,8 @@ __all__ = [
     "block_fp8_ffn",
     "block_fp8_norm",
     "check_precision_device",
-    "fp8_call",
     "fp8_grouped_mm",
+    "fp8_kw",
     "fp8_weights",
     "inductor_options",
     "invalidate_fp8_weights",
@@ -567,7 +567,7 @@ def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module, w8: tuple | No
     layers = (w1, w3, w2)
     w8 = w8 or (None,) * 3
     if not _block_fp8_consumers(layers) or any(m.bias is not None for m in layers):
-        return fp8_call(w2, F.silu(fp8_call(w1, x, w8[0])) * fp8_call(w3, x, w8[1]), w8[2])
+        return w2(F.silu(w1(x, **fp8_kw(w8[0]))) * w3(x, **fp8_kw(w8[1])), **fp8_kw(w8[2]))
     if isinstance(x, fb.BlockFP8Act):
         act, x = x, x.out
         if act.data_t is None and _wgrad((w1, w3)):
@@ -585,9 +585,10 @@ def block_fp8_ffn(x, w1: nn.Module, w3: nn.Module, w2: nn.Module, w8: tuple | No
                                        *weights).to(act_dtype)
 
 
-def fp8_call(layer: nn.Module, x, w8: tuple | None):
-    """layer(x), with its FP8 weight copies when it is a BlockFP8Linear and they were looked up."""
-    return layer(x) if w8 is None else layer(x, w8=w8)
+def fp8_kw(w8: tuple | None) -> dict:
+    """The keyword arguments that hand a BlockFP8Linear its looked-up FP8 weight copies: `layer(x, **fp8_kw(w8))`
+    (none when w8 is None, so any layer takes them; the call stays in the caller's frame for profiles)."""
+    return {} if w8 is None else {"w8": w8}
 
 
 def inductor_options(model: nn.Module) -> dict:
