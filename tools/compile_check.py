@@ -7,7 +7,7 @@ rules) and shared memory over the H200's 227 KB per block. It cannot catch what 
 
     python tools/compile_check.py [--ops jfa,gdpa,block,rope,fp8]   # a line per op call, then a summary; exit 1 on failure
 
-Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it before a GPU session on the ops changed.
+Slow on a 2-core machine (ptxas takes 10-60 s per kernel here): run it on the changed ops before taking them to a GPU.
 
 Run without TRITON_INTERPRET (it refuses otherwise): the config lists are the GPU's only then.
 """
