@@ -228,7 +228,7 @@ def _cases():
             q, _, s = tf.quantize_128x128_triton(x[:256])
             tf.dequantize_triton(q, s, dtype, True)
             tf.swiglu_bwd_triton(a, b, x)
-        cases.append(("fp8", f"fp8_block quantizers and producers {str(dtype)[6:]}", fp8))
+        cases.append(("fp8", f"fp8 block quantizers and producers {str(dtype)[6:]}", fp8))
     return cases
 
 
