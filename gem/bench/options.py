@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                      help="model TFLOP/s of a 1-GPU run of the same experiment: adds the scaling against it")
     ref.add_argument("--single-gpu-json", default=None, help="read that figure from a 1-GPU run's --json file")
     p.add_argument("--run-dir", default=None, help="give the trainer a run dir (TensorBoard, metrics.jsonl)")
+    p.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
+                   help="every rank prints its Python stacks after S seconds (where each waits, for a hung run)")
     p.add_argument("--comm-probe-steps", type=int, default=2,
                    help="on N > 1 ranks, profile this many of the last warmup steps for exposed communication "
                         "(0: off; needs --warmup > this)")

@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as e:
             print(f"bench_train: error: {e}", file=sys.stderr, flush=True)
             return 2
-    if os.environ.get("GEM_DUMP_STACKS_AFTER"):  # a hung run shows where each rank waits before it is killed
-        faulthandler.dump_traceback_later(float(os.environ["GEM_DUMP_STACKS_AFTER"]), exit=False)
+    if args.dump_stacks_after:  # a hung run shows where each rank waits before it is killed
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     try:
         code = run(args, overrides, argv)
     except BenchError as e:

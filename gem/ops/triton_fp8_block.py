@@ -74,11 +74,9 @@ def _emit_1x128(bits, rm, rk, mrow, mcol, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, MP, NKB,
-                  IN_KIND: tl.constexpr, TRANS: tl.constexpr, WEIGHT: tl.constexpr, EXACT: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """1 x 128 blocks (_emit_1x128, TRANS: both layouts) or, WEIGHT (BLOCK_M == 128), one scale per 128 x 128 tile
-    s [cdiv(M, 128), NKB] with codes q and q^T (qt [K, M])."""
+def _tile(M, K, BLOCK_M: tl.constexpr):
+    """This program's [BLOCK_M, 128] tile of an [M, K] row-major tensor: (pid_m, pid_k, rows, columns, their
+    in-range masks, the tile's mask, its int64 element offsets)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,11 +84,21 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, MP, NKB,
     mrow = rm < M
     mcol = rk < K
     mask = mrow[:, None] & mcol[None, :]
-    bits = load_fp32_bits(x_ptr, rm.to(tl.int64)[:, None] * K + rk[None, :], mask, IN_KIND)
+    return pid_m, pid_k, rm, rk, mrow, mcol, mask, rm.to(tl.int64)[:, None] * K + rk[None, :]
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, MP, NKB,
+                  IN_KIND: tl.constexpr, TRANS: tl.constexpr, WEIGHT: tl.constexpr, EXACT: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """1 x 128 blocks (_emit_1x128, TRANS: both layouts) or, WEIGHT (BLOCK_M == 128), one scale per 128 x 128 tile
+    s [cdiv(M, 128), NKB] with codes q and q^T (qt [K, M])."""
+    pid_m, pid_k, rm, rk, mrow, mcol, mask, offs = _tile(M, K, BLOCK_M)
+    bits = load_fp32_bits(x_ptr, offs, mask, IN_KIND)
     if WEIGHT:
         s, inv, nf = _pow2_scale(tl.max(tl.max(bits & 0x7FFFFFFF, axis=1), axis=0))
         code = _encode(bits.to(tl.float32, bitcast=True), inv, nf, EXACT).to(tl.uint8)
-        tl.store(q_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], code, mask=mask)
+        tl.store(q_ptr + offs, code, mask=mask)
         tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M + rm[None, :], tl.trans(code),
                  mask=mcol[:, None] & mrow[None, :])
         tl.store(s_ptr + pid_m * NKB + pid_k, s)
@@ -150,14 +158,7 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, y_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K
                          WRITE_Y: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr):
     """h = silu(a) * b of one [BLOCK_M, 128] tile in fp32, rounded to a's dtype once (the value the unfused
     SwiGLU stores), quantized by _emit_1x128. WRITE_Y also stores h."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    mrow = rm < M
-    mcol = rk < K
-    mask = mrow[:, None] & mcol[None, :]
-    offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    pid_m, pid_k, rm, rk, mrow, mcol, mask, offs = _tile(M, K, BLOCK_M)
     a = load_fp32_bits(a_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
     b = load_fp32_bits(b_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
     vbits = round_bits((a / (1.0 + tl.exp(-a)) * b).to(tl.int32, bitcast=True), IN_KIND)
@@ -222,14 +223,7 @@ def _swiglu_bwd_quant_kernel(a_ptr, b_ptr, g_ptr, qa_ptr, sa_ptr, qat_ptr, sat_p
                              BLOCK_M: tl.constexpr):
     """SwiGLU's backward of one [BLOCK_M, 128] tile (_swiglu_bwd_kernel's arithmetic), da and db rounded to bf16
     (the dtype a BlockFP8Linear receives its output gradient in) and written only as their 1 x 128 blocks."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    mrow = rm < M
-    mcol = rk < K
-    mask = mrow[:, None] & mcol[None, :]
-    offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    pid_m, pid_k, rm, rk, mrow, mcol, mask, offs = _tile(M, K, BLOCK_M)
     a = load_fp32_bits(a_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
     b = load_fp32_bits(b_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
     g = load_fp32_bits(g_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
@@ -245,12 +239,7 @@ def _swiglu_bwd_quant_kernel(a_ptr, b_ptr, g_ptr, qa_ptr, sa_ptr, qat_ptr, sat_p
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, NKB, OUT_KIND: tl.constexpr, WEIGHT: tl.constexpr,
                     EXACT: tl.constexpr, BLOCK_M: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    mask = (rm < M)[:, None] & (rk < K)[None, :]
-    offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    pid_m, pid_k, rm, _, mrow, _, mask, offs = _tile(M, K, BLOCK_M)
     c = tl.load(q_ptr + offs, mask=mask, other=0)
     if EXACT:
         v = mx_decode(c.to(tl.int32), 127, 3, 7, False).to(tl.float32, bitcast=True)
@@ -260,7 +249,7 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, NKB, OUT_KIND: tl.constexpr, WE
         s = tl.load(s_ptr + (pid_m * BLOCK_M // 128) * NKB + pid_k)
         v = v * s
     else:
-        v = v * tl.load(s_ptr + rm.to(tl.int64) * NKB + pid_k, mask=rm < M, other=1.0)[:, None]
+        v = v * tl.load(s_ptr + rm.to(tl.int64) * NKB + pid_k, mask=mrow, other=1.0)[:, None]
     store_fp32_bits(out_ptr, offs, v.to(tl.int32, bitcast=True), mask, OUT_KIND)
 
 

@@ -31,6 +31,10 @@ DEVICE = "cuda"
 # Each maker takes the batch and returns fwd() -> output tensor (differentiable wrt the returned inputs).
 
 
+class CaseUnsupported(Exception):
+    """A competitor that has no form of this case's mask: its row is reported as skipped with the reason."""
+
+
 def _ours(mask_mode):
     def make(b):
         from gem.ops.jfa import jagged_attention
@@ -50,7 +54,7 @@ def _sdpa(b):
     from gem.ops._common import jagged_to_padded
 
     if b["window"] is not None:
-        raise NotImplementedError("no sliding-window mask without a dense [N, N] mask")
+        raise CaseUnsupported("no sliding-window mask without a dense [N, N] mask")
     qp, mask = jagged_to_padded(b["q"].detach(), b["off"], b["max_len"])
     kp, _ = jagged_to_padded(b["k"].detach(), b["off"], b["max_len"])
     vp, _ = jagged_to_padded(b["v"].detach(), b["off"], b["max_len"])
@@ -77,7 +81,7 @@ def _sdpa_masked(b):
     from gem.ops._common import jagged_to_padded
 
     if not b["causal"] or b["window"] is not None:
-        raise NotImplementedError("non-causal: the same call as padded SDPA")
+        raise CaseUnsupported("non-causal: the same call as padded SDPA")
     qp, mask = jagged_to_padded(b["q"].detach(), b["off"], b["max_len"])
     kp, _ = jagged_to_padded(b["k"].detach(), b["off"], b["max_len"])
     vp, _ = jagged_to_padded(b["v"].detach(), b["off"], b["max_len"])
@@ -100,7 +104,7 @@ def _varlen(b):
     kw = {}
     if b["window"] is not None:
         if "window_size" not in params:
-            raise NotImplementedError("this torch's varlen_attn has no window_size")
+            raise CaseUnsupported("this torch's varlen_attn has no window_size")
         kw["window_size"] = (b["window"], 0)
     elif b["causal"]:
         if "is_causal" in params:
@@ -156,7 +160,7 @@ def _flex(b):
 
 def _fbgemm_sll(b):
     if b["causal"] or b["window"] is not None:
-        raise NotImplementedError("FBGEMM sll multi-head JFA has no causal / window mask")
+        raise CaseUnsupported("FBGEMM sll multi-head JFA has no causal / window mask")
     import fbgemm_gpu.sll  # noqa: F401  (registers the sll ops)
     from fbgemm_gpu.sll.triton import multi_head_jagged_flash_attention
 
@@ -214,6 +218,8 @@ def _measure(section, case, impl, make, b, fwd_flops, args) -> Row:
         row.bwd_tflops = 2.5 * fwd_flops / row.bwd_ms / 1e9
     except torch.cuda.OutOfMemoryError:
         row.extra["skipped"] = "OOM"
+    except CaseUnsupported as e:
+        row.extra["skipped"] = str(e)
     except Exception as e:  # a competitor missing on this stack must not stop the run  # noqa: BLE001
         msg = str(e).splitlines()[0][:80].replace("|", "/") if str(e) else ""
         row.extra["skipped"] = f"{type(e).__name__}: {msg}"
