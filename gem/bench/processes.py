@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,10 +37,18 @@ def strip_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
     return out
 
 
+_CAUSE = re.compile(r"Error|error:|what\(\):|Assertion|terminate called")
+
+
 def stderr_tail(text: str, chars: int = 300) -> str:
-    """The last lines of a failed child's stderr, on one line."""
+    """A failed child's stderr on one line: the last line that names an error (a C++ abort ends in stack frames,
+    after its `what():` line), then the last lines."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return " / ".join(lines[-3:])[-chars:] or "no stderr"
+    if not lines:
+        return "no stderr"
+    tail = " / ".join(lines[-3:])[-chars:]
+    cause = next((ln for ln in reversed(lines[:-3]) if _CAUSE.search(ln)), None)
+    return tail if cause is None else f"{cause[:chars]} ... {tail}"
 
 
 def this_tree() -> tuple[list[str], Path]:

@@ -181,3 +181,17 @@ def test_parent_fails_when_every_child_fails(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="all 2 processes failed"):
         bench.main(["--processes", "2"])
     assert capsys.readouterr().out.count("failed (exit status 1") == 2
+
+
+def test_stderr_tail_keeps_the_cause_of_an_abort():
+    from gem.bench.processes import stderr_tail
+
+    frames = "\n".join(f"frame #{i}: <unknown function> + 0x{i:x}" for i in range(20))
+    abort = ("warming up\nterminate called after throwing an instance of 'c10::AcceleratorError'\n"
+             "  what():  CUDA error: an illegal memory access was encountered\n" + frames)
+    line = stderr_tail(abort)
+    assert line.startswith("what():  CUDA error: an illegal memory access") and line.endswith("frame #19: <unknown "
+                                                                                             "function> + 0x13")
+    py = "Traceback (most recent call last):\n  File \"x.py\", line 1\n    f()\nValueError: bad length"
+    assert stderr_tail(py) == 'File "x.py", line 1 / f() / ValueError: bad length'
+    assert stderr_tail("  \n") == "no stderr"

@@ -53,6 +53,22 @@ def test_rehearse_times_every_share_and_trains(trainer):
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.par.dense_parameters()))
 
 
+def test_each_share_counts_its_fastest_repeat(trainer, monkeypatch):
+    import gem.bench.balance as bb
+
+    calls = []
+
+    def fake(tr, batch, step):  # a share's first step is slow (compiling), its repeats fast
+        calls.append((batch.batch_size, step))
+        return 100.0 + step if len(calls) % 3 == 1 else float(step)
+
+    monkeypatch.setattr(bb, "_timed_step", fake)
+    r = rehearse(trainer, world=2, batches=1, warmup=1, repeats=3)
+    assert [s for _, s in calls] == list(range(1, 2 * 2 * 2 * 3 + 1))  # (warmup + batches) x modes x world x repeats
+    # measured batch 1 runs cost first (modes alternate); each share's repeats are steps 3k+1..3k+3, fastest 3k+2
+    assert r.share_ms == {"cost": [[14.0, 17.0]], "none": [[20.0, 23.0]]}
+
+
 def test_summary_is_the_slowest_share():
     r = Rehearsal(2, {"none": [[3.0, 1.0], [5.0, 4.0]], "cost": [[2.0, 2.5], [4.0, 4.5]]})
     s = r.summary()

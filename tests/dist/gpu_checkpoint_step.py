@@ -53,6 +53,10 @@ def measure(overrides: list[str], background: bool, steps: int, every: int) -> d
               and in_flight[i]]
     normal = [ms[i] for i in range(len(ms)) if step_of[i] > warm and step_of[i] not in save_steps and not in_flight[i]
               and step_of[i] - 1 not in save_steps]
+    if not normal or not saving:
+        what = "normal" if saving else "save"
+        raise SystemExit(f"gpu_checkpoint_step: no {what} step to compare: a write outlasted --every {every} steps; "
+                         "raise --every (and --steps to at least 3 intervals)")
     base = statistics.median(normal)
     out = {"normal_ms": base, "save_step_ms": statistics.median(saving), "normal_steps": len(normal)}
     out["save_step_ratio"] = out["save_step_ms"] / base
@@ -66,19 +70,20 @@ def measure(overrides: list[str], background: bool, steps: int, every: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--every", type=int, default=10)
+    # gpu_base's checkpoint is ~8 GB: its background write spans tens of steps, so the interval must outlast it
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--every", type=int, default=40)
     a, overrides = ap.parse_known_args()
     from gem.cli.quiet import quiet_third_party
 
     quiet_third_party()
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "overrides": overrides,
-              "steps": a.steps, "every": a.every}
-    for mode, background in (("inline", False), ("async", True)):
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "overrides": overrides, "steps": a.steps, "every": a.every}
+    for mode, background in (("async", True), ("inline", False)):  # the JSON is rewritten as each mode ends
         result[mode] = measure(overrides, background, a.steps, a.every)
         print(mode, json.dumps(result[mode]), flush=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
 
