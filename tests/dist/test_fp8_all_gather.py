@@ -1,0 +1,53 @@
+"""train.precision=fp8_block under FSDP2 on 2 gloo ranks (tests/dist/run_fp8_all_gather.py): weights whose row
+shards are whole 128x128 tiles all-gather as FP8 codes + tile scales, quantized once per optimizer step per shard,
+and the GEMMs get the bytes quantize_128x128 gives the full weight; other weights keep the param_dtype all-gather;
+training gives the same losses and parameters, bit for bit, as without the FP8 all-gather."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist._common import torchrun
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    return torchrun("run_fp8_all_gather.py", 2, ["--steps", str(STEPS)], tmp_path_factory.mktemp("fp8ag"))
+
+
+def _all_gather_bytes(n: int, k: int, elem: float) -> int:
+    return int(n * k * elem)
+
+
+@pytest.mark.parametrize("dtype,elem", [("float32", 4), ("bfloat16", 2)])
+def test_gathered_fp8_weight_is_the_full_weights_quantization(result, dtype, elem):
+    got = result["layers"][dtype]
+    assert got["fp8"] == ["0.0", "2.0"]  # 512 and 256 out features: 2 x 2 and 2 x 1 tiles of 128 rows
+    assert got["fallback"] == ["1.0 (384 out features do not split into whole 128-row tiles over 2 shards)"]
+    for step in got["steps"]:  # before and after an optimizer step
+        assert step["gathered_fp8"] == [True, False, True]
+        assert step["same_bytes"] == [True, True, True]  # codes, W^T's codes and scales; the fallback's too
+        assert step["quantized"] == 2  # each FP8 shard once, though the backward gathers again
+        # forward then backward (resharded after forward), one all-gather per unit each: codes + fp32 tile scales
+        # for the FP8 layers, the weight in param_dtype for the other
+        fp8_0 = _all_gather_bytes(512, 256, 1) + 4 * 2 * 4
+        plain_1 = _all_gather_bytes(384, 512, elem)
+        fp8_2 = _all_gather_bytes(256, 384, 1) + 2 * 3 * 4
+        assert step["all_gather_bytes"] == [fp8_0, plain_1, fp8_2, fp8_2, plain_1, fp8_0]
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_training_equals_the_param_dtype_all_gather(result, param_dtype):
+    on, off = result["train"][param_dtype]["True"], result["train"][param_dtype]["False"]
+    # the widened model: w1 / w3 (256 rows) and the interaction's kv_proj shard into whole tiles; qkv (384 rows),
+    # out, w2 and q_proj (128 rows) do not, and keep the param_dtype all-gather
+    assert on["fp8"] == ["blocks.0.ffn.w1", "blocks.0.ffn.w3", "interaction.kv_proj"]
+    assert off["fp8"] == [] and on["converted"] == off["converted"]
+    assert {"blocks.0.attn.qkv", "blocks.0.ffn.w2", "interaction.q_proj"} <= set(on["converted"])
+    assert len(on["losses"]) == STEPS and len(set(on["losses"])) == STEPS
+    assert on["losses"] == off["losses"]  # the same bytes into the same GEMMs
+    assert on["params"].keys() == off["params"].keys() and on["params"]
+    diff = [k for k in on["params"] if on["params"][k] != off["params"][k]]
+    assert not diff, diff
