@@ -119,8 +119,46 @@ def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str)
         dist.all_reduce(g)
         losses.append(g.item() / world)
     params = full_state(p)
-    return {"converted": converted, "fp8": p.fp8_all_gather, "losses": losses,
-            "params": {k: _bytes(v) for k, v in params.items()} if rank == 0 else {}}
+    out = {"converted": converted, "fp8": p.fp8_all_gather, "losses": losses,
+           "params": {k: _bytes(v) for k, v in params.items()} if rank == 0 else {}}
+    if fp8_all_gather:
+        out["checkpoint"] = checkpoint_round_trip(p, opt, slice_batch(ds.global_batch(steps), rank * per,
+                                                                      (rank + 1) * per).to(device))
+    return out
+
+
+def checkpoint_round_trip(p, opt, batch) -> dict:
+    """State dicts hold plain shards (no wrapper subclass reaches a checkpoint); a DCP save, an in-place change of
+    every dense weight and a DCP load bring the loss back: the FP8 copies follow the loaded weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from gem.model import multitask_loss
+
+    def loss() -> float:
+        with torch.no_grad():
+            o = p.model(batch)
+            g = multitask_loss(o.logits, batch.labels)[0].detach().clone()
+        dist.all_reduce(g)
+        return g.item()
+
+    def plain(state) -> bool:
+        return all(type(v._local_tensor) is torch.Tensor for v in state.values() if isinstance(v, DTensor))
+
+    state = p.model.state_dict()
+    res = {"plain_model_state": plain(state),
+           "plain_optimizer_state": all(plain(s) for s in opt.state_dict()["state"].values())}
+    dcp.save({"model": state}, checkpoint_id="fp8_ckpt")
+    before = loss()
+    with torch.no_grad():
+        for q in p.dense_parameters():
+            q.mul_(0.5)
+    changed = loss()
+    state = p.model.state_dict()
+    dcp.load({"model": state}, checkpoint_id="fp8_ckpt")
+    p.model.load_state_dict(state)
+    res.update(before=before, changed=changed, after=loss())
+    return res
 
 
 def main() -> None:

@@ -51,3 +51,10 @@ def test_training_equals_the_param_dtype_all_gather(result, param_dtype):
     assert on["params"].keys() == off["params"].keys() and on["params"]
     diff = [k for k in on["params"] if on["params"][k] != off["params"][k]]
     assert not diff, diff
+
+
+def test_checkpoints_hold_plain_shards_and_load_into_fp8_weights(result):
+    ckpt = result["train"]["fp32"]["True"]["checkpoint"]
+    assert ckpt["plain_model_state"] and ckpt["plain_optimizer_state"]
+    assert ckpt["changed"] != ckpt["before"]  # halving the weights changes the loss (the FP8 copies followed)
+    assert ckpt["after"] == ckpt["before"]  # the loaded weights, quantized again
