@@ -1,4 +1,5 @@
-"""FSDP2's FP8 all-gather of fp8_block weights on 2 gloo ranks, in one launch; rank 0 writes the checks' results.
+"""FSDP2's FP8 all-gather of fp8_block weights on 2 ranks (gloo; NCCL from gpu_check.py), in one launch; rank 0 writes
+the checks' results.
 
 layers: three BlockFP8Linear layers, each its own FSDP2 unit: 256 -> 512 (out features 2 x 2 whole 128-row tiles:
     gathered in FP8), 512 -> 384 (192 rows a shard: the param_dtype all-gather) and 384 -> 256 (FP8). For fp32
@@ -13,6 +14,7 @@ train: the GEM model widened so some fp8_block layers shard into whole tiles and
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ def _bytes(t: torch.Tensor) -> list[int]:
     return t.detach().contiguous().view(torch.uint8).flatten().tolist()
 
 
-def check_layers(param_dtype: torch.dtype, calls: list) -> dict:
+def check_layers(param_dtype: torch.dtype, calls: list, device: torch.device) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gem.model.precision import BlockFP8GatheredWeight, apply_precision, fp8_weights
@@ -39,8 +41,8 @@ def check_layers(param_dtype: torch.dtype, calls: list) -> dict:
     torch.manual_seed(1)
     # each layer in a unit of its own (fully_shard changes the class of the module it wraps: not the layer's)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(k, n, bias=False)) for k, n in ((256, 512), (512, 384),
-                                                                                   (384, 256))))
-    apply_precision(model, "fp8_block", "cpu", ["*.0"])
+                                                                                   (384, 256)))).to(device)
+    apply_precision(model, "fp8_block", device, ["*.0"])
     on, off = enable_fp8_all_gather(model, dist.get_world_size(), True)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype)
     for unit in model:
@@ -59,7 +61,7 @@ def check_layers(param_dtype: torch.dtype, calls: list) -> dict:
         layer.register_forward_pre_hook(grab(i))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     counter = CountCollectives({dist.group.WORLD.group_name: "world"})
-    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     out = {"fp8": on, "fallback": off, "steps": []}
     for step in range(2):
         full = [layer.weight.full_tensor().to(param_dtype) for layer in layers]
@@ -90,7 +92,7 @@ def wide_model_cfg():
     return ModelConfig.from_dict(c, data_dict())
 
 
-def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str) -> dict:
+def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str, compile_cfg: dict) -> dict:
     from gem.model import GEMModel, multitask_loss
     from gem.model.precision import apply_precision
     from gem.parallel import parallelize
@@ -102,7 +104,7 @@ def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str)
     torch.manual_seed(0)
     model = GEMModel(wide_model_cfg(), embedding_device=device)
     converted = apply_precision(model, "fp8_block", device)
-    p = parallelize(model, {"dense": "fsdp"}, compile_cfg={"enabled": False}, param_dtype=param_dtype,
+    p = parallelize(model, {"dense": "fsdp"}, compile_cfg=compile_cfg, param_dtype=param_dtype,
                     sparse_optimizer_cfg={"name": "sgd", "lr": 0.05}, device=device, fp8_all_gather=fp8_all_gather)
     opt = torch.optim.AdamW(p.dense_parameters(), lr=1e-2)
     ds = dataset(global_batch)
@@ -166,12 +168,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--compile", default='{"enabled": false}', help="the compile: group of the training runs (JSON)")
+    ap.add_argument("--param-dtypes", default="fp32,bf16", help="train.param_dtype of the training runs")
+    ap.add_argument("--no-layers", action="store_true", help="skip the layer checks")
     a = ap.parse_args()
 
     from gem.ops import fp8_block as fb
     from gem.parallel.dims import init_distributed
 
-    init_distributed()
+    device = init_distributed()
     calls: list = []
     quantize = fb.quantize_128x128
 
@@ -181,9 +186,12 @@ def main() -> None:
         return quantize(w, kernel, transposed)
 
     fb.quantize_128x128 = counting
-    layers = {str(dt).removeprefix("torch."): check_layers(dt, calls) for dt in (torch.float32, torch.bfloat16)}
+    layers = {} if a.no_layers else {str(dt).removeprefix("torch."): check_layers(dt, calls, device)
+                                     for dt in (torch.float32, torch.bfloat16)}
     fb.quantize_128x128 = quantize
-    runs = {dt: {on: train(on, a.steps, a.global_batch, dt) for on in (True, False)} for dt in ("fp32", "bf16")}
+    compile_cfg = json.loads(a.compile)
+    runs = {dt: {on: train(on, a.steps, a.global_batch, dt, compile_cfg) for on in (True, False)}
+            for dt in a.param_dtypes.split(",")}
     finish(a.out, {"layers": layers, "train": {k: {str(on): r for on, r in v.items()} for k, v in runs.items()}})
 
 

@@ -58,3 +58,17 @@ def test_checkpoints_hold_plain_shards_and_load_into_fp8_weights(result):
     assert ckpt["plain_model_state"] and ckpt["plain_optimizer_state"]
     assert ckpt["changed"] != ckpt["before"]  # halving the weights changes the loss (the FP8 copies followed)
     assert ckpt["after"] == ckpt["before"]  # the loaded weights, quantized again
+
+
+@pytest.mark.slow
+def test_compiled_regions_train_on_fp8_gathered_weights(tmp_path):
+    """The blocks' compiled regions (aot_eager) under FSDP2 take the FP8-gathered weights as parameters: the same
+    losses and parameters, bit for bit, as the compiled run with the param_dtype all-gather."""
+    got = torchrun("run_fp8_all_gather.py", 2, ["--steps", "2", "--no-layers", "--param-dtypes", "fp32", "--compile",
+                                                '{"enabled": true, "backend": "aot_eager"}'], tmp_path, timeout=600)
+    on, off = got["train"]["fp32"]["True"], got["train"]["fp32"]["False"]
+    assert on["fp8"] == ["blocks.0.ffn.w1", "blocks.0.ffn.w3", "interaction.kv_proj"] and off["fp8"] == []
+    assert on["losses"] == off["losses"] and len(on["losses"]) == 2
+    assert on["params"] == off["params"]
+    ckpt = on["checkpoint"]
+    assert ckpt["changed"] != ckpt["before"] and ckpt["after"] == ckpt["before"]
