@@ -26,7 +26,8 @@ unchanged, so checkpoints and FSDP see the same model):
   from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
   scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
-  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights). The tower's RMSNorm /
+  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights); under FSDP2 each rank
+  quantizes its own shard and FSDP2 all-gathers the FP8 codes and scales (BlockFP8ShardWeight). The tower's RMSNorm /
   LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
   GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_ffn: gem.ops.fp8_block's fused producers), and the
   SwiGLU backward writes w1's and w3's output gradients straight into FP8 blocks; other inputs (attention output,
@@ -373,7 +374,8 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
 # (torch.autograd._unsafe_preserve_version_counter), so the generation is bumped after every optimizer step (a global
 # torch.optim post-step hook) and every state-dict load into a BlockFP8Linear. Under gradient accumulation the
 # micro-batches of one step share the copy. Anything else that rewrites the weights in place without bumping their
-# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded).
+# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded). Weights
+# FSDP2 all-gathers in FP8 (below) skip this cache: their shards keep the key and the gathered parameter the copies.
 # The lookup runs in eager code: a compiled region gets the copies as arguments (fp8_weights, called by the module
 # that owns the region before entering it), never as outputs of an op inside the graph, whose buffers Inductor may
 # reuse. A BlockFP8Linear called inside a compiled region without them quantizes its weight in the graph, per call.

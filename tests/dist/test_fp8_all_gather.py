@@ -6,6 +6,8 @@ training gives the same losses and parameters, bit for bit, as without the FP8 a
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from tests.dist._common import torchrun
 
@@ -72,3 +74,54 @@ def test_compiled_regions_train_on_fp8_gathered_weights(tmp_path):
     assert on["params"] == off["params"]
     ckpt = on["checkpoint"]
     assert ckpt["changed"] != ckpt["before"] and ckpt["after"] == ckpt["before"]
+
+
+def test_which_weights_gather_in_fp8():
+    """Whole 128-row tiles per shard and a bool reshard_after_forward: FP8; anything else keeps the param_dtype
+    all-gather, with the reason; one shard rank: nothing to gather, nothing changes."""
+    from gem.parallel.fsdp import fp8_all_gather_reason
+
+    w = torch.empty(512, 256)
+    assert fp8_all_gather_reason(w, 2, True) is None and fp8_all_gather_reason(w, 4, False) is None
+    assert fp8_all_gather_reason(w, 8, True) == "512 out features do not split into whole 128-row tiles over 8 shards"
+    assert fp8_all_gather_reason(torch.empty(384, 128), 2, True) == (
+        "384 out features do not split into whole 128-row tiles over 2 shards")  # 192 rows a shard
+    assert fp8_all_gather_reason(torch.empty(640, 128), 4, True) is not None  # even, but 160 rows a shard
+    assert fp8_all_gather_reason(w, 2, 2) == "reshard_after_forward=2 (an int) needs the param_dtype all-gather"
+
+
+def test_shard_weight_trains_as_the_plain_weight():
+    """enable_fp8_all_gather wraps the qualifying weights (before fully_shard); outside FSDP2 the wrapped weight
+    computes, trains and saves as the plain one (every op runs on the tensor it wraps)."""
+    import copy
+
+    from gem.model.precision import BlockFP8ShardWeight, apply_precision
+    from gem.parallel.fsdp import enable_fp8_all_gather
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 384, bias=True))
+    apply_precision(model, "fp8_block", "cpu", ["0", "1"])
+    plain = copy.deepcopy(model)
+    assert enable_fp8_all_gather(model, 1, True) == ([], [])  # one shard rank
+    assert not isinstance(model[0].weight.data, BlockFP8ShardWeight)
+    on, off = enable_fp8_all_gather(model, 2, True)
+    assert on == ["0"] and off == ["1 (384 out features do not split into whole 128-row tiles over 2 shards)"]
+    w = model[0].weight
+    assert isinstance(w, nn.Parameter) and isinstance(w.data, BlockFP8ShardWeight) and w.requires_grad
+    assert torch.equal(w.data.plain(), plain[0].weight)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, plain)]
+    x = torch.randn(70, 256)
+    for _ in range(2):
+        for m, opt in zip((model, plain), opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(model(x), plain(x))
+    state = model.state_dict()
+    assert torch.equal(state["0.weight"], plain[0].weight)
+    doubled = {k: 2 * v for k, v in plain.state_dict().items()}
+    model.load_state_dict(doubled)
+    assert isinstance(model[0].weight.data, BlockFP8ShardWeight)
+    assert torch.equal(model[0].weight.data.plain(), doubled["0.weight"])
+    plain.load_state_dict(doubled)
+    assert torch.equal(model(x), plain(x))  # the FP8 copy follows the load
