@@ -92,7 +92,8 @@ def wide_model_cfg():
     return ModelConfig.from_dict(c, data_dict())
 
 
-def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str, compile_cfg: dict) -> dict:
+def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str, compile_cfg: dict,
+          parallel: dict) -> dict:
     from gem.model import GEMModel, multitask_loss
     from gem.model.precision import apply_precision
     from gem.parallel import parallelize
@@ -104,7 +105,7 @@ def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str,
     torch.manual_seed(0)
     model = GEMModel(wide_model_cfg(), embedding_device=device)
     converted = apply_precision(model, "fp8_block", device)
-    p = parallelize(model, {"dense": "fsdp"}, compile_cfg=compile_cfg, param_dtype=param_dtype,
+    p = parallelize(model, parallel, compile_cfg=compile_cfg, param_dtype=param_dtype,
                     sparse_optimizer_cfg={"name": "sgd", "lr": 0.05}, device=device, fp8_all_gather=fp8_all_gather)
     opt = torch.optim.AdamW(p.dense_parameters(), lr=1e-2)
     ds = dataset(global_batch)
@@ -171,6 +172,7 @@ def main() -> None:
     ap.add_argument("--compile", default='{"enabled": false}', help="the compile: group of the training runs (JSON)")
     ap.add_argument("--param-dtypes", default="fp32,bf16", help="train.param_dtype of the training runs")
     ap.add_argument("--no-layers", action="store_true", help="skip the layer checks")
+    ap.add_argument("--parallel", default='{"dense": "fsdp"}', help="the parallel: group of the training runs (JSON)")
     a = ap.parse_args()
 
     from gem.ops import fp8_block as fb
@@ -190,7 +192,8 @@ def main() -> None:
                                      for dt in (torch.float32, torch.bfloat16)}
     fb.quantize_128x128 = quantize
     compile_cfg = json.loads(a.compile)
-    runs = {dt: {on: train(on, a.steps, a.global_batch, dt, compile_cfg) for on in (True, False)}
+    parallel = json.loads(a.parallel)
+    runs = {dt: {on: train(on, a.steps, a.global_batch, dt, compile_cfg, parallel) for on in (True, False)}
             for dt in a.param_dtypes.split(",")}
     finish(a.out, {"layers": layers, "train": {k: {str(on): r for on, r in v.items()} for k, v in runs.items()}})
 

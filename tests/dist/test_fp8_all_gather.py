@@ -125,3 +125,18 @@ def test_shard_weight_trains_as_the_plain_weight():
     assert torch.equal(model[0].weight.data.plain(), doubled["0.weight"])
     plain.load_state_dict(doubled)
     assert torch.equal(model(x), plain(x))  # the FP8 copy follows the load
+
+
+@pytest.mark.slow
+def test_hsdp_gathers_fp8_over_the_shard_dim(tmp_path):
+    """HSDP 2 x 2 on 4 ranks: the FP8 all-gather runs over dp_shard (2 shards: the same weights qualify), the
+    replicas all-reduce the gradients as before; the same losses and parameters, bit for bit, as without it."""
+    got = torchrun("run_fp8_all_gather.py", 4, ["--steps", "2", "--no-layers", "--param-dtypes", "bf16",
+                                                "--global-batch", "16", "--parallel",
+                                                '{"dense": "fsdp", "dp_replicate": 2, "dp_shard": 2}'],
+                   tmp_path, timeout=600)
+    on, off = got["train"]["bf16"]["True"], got["train"]["bf16"]["False"]
+    assert on["fp8"] == ["blocks.0.ffn.w1", "blocks.0.ffn.w3", "interaction.kv_proj"] and off["fp8"] == []
+    assert on["losses"] == off["losses"] and on["params"] == off["params"]
+    ckpt = on["checkpoint"]
+    assert ckpt["changed"] != ckpt["before"] and ckpt["after"] == ckpt["before"]
