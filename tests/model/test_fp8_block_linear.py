@@ -417,34 +417,36 @@ def _fp8_gathered(lin: nn.Module) -> nn.Parameter:
     full weight's codes, W^T's codes (transposed from the codes, as after an all-gather) and tile scales."""
     from gem.model.precision import BlockFP8GatheredWeight
 
-    q, qt, s = fb.quantize_128x128(lin.weight.detach(), kernel="reference")
+    kernel = "auto" if lin.weight.is_cuda else "reference"
+    q, qt, s = fb.quantize_128x128(lin.weight.detach(), kernel=kernel)
     g = BlockFP8GatheredWeight(q, torch.empty_like(qt), s, lin.weight.dtype)
     g.transpose_codes()
     assert torch.equal(g.fp8()[1].view(torch.uint8), qt.view(torch.uint8))
     return nn.Parameter(g, requires_grad=lin.weight.requires_grad)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_block_runs_on_fp8_gathered_weights(compiled):
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", None), ("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
+def test_block_runs_on_fp8_gathered_weights(device, backend):
     """A block whose fp8_block weights are FSDP2's FP8-gathered parameters (no values, only the FP8 copies the GEMMs
-    read) computes exactly what it computes from the plain weights, eagerly and in its compiled regions (aot_eager,
-    fullgraph): the output, the input gradient and every parameter's gradient, the weights' as plain tensors of the
-    weight's dtype (what FSDP2 reduce-scatters)."""
+    read) computes exactly what the block computes from the plain weights, eagerly or with both blocks' regions
+    compiled (fullgraph): the output, the input gradient and every parameter's gradient, the weights' as plain
+    tensors of the weight's dtype (what FSDP2 reduce-scatters)."""
     import copy
 
     from gem.model.precision import BlockFP8GatheredWeight, fp8_weights
 
-    blk = _block("fp8_block")
+    blk = _block("fp8_block").to(device)
     plain = copy.deepcopy(blk)
-    names = ["attn.qkv", "attn.out", "ffn.w1", "ffn.w3", "ffn.w2"]
-    for name in names:
+    for name in ["attn.qkv", "attn.out", "ffn.w1", "ffn.w3", "ffn.w2"]:
         lin = blk.get_submodule(name)
         lin.weight = _fp8_gathered(lin)
         assert fp8_weights(lin)[0] == lin.weight.fp8()  # the copies handed to the regions: the gathered tensors
-    if compiled:
+    if backend is not None:
         torch._dynamo.reset()
-        blk.compile_regions(backend="aot_eager", fullgraph=True)
-    x, offsets = torch.randn(13, 128), torch.tensor([0, 4, 13])
+        for m in (blk, plain):
+            m.compile_regions(backend=backend, fullgraph=True)
+    x, offsets = torch.randn(13, 128, device=device), torch.tensor([0, 4, 13], device=device)
     for _ in range(2):
         got, want = _run_block(blk, x, offsets), _run_block(plain, x, offsets)
         assert len(got) == len(want) == 2 + len(list(blk.parameters()))
