@@ -480,7 +480,8 @@ class BlockFP8ShardWeight(torch.Tensor):
         out = func(*plain_args, **plain_kwargs)
         if func in _SHARD_OPS:
             return pytree.tree_map_only(torch.Tensor, cls, out)
-        if func.overloadpacket.__name__.endswith("_") and args and isinstance(args[0], cls):
+        first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+        if first is not None and first.is_write and isinstance(args[0], cls):
             return args[0]  # in place: the wrapper itself, updated through the tensor it wraps
         return out
 
