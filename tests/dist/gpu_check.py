@@ -69,8 +69,8 @@ def main() -> None:
     # fp8_block's FP8 all-gather through NCCL and Inductor-compiled regions: the same run as without it
     got, log = launch("run_fp8_all_gather.py", 2, out / "fp8_all_gather.json", ["--compile", '{"enabled": true}'])
     if got:
-        layers = {dt: [(s["gathered_fp8"], s["same_bytes"], s["quantized"]) for s in r["steps"]]
-                  for dt, r in got["layers"].items()}
+        layers = {dt: [{k: s[k] for k in ("gathered_fp8", "same_bytes", "quantized", "all_gather_bytes")}
+                       for s in r["steps"]] for dt, r in got["layers"].items()}
         train = {dt: {"fp8": r["True"]["fp8"], "same_losses": r["True"]["losses"] == r["False"]["losses"],
                       "same_params": r["True"]["params"] == r["False"]["params"],
                       "checkpoint": r["True"]["checkpoint"]} for dt, r in got["train"].items()}
