@@ -26,7 +26,8 @@ unchanged, so checkpoints and FSDP see the same model):
   from one pass over the tensor), weights in 128x128 tiles (W and W^T from one pass per forward), power-of-two fp32
   scales, for the forward, input-gradient and weight-gradient GEMMs. On sm_90 the GEMMs are cuBLAS's block-scaled
   torch._scaled_mm (bf16 out); elsewhere emulated (dequantized operands, fp32 products). The backward keeps only
-  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights). The tower's RMSNorm /
+  the FP8 copies of x and W. W's copies are made once per optimizer step (fp8_weights); under FSDP2 each rank
+  quantizes its own shard and FSDP2 all-gathers the FP8 codes and scales (BlockFP8ShardWeight). The tower's RMSNorm /
   LayerNorm in front of the QKV and FFN up projections and the SwiGLU in front of the down projection write those
   GEMMs' FP8 input themselves (block_fp8_norm, block_fp8_ffn: gem.ops.fp8_block's fused producers), and the
   SwiGLU backward writes w1's and w3's output gradients straight into FP8 blocks; other inputs (attention output,
@@ -46,6 +47,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from gem.config import ConfigError
@@ -56,7 +58,9 @@ __all__ = [
     "BLOCK_FILTER",
     "DEFAULT_FILTER",
     "PRECISIONS",
+    "BlockFP8GatheredWeight",
     "BlockFP8Linear",
+    "BlockFP8ShardWeight",
     "FP8Linear",
     "MXFP8Linear",
     "apply_precision",
@@ -370,7 +374,8 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
 # (torch.autograd._unsafe_preserve_version_counter), so the generation is bumped after every optimizer step (a global
 # torch.optim post-step hook) and every state-dict load into a BlockFP8Linear. Under gradient accumulation the
 # micro-batches of one step share the copy. Anything else that rewrites the weights in place without bumping their
-# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded).
+# version must call invalidate_fp8_weights(). Memory: 2 bytes a parameter of the converted layers (unsharded). Weights
+# FSDP2 all-gathers in FP8 (below) skip this cache: their shards keep the key and the gathered parameter the copies.
 # The lookup runs in eager code: a compiled region gets the copies as arguments (fp8_weights, called by the module
 # that owns the region before entering it), never as outputs of an op inside the graph, whose buffers Inductor may
 # reuse. A BlockFP8Linear called inside a compiled region without them quantizes its weight in the graph, per call.
@@ -396,6 +401,8 @@ def _install_step_hook() -> None:
 @torch.compiler.disable
 def _cached_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_128x128(w) from the copy kept on w while it is current (see above); callers only read it."""
+    if isinstance(w, BlockFP8GatheredWeight):  # FSDP2 all-gathered it in FP8 (below)
+        return w.fp8()
     _install_step_hook()
     if w.is_inference():  # no version counter to key on
         return torch.ops.gem.fp8_block_quantize_weight(w.detach())
@@ -419,9 +426,145 @@ def fp8_weights(*layers: nn.Module) -> tuple | None:
 def _weight_fp8(w: torch.Tensor, w8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if w8 is not None:
         return w8
+    if isinstance(w, BlockFP8GatheredWeight):
+        return w.fp8()
     if torch.compiler.is_compiling():
         return torch.ops.gem.fp8_block_quantize_weight(w.detach())
     return _cached_weight(w)
+
+
+# ---------------------------------------------------------------------------------------------------- FP8 all-gather
+# Under FSDP2, a BlockFP8Linear weight whose row shards are whole 128-row tiles is all-gathered in FP8 through FSDP2's
+# tensor-subclass hooks (fsdp_pre_all_gather / fsdp_post_all_gather, as torchao's float8 weights do): each rank
+# quantizes its own shard into 128x128 tiles once per optimizer step (the cache key above, kept on the shard), FSDP2
+# gathers the E4M3 codes and the fp32 tile scales (1 + 4 / 128^2 bytes a parameter, against 2 or 4 for the weight in
+# param_dtype), and the unsharded parameter is a BlockFP8GatheredWeight: the gathered codes and scales plus W^T's codes
+# (transposed after each all-gather), exactly the bytes quantize_128x128 gives the full weight in param_dtype, since a
+# tile never straddles two shards. The GEMMs read them; gradients reach the unsharded parameter and FSDP2
+# reduce-scatters them into the master shards as before. gem.parallel.fsdp decides which weights qualify.
+
+_aten = torch.ops.aten
+# what FSDP2 applies to a parameter while sharding it (chunk, pad, narrow, view, detach): the results stay wrapped
+_SHARD_OPS = frozenset({_aten.split.Tensor, _aten.split_with_sizes.default, _aten.new_zeros.default,
+                        _aten.slice.Tensor, _aten.view.default, _aten.as_strided.default, _aten.detach.default,
+                        _aten.alias.default, _aten.empty_like.default})
+
+
+class BlockFP8ShardWeight(torch.Tensor):
+    """A BlockFP8Linear weight (before fully_shard) or its FSDP2 shard (after) that FSDP2 all-gathers as 128x128-tile
+    FP8. It wraps the plain tensor, and every op runs on that tensor (in-place ones update it: optimizer steps,
+    state-dict loads), so it trains and saves as the plain weight."""
+
+    @staticmethod
+    def __new__(cls, t: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, t.shape, strides=t.stride(), storage_offset=t.storage_offset(),
+                                                   dtype=t.dtype, layout=t.layout, device=t.device,
+                                                   requires_grad=t.requires_grad)
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+        self._fp8 = None  # (cache key, (codes, scale)) of the latest quantization
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"BlockFP8ShardWeight({self._t!r})"
+
+    def plain(self) -> torch.Tensor:
+        """The tensor it wraps (the same storage)."""
+        return self._t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._t, (args, kwargs or {}))
+        out = func(*plain_args, **plain_kwargs)
+        if func in _SHARD_OPS:
+            return pytree.tree_map_only(torch.Tensor, cls, out)
+        first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+        if first is not None and first.is_write and isinstance(args[0], cls):
+            return args[0]  # in place: the wrapper itself, updated through the tensor it wraps
+        return out
+
+    @torch.no_grad()
+    def fp8_codes(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes E4M3, scale fp32) of quantize_128x128(self cast to dtype), cached until the next optimizer step or
+        in-place change."""
+        _install_step_hook()
+        t = self._t
+        key = (_generation, t._version, t.data_ptr(), dtype)
+        if self._fp8 is not None and self._fp8[0] == key:
+            return self._fp8[1]
+        src = t if dtype is None or dtype == t.dtype else t.to(dtype)
+        codes, _, scale = fb.quantize_128x128(src, kernel="auto" if t.is_cuda else "reference", transposed=False)
+        self._fp8 = (key, (codes, scale))
+        return codes, scale
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return self.fp8_codes(mp_policy.param_dtype), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        codes, scale = all_gather_outputs
+        if out is not None:  # FSDP2 refilled the codes and scales in place (the same storage): W^T's codes follow
+            out.transpose_codes()
+            return None
+        codes_t = codes.new_empty((codes.shape[1], codes.shape[0]))
+        w = BlockFP8GatheredWeight(codes, codes_t, scale, param_dtype)
+        w.transpose_codes()
+        return w, (codes, scale, codes_t)  # FSDP2 frees and re-allocates these between all-gathers
+
+
+class BlockFP8GatheredWeight(torch.Tensor):
+    """The unsharded parameter FSDP2 builds from BlockFP8ShardWeight's all-gather: the weight's shape and dtype,
+    holding its 128x128-tile E4M3 codes [N, K], W^T's codes [K, N] and the fp32 tile scales, which BlockFP8Linear
+    multiplies by. The values themselves are not there: ops other than the few FSDP2 and autograd apply to a
+    parameter raise."""
+
+    @staticmethod
+    def __new__(cls, codes, codes_t, scale, dtype, requires_grad=False):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, codes, codes_t, scale, dtype, requires_grad=False):
+        self._codes, self._codes_t, self._scale = codes, codes_t, scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"BlockFP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, codes of W^T, scale): what _cached_weight gives for the full weight."""
+        return self._codes, self._codes_t, self._scale
+
+    def transpose_codes(self) -> None:
+        """W^T's codes from the (re)gathered codes. Autograd may hold them saved from the forward: their version
+        stays, as FSDP2 keeps its all-gather outputs' version."""
+        dst, src = self._codes_t.view(torch.uint8), self._codes.view(torch.uint8).t()
+        if dst.is_inference():
+            dst.copy_(src)
+            return
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._codes_t):
+            dst.copy_(src)
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_codes_t", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return BlockFP8GatheredWeight(inner["_codes"], inner["_codes_t"], inner["_scale"], dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        w = args[0] if args else None
+        if isinstance(w, cls):
+            if func in (_aten.detach.default, _aten.alias.default) or (
+                    func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(w.shape)):
+                return cls(*w.fp8(), w.dtype)  # FSDP2's as_strided, nn.Parameter's detach: the same tensors
+            if func in (_aten.zeros_like.default, _aten.empty_like.default):  # a zero gradient for an unused weight
+                return torch.zeros(w.shape, dtype=kwargs.get("dtype") or w.dtype, device=w.device)
+        raise NotImplementedError(f"{func}: a BlockFP8Linear weight all-gathered in FP8 holds only its FP8 codes "
+                                  "(BlockFP8Linear's GEMMs read them); it has no values for other ops")
 
 
 class _BlockFP8LinearFn(torch.autograd.Function):

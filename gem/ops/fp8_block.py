@@ -171,8 +171,9 @@ def quantize_1x128(x: torch.Tensor, transposed: bool = False, kernel: str = "aut
     return tuple(t.view(E4M3) if t.dtype == torch.uint8 else t for t in out)
 
 
-def quantize_128x128(w: torch.Tensor, kernel: str = "auto"):
-    """w [N, K] -> (data E4M3 [N, K], data_t E4M3 [K, N] (w^T), scale fp32 [ceil(N / 128), ceil(K / 128)])."""
+def quantize_128x128(w: torch.Tensor, kernel: str = "auto", transposed: bool = True):
+    """w [N, K] -> (data E4M3 [N, K], data_t E4M3 [K, N] (w^T; None unless transposed), scale fp32
+    [ceil(N / 128), ceil(K / 128)])."""
     where = "gem.ops.fp8_block.quantize_128x128"
     _check_x(w, where)
     if w.dim() != 2:
@@ -181,11 +182,11 @@ def quantize_128x128(w: torch.Tensor, kernel: str = "auto"):
     if _impl(kernel, w) == "triton":
         from gem.ops.triton_fp8_block import quantize_128x128_triton
 
-        codes, codes_t, scale = quantize_128x128_triton(w)
+        codes, codes_t, scale = quantize_128x128_triton(w, transposed)
     else:
         codes, scale = quantize_128x128_reference(w)
-        codes_t = codes.t().contiguous()
-    return codes.view(E4M3), codes_t.view(E4M3), scale
+        codes_t = codes.t().contiguous() if transposed else None
+    return codes.view(E4M3), None if codes_t is None else codes_t.view(E4M3), scale
 
 
 def _check_dequant(data, scale, dtype, want, where):

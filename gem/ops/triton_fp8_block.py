@@ -92,15 +92,16 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, MP, NKB,
                   IN_KIND: tl.constexpr, TRANS: tl.constexpr, WEIGHT: tl.constexpr, EXACT: tl.constexpr,
                   BLOCK_M: tl.constexpr):
     """1 x 128 blocks (_emit_1x128, TRANS: both layouts) or, WEIGHT (BLOCK_M == 128), one scale per 128 x 128 tile
-    s [cdiv(M, 128), NKB] with codes q and q^T (qt [K, M])."""
+    s [cdiv(M, 128), NKB] with codes q and (TRANS) q^T (qt [K, M])."""
     pid_m, pid_k, rm, rk, mrow, mcol, mask, offs = _tile(M, K, BLOCK_M)
     bits = load_fp32_bits(x_ptr, offs, mask, IN_KIND)
     if WEIGHT:
         s, inv, nf = _pow2_scale(tl.max(tl.max(bits & 0x7FFFFFFF, axis=1), axis=0))
         code = _encode(bits.to(tl.float32, bitcast=True), inv, nf, EXACT).to(tl.uint8)
         tl.store(q_ptr + offs, code, mask=mask)
-        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M + rm[None, :], tl.trans(code),
-                 mask=mcol[:, None] & mrow[None, :])
+        if TRANS:
+            tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M + rm[None, :], tl.trans(code),
+                     mask=mcol[:, None] & mrow[None, :])
         tl.store(s_ptr + pid_m * NKB + pid_k, s)
     else:
         _emit_1x128(bits, rm, rk, mrow, mcol, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, K, MP, NKB, TRANS, EXACT)
@@ -288,18 +289,18 @@ def quantize_1x128_triton(x2d: torch.Tensor, transposed: bool = False):
     return _result(q, s, qt, st, transposed)
 
 
-def quantize_128x128_triton(w: torch.Tensor):
-    """w [N, K] contiguous, non-empty -> (codes uint8 [N, K], codes of w^T uint8 [K, N], scale fp32
-    [cdiv(N, 128), cdiv(K, 128)])."""
+def quantize_128x128_triton(w: torch.Tensor, transposed: bool = True):
+    """w [N, K] contiguous, non-empty -> (codes uint8 [N, K], codes of w^T uint8 [K, N] (None unless transposed),
+    scale fp32 [cdiv(N, 128), cdiv(K, 128)])."""
     n, k = w.shape
     nkb = cdiv(k, BLOCK)
     q = torch.empty((n, k), dtype=torch.uint8, device=w.device)
-    qt = torch.empty((k, n), dtype=torch.uint8, device=w.device)
+    qt = torch.empty((k, n) if transposed else (0,), dtype=torch.uint8, device=w.device)
     s = torch.empty((cdiv(n, BLOCK), nkb), dtype=torch.float32, device=w.device)
     _quant_kernel[(cdiv(n, BLOCK), nkb)](
-        bits_view(w), q, s, qt, s, n, k, n, nkb, IN_KIND=IN_KIND_OF[w.dtype], TRANS=False, WEIGHT=True,
+        bits_view(w), q, s, qt, s, n, k, n, nkb, IN_KIND=IN_KIND_OF[w.dtype], TRANS=transposed, WEIGHT=True,
         EXACT=triton_interpreting(), BLOCK_M=BLOCK, num_warps=TRANS_WARPS)
-    return q, qt, s
+    return q, qt if transposed else None, s
 
 
 def swiglu_bwd_quant_triton(a2d: torch.Tensor, b2d: torch.Tensor, g2d: torch.Tensor, transposed: bool):

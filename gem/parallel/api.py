@@ -35,6 +35,7 @@ class Parallelized:
     embeddings: ShardedEmbeddings | None
     inner: nn.Module  # the original model object (now holding sharded / wrapped submodules)
     _dense_params: list[nn.Parameter] = field(default_factory=list, repr=False)
+    fp8_all_gather: list[str] = field(default_factory=list)  # fp8_block weights FSDP2 all-gathers in FP8
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters for the dense optimizer: everything except the embedding tables."""
@@ -70,13 +71,16 @@ def _canonical(name: str) -> str:
 
 def parallelize(model: nn.Module, parallel_cfg: Any, *, compile_cfg: Any = None, ac_cfg: Any = None,
                 param_dtype: str = "fp32", reduce_dtype: str = "fp32", sparse_optimizer_cfg: Any = None,
-                device: torch.device | None = None) -> Parallelized:
+                device: torch.device | None = None, fp8_all_gather: bool = True) -> Parallelized:
     """Shard `model` per `parallel_cfg` (collective: call on every rank with identically initialised models).
 
     `compile_cfg`, `ac_cfg`: the `compile:` and `activation_checkpoint:` groups (a config, a mapping or None for
     the defaults: compile on CUDA, no checkpointing); they wrap the blocks before FSDP2 shards them.
     `param_dtype`, `reduce_dtype` (train.param_dtype / train.reduce_dtype): FSDP2's mixed precision, the dtype
     parameters are all-gathered and computed in and the dtype gradients are reduced in (DDP keeps fp32).
+    `fp8_all_gather`: under FSDP2, the fp8_block (BlockFP8Linear) weights whose row shards are whole 128x128 tiles
+    are all-gathered as FP8 codes + tile scales instead (gem.parallel.fsdp.enable_fp8_all_gather); False keeps
+    every weight's all-gather in param_dtype (the same numbers, twice or four times the bytes).
     Order: expert parallel dispatchers/weights -> TorchRec DMP for the tables (optimizer fused into their
     backward) -> activation checkpointing / compile per block -> dense DDP or FSDP2 over the world.
     """
@@ -107,9 +111,10 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, compile_cfg: Any = None,
         options = inductor_options(inner) if compile_cfg.backend == "inductor" else None
         apply_compile(inner, blocks, backend=compile_cfg.backend, **({"options": options} if options else {}))
 
+    fp8_names: list[str] = []
     if cfg.dense == "fsdp":
-        apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules,
-                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        fp8_names = apply_fsdp(inner, blocks, dims, ignored_params=table_params, expert_modules=expert_modules,
+                               param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp8_all_gather=fp8_all_gather)
     elif dims.world_size > 1:
         ignore = set(_sharded_param_names(inner))
         dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device, find_unused_parameters=bool(moes))
@@ -117,7 +122,7 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, compile_cfg: Any = None,
     table_ids = {id(p) for p in table_params}
     dense = [p for p in inner.parameters() if id(p) not in table_ids and p.requires_grad]
     return Parallelized(model=dmp, dims=dims, sparse_optimizer=emb.fused_optimizer, embeddings=emb,
-                        inner=inner, _dense_params=dense)
+                        inner=inner, _dense_params=dense, fp8_all_gather=fp8_names)
 
 
 def _sharded_param_names(module: nn.Module, prefix: str = "") -> Iterator[str]:

@@ -6,6 +6,7 @@ FSDP-sharded over the dims left after ep, with the gradient divided by the whole
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -13,11 +14,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from gem.model.precision import BlockFP8Linear, BlockFP8ShardWeight
+from gem.ops.fp8_block import BLOCK
 from gem.parallel.dims import ParallelDims, dtype_of
 from gem.parallel.expert import EXPERT_WEIGHTS
+
+log = logging.getLogger("gem.parallel")
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int) -> None:
@@ -42,17 +47,72 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, **compile_kwar
             block.compile(**compile_kwargs)
 
 
+def fp8_all_gather_reason(weight: torch.Tensor, shard_ranks: int, reshard_after_forward: bool | int) -> str | None:
+    """Why a BlockFP8Linear weight of an FSDP2 unit sharded over `shard_ranks` is all-gathered in param_dtype rather
+    than in FP8 (None: it is gathered in FP8). FP8 needs every rank's row shard to be whole 128x128 tiles (the
+    out features a multiple of 128 x shard_ranks: FSDP2's shards are then even), and a bool reshard_after_forward
+    (FSDP2's hooks do not reshard a gathered subclass to a smaller group)."""
+    n = weight.shape[0]
+    if n % (BLOCK * shard_ranks):
+        return f"{n} out features do not split into whole {BLOCK}-row tiles over {shard_ranks} shards"
+    if not isinstance(reshard_after_forward, bool):
+        return f"reshard_after_forward={reshard_after_forward} (an int) needs the param_dtype all-gather"
+    return None
+
+
+def enable_fp8_all_gather(unit: nn.Module, shard_ranks: int, reshard_after_forward: bool | int,
+                          prefix: str = "") -> tuple[list[str], list[str]]:
+    """Before fully_shard(unit): make the weights of its BlockFP8Linear layers (those not in a unit sharded already)
+    all-gather in FP8 where fp8_all_gather_reason allows. Returns (names gathered in FP8, 'name (reason)' of the
+    others). Nothing changes on a single shard rank: there is nothing to gather."""
+    on, off = [], []
+    if shard_ranks <= 1:
+        return on, off
+    for name, m in unit.named_modules(prefix=prefix):
+        if type(m) is not BlockFP8Linear or isinstance(m.weight, DTensor):
+            continue
+        w = m.weight
+        reason = fp8_all_gather_reason(w, shard_ranks, reshard_after_forward)
+        if reason is not None:
+            off.append(f"{name} ({reason})")
+            continue
+        if not isinstance(w.data, BlockFP8ShardWeight):
+            m.weight = nn.Parameter(BlockFP8ShardWeight(w.data), requires_grad=w.requires_grad)
+            m.register_state_dict_post_hook(_plain_weight_in_state_dict)
+        on.append(name)
+    return on, off
+
+
+def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State dicts (checkpoints, DCP) hold the plain shard, sharing its storage: loads write into the weight."""
+    key = prefix + "weight"
+    v = state_dict.get(key)
+    if isinstance(v, DTensor) and isinstance(v._local_tensor, BlockFP8ShardWeight):
+        with torch.no_grad():
+            state_dict[key] = DTensor.from_local(v._local_tensor.plain(), v.device_mesh, v.placements,
+                                                 run_check=False, shape=v.shape, stride=v.stride())
+
+
 def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims,
                ignored_params: Iterable[nn.Parameter], expert_modules: Iterable[nn.Module] = (),
-               param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32", fp8_all_gather: bool = True) -> list[str]:
     """fully_shard the expert modules, then each block, then the root (which picks up the remaining dense
     params); `ignored_params` (the embedding tables) stay as they are. `param_dtype`, `reduce_dtype`: FSDP2's
-    mixed precision (train.param_dtype / train.reduce_dtype)."""
+    mixed precision (train.param_dtype / train.reduce_dtype). `fp8_all_gather`: BlockFP8Linear weights whose shards
+    are whole 128x128 tiles all-gather in FP8 (enable_fp8_all_gather); returns their names."""
     c = dims.cfg
     mp = MixedPrecisionPolicy(param_dtype=dtype_of(param_dtype), reduce_dtype=dtype_of(reduce_dtype))
     mesh = dims.fsdp_mesh
     ignored = set(ignored_params)
     reshard = c.reshard_after_forward
+    shard_ranks = mesh.size(mesh.ndim - 1)
+    fp8_on, fp8_off = [], []
+
+    def fp8(unit: nn.Module, unit_reshard: bool | int, prefix: str = "") -> None:
+        if fp8_all_gather:
+            on, off = enable_fp8_all_gather(unit, shard_ranks, unit_reshard, prefix)
+            fp8_on.extend(on)
+            fp8_off.extend(off)
     expert_mesh = dims.expert_fsdp_mesh
     for m in expert_modules:
         few = m.num_experts // dims.ep < expert_mesh.size()
@@ -77,8 +137,16 @@ def apply_fsdp(root: nn.Module, blocks: nn.ModuleList | None, dims: ParallelDims
         n = len(blocks)
         for i, block in enumerate(blocks):
             # the last block's params are needed again right at the start of backward
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard if i < n - 1 else False)
+            block_reshard = reshard if i < n - 1 else False
+            fp8(block, block_reshard, f"blocks.{i}")
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
+    fp8(root, reshard)
     fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    if fp8_on:
+        log.info("fp8_block: %d weights all-gather in FP8 (128x128-tile codes + scales)", len(fp8_on))
+    if fp8_off:
+        log.info("fp8_block: these weights all-gather in %s instead of FP8: %s", param_dtype, ", ".join(fp8_off))
+    return fp8_on
 
 
 def _sum_router_grad_over(moe: nn.Module, group: dist.ProcessGroup) -> None:

@@ -66,6 +66,17 @@ def main() -> None:
     got, log = launch("run_dcp.py", 2, out / "dcp.json", ["--phase", "save", "--load-here", "--ckpt", str(ck),
                                                             "--parallel", json.dumps(par)])
     summary["dcp_2d"] = got if got else log
+    # fp8_block's FP8 all-gather through NCCL and Inductor-compiled regions: the same run as without it
+    got, log = launch("run_fp8_all_gather.py", 2, out / "fp8_all_gather.json", ["--compile", '{"enabled": true}'])
+    if got:
+        layers = {dt: [{k: s[k] for k in ("gathered_fp8", "same_bytes", "quantized", "all_gather_bytes")}
+                       for s in r["steps"]] for dt, r in got["layers"].items()}
+        train = {dt: {"fp8": r["True"]["fp8"], "same_losses": r["True"]["losses"] == r["False"]["losses"],
+                      "same_params": r["True"]["params"] == r["False"]["params"],
+                      "checkpoint": r["True"]["checkpoint"]} for dt, r in got["train"].items()}
+        summary["fp8_all_gather"] = {"layers": layers, "train": train}
+    else:
+        summary["fp8_all_gather"] = log
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 

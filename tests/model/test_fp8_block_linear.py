@@ -410,3 +410,51 @@ def test_block_regions_compile_with_the_producers(monkeypatch):
             for p in m.parameters():
                 p.grad = torch.full_like(p, 0.01)
             opt.step()
+
+
+def _fp8_gathered(lin: nn.Module) -> nn.Parameter:
+    """lin's weight as FSDP2's FP8 all-gather leaves it: the unsharded BlockFP8GatheredWeight parameter holding the
+    full weight's codes, W^T's codes (transposed from the codes, as after an all-gather) and tile scales."""
+    from gem.model.precision import BlockFP8GatheredWeight
+
+    kernel = "auto" if lin.weight.is_cuda else "reference"
+    q, qt, s = fb.quantize_128x128(lin.weight.detach(), kernel=kernel)
+    g = BlockFP8GatheredWeight(q, torch.empty_like(qt), s, lin.weight.dtype)
+    g.transpose_codes()
+    assert torch.equal(g.fp8()[1].view(torch.uint8), qt.view(torch.uint8))
+    return nn.Parameter(g, requires_grad=lin.weight.requires_grad)
+
+
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", None), ("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
+def test_block_runs_on_fp8_gathered_weights(device, backend):
+    """A block whose fp8_block weights are FSDP2's FP8-gathered parameters (no values, only the FP8 copies the GEMMs
+    read) computes exactly what the block computes from the plain weights, eagerly or with both blocks' regions
+    compiled (fullgraph): the output, the input gradient and every parameter's gradient, the weights' as plain
+    tensors of the weight's dtype (what FSDP2 reduce-scatters)."""
+    import copy
+
+    from gem.model.precision import BlockFP8GatheredWeight, fp8_weights
+
+    blk = _block("fp8_block").to(device)
+    plain = copy.deepcopy(blk)
+    for name in ["attn.qkv", "attn.out", "ffn.w1", "ffn.w3", "ffn.w2"]:
+        lin = blk.get_submodule(name)
+        lin.weight = _fp8_gathered(lin)
+        assert fp8_weights(lin)[0] == lin.weight.fp8()  # the copies handed to the regions: the gathered tensors
+    if backend is not None:
+        torch._dynamo.reset()
+        for m in (blk, plain):
+            m.compile_regions(backend=backend, fullgraph=True)
+    x, offsets = torch.randn(13, 128, device=device), torch.tensor([0, 4, 13], device=device)
+    for _ in range(2):
+        got, want = _run_block(blk, x, offsets), _run_block(plain, x, offsets)
+        assert len(got) == len(want) == 2 + len(list(blk.parameters()))
+        for a, b in zip(got, want):
+            assert type(a) is torch.Tensor and torch.equal(a, b)
+    w = blk.attn.qkv.weight
+    assert isinstance(w, BlockFP8GatheredWeight) and isinstance(w, nn.Parameter)
+    with pytest.raises(NotImplementedError, match="holds only its FP8 codes"):
+        w.bfloat16()
+    with pytest.raises(NotImplementedError, match="holds only its FP8 codes"):
+        F.linear(x, w)

@@ -118,6 +118,11 @@ def test_quantize_128x128_triton_matches_reference(shape, dtype):
     for a, b in zip(got, want, strict=True):
         _same(a.view(torch.uint8) if a.dtype == fb.E4M3 else a, b.view(torch.uint8) if b.dtype == fb.E4M3 else b)
     _same(got[1].view(torch.uint8), got[0].view(torch.uint8).t().contiguous())
+    for kernel in ("triton", "reference"):  # without W^T (an FSDP shard's codes): the same codes and scales
+        q, qt, s = fb.quantize_128x128(w, kernel=kernel, transposed=False)
+        assert qt is None
+        _same(q.view(torch.uint8), got[0].view(torch.uint8))
+        _same(s, got[2])
 
 
 def test_128x128_reference_block_is_one_scale():
