@@ -786,6 +786,30 @@ def _rows16(cls: type) -> type:
     return _ROWS16[cls]
 
 
+def precision_patterns(precision: str, patterns: Sequence[str] = DEFAULT_FILTER) -> tuple[str, ...]:
+    """The module-name patterns `precision` converts: fp8_block's own default (BLOCK_FILTER) for the default."""
+    patterns = tuple(patterns)
+    return BLOCK_FILTER if precision == "fp8_block" and patterns == DEFAULT_FILTER else patterns
+
+
+def linear_targets(model: nn.Module, precision: str, patterns: Sequence[str] = DEFAULT_FILTER
+                   ) -> tuple[list[str], list[str], list[str]]:
+    """The nn.Linear modules apply_precision converts to `precision` (not bf16): (the names `patterns` match, those
+    converted: dims multiples of the format's alignment, 'name (in->out)' of the matched ones kept as nn.Linear)."""
+    align = _CLASSES[precision].align
+    patterns = precision_patterns(precision, patterns)
+    matched, converted, kept = [], [], []
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        matched.append(name)
+        if mod.in_features % align or mod.out_features % align:
+            kept.append(f"{name} ({mod.in_features}->{mod.out_features})")
+        else:
+            converted.append(name)
+    return matched, converted, kept
+
+
 def apply_precision(model: nn.Module, precision: str, device: torch.device | str,
                     patterns: Sequence[str] = DEFAULT_FILTER, backend: str = "gem") -> list[str]:
     """Convert the nn.Linear modules of `model` named by `patterns` to `precision`'s Linear, in place, sharing
@@ -797,27 +821,19 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     check_precision_device(precision, torch.device(device))
     if precision == "bf16":
         return []
-    if precision == "fp8_block":
-        if tuple(patterns) == DEFAULT_FILTER:
-            patterns = BLOCK_FILTER
-        if not block_gemm_supported(torch.device(device)):
-            log.warning("train.precision=fp8_block: no block-scaled FP8 GEMM on %s (cuBLAS's needs sm_90); the GEMMs "
-                        "are emulated (dequantized operands, fp32 products)", device)
+    if precision == "fp8_block" and not block_gemm_supported(torch.device(device)):
+        log.warning("train.precision=fp8_block: no block-scaled FP8 GEMM on %s (cuBLAS's needs sm_90); the GEMMs "
+                    "are emulated (dequantized operands, fp32 products)", device)
     cls = _CLASSES[precision]
-    align = cls.align
-    matched, converted, kept, torchao_names = [], [], [], []
+    patterns = precision_patterns(precision, patterns)
+    matched, linears, kept = linear_targets(model, precision, patterns)
+    converted, torchao_names = [], []
     for name, mod in list(model.named_modules()):
-        if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
         if hasattr(mod, "set_gemm_precision"):  # an MoE layer (moe imports this module): its experts pick a format
-            if mod.set_gemm_precision(precision):
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns) and mod.set_gemm_precision(precision):
                 converted.append(name)
             continue
-        if type(mod) is not nn.Linear:
-            continue
-        matched.append(name)
-        if mod.in_features % align or mod.out_features % align:
-            kept.append(f"{name} ({mod.in_features}->{mod.out_features})")
+        if name not in linears:
             continue
         converted.append(name)
         if precision == "fp8" and backend == "torchao":
@@ -832,6 +848,6 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     if torchao_names:
         _torchao_fp8(model, torchao_names)
     if kept:
-        log.warning(f"train.precision={precision}: dims not multiples of {align}, these stay nn.Linear: "
+        log.warning(f"train.precision={precision}: dims not multiples of {cls.align}, these stay nn.Linear: "
                     f"{', '.join(kept)}")
     return converted

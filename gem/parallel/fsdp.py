@@ -23,6 +23,7 @@ from gem.parallel.dims import ParallelDims, dtype_of
 from gem.parallel.expert import EXPERT_WEIGHTS
 
 log = logging.getLogger("gem.parallel")
+FP8_GATHER_BYTES = 1 + 4 / BLOCK**2  # an all-gathered E4M3 code and its share of its 128x128 tile's fp32 scale
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int) -> None:
@@ -47,12 +48,12 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, **compile_kwar
             block.compile(**compile_kwargs)
 
 
-def fp8_all_gather_reason(weight: torch.Tensor, shard_ranks: int, reshard_after_forward: bool | int) -> str | None:
-    """Why a BlockFP8Linear weight of an FSDP2 unit sharded over `shard_ranks` is all-gathered in param_dtype rather
-    than in FP8 (None: it is gathered in FP8). FP8 needs every rank's row shard to be whole 128x128 tiles (the
+def fp8_all_gather_reason(out_features: int, shard_ranks: int, reshard_after_forward: bool | int) -> str | None:
+    """Why a BlockFP8Linear weight ([out_features, in_features]) of an FSDP2 unit sharded over `shard_ranks` is
+    all-gathered in param_dtype rather than in FP8 (None: it is gathered in FP8; gem plan counts the same). FP8 needs every rank's row shard to be whole 128x128 tiles (the
     out features a multiple of 128 x shard_ranks: FSDP2's shards are then even), and a bool reshard_after_forward
     (FSDP2's hooks do not reshard a gathered subclass to a smaller group)."""
-    n = weight.shape[0]
+    n = out_features
     if n % (BLOCK * shard_ranks):
         return f"{n} out features do not split into whole {BLOCK}-row tiles over {shard_ranks} shards"
     if not isinstance(reshard_after_forward, bool):
@@ -72,7 +73,7 @@ def enable_fp8_all_gather(unit: nn.Module, shard_ranks: int, reshard_after_forwa
         if type(m) is not BlockFP8Linear or isinstance(m.weight, DTensor):
             continue
         w = m.weight
-        reason = fp8_all_gather_reason(w, shard_ranks, reshard_after_forward)
+        reason = fp8_all_gather_reason(w.shape[0], shard_ranks, reshard_after_forward)
         if reason is not None:
             off.append(f"{name} ({reason})")
             continue

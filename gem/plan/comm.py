@@ -77,8 +77,9 @@ def layout_groups(par: ParallelConfig, world: int, local_world: int) -> dict[str
 
 def dense_collectives(units: Sequence[FsdpUnit], par: ParallelConfig, groups: Mapping[str, tuple[int, ...]],
                       param_bytes: int, reduce_bytes: int) -> list[Collective]:
-    """FSDP2 all-gather (forward, and again in backward for resharded units) and reduce-scatter of every unit,
-    HSDP's all-reduce of the shards over dp_replicate; DDP's gradient all-reduce over the world."""
+    """FSDP2 all-gather (forward, and again in backward for resharded units; fp8_block weights in FP8 where
+    gem.parallel.fsdp gathers them so) and reduce-scatter of every unit, HSDP's all-reduce of the shards over
+    dp_replicate; DDP's gradient all-reduce over the world."""
     if par.dense != "fsdp":
         n = sum(u.numel() for u in units)
         return [Collective("DDP gradient all-reduce", ALL_REDUCE, "world", groups["world"], 4.0 * n)]
@@ -94,12 +95,12 @@ def dense_collectives(units: Sequence[FsdpUnit], par: ParallelConfig, groups: Ma
     for u in units:
         if u.expert:
             s, group, tag = par.dp_shard // par.ep, "dp_shard_mod_ep", "experts"
-            shard = u.shard_numel(s, par.ep, par.dp_replicate)
+            ep, rep = par.ep, par.dp_replicate
         else:
-            s, group, tag = par.dp_shard, "dp_shard", "dense"
-            shard = u.shard_numel(s)
+            s, group, tag, ep, rep = par.dp_shard, "dp_shard", "dense", 1, 1
+        shard = u.shard_numel(s, ep, rep)
         gathers = 2 if (u.reshard and par.reshard_after_forward) else 1
-        add(f"FSDP all-gather ({tag})", ALL_GATHER, group, gathers * s * shard * param_bytes)
+        add(f"FSDP all-gather ({tag})", ALL_GATHER, group, gathers * u.gather_bytes(s, param_bytes, ep, rep))
         add(f"FSDP reduce-scatter ({tag})", REDUCE_SCATTER, group, s * shard * reduce_bytes)
         add(f"HSDP replica all-reduce ({tag})", ALL_REDUCE, "dp_replicate", shard * reduce_bytes)
     return list(out.values())

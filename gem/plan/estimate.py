@@ -210,7 +210,8 @@ def estimate(cfgs, par: ParallelConfig, cluster: ClusterSpec, flops_per_ms: floa
 
     check_zch_layout([t.name for t in cfgs.model.tables if t.zch is not None], par, cluster.world)
     work = work or workload(cfgs, seed, cluster.world)
-    units = units if units is not None else fsdp_units(cfgs.model, par.ep)
+    units = units if units is not None else fsdp_units(cfgs.model, par.ep, cfgs.train.precision,
+                                                       cfgs.train.precision_filter)
     act = activation_bytes(cfgs, cluster)
     dense = dense_memory(units, cfgs.model, par, work.history_tokens or work.tokens, act, cfgs.activation_checkpoint,
                          cfgs.train.param_dtype)

@@ -64,7 +64,8 @@ class SearchResult:
 def search(cfgs, cluster: ClusterSpec, flops_per_ms: float, options: PlanOptions) -> SearchResult:
     work = workload(cfgs, options.seed, cluster.world, options.straggler_batches)
     layouts = candidate_layouts(cfgs, cluster, options)
-    units = {ep > 1: fsdp_units(cfgs.model, ep) for ep in {p.ep for p in layouts}}
+    units = {ep > 1: fsdp_units(cfgs.model, ep, cfgs.train.precision, cfgs.train.precision_filter)
+             for ep in {p.ep for p in layouts}}
     act = activation_bytes(cfgs, cluster)
     dense = {id(p): dense_memory(units[p.ep > 1], cfgs.model, p, work.history_tokens or work.tokens, act,
                                 cfgs.activation_checkpoint, cfgs.train.param_dtype)

@@ -81,12 +81,12 @@ def test_which_weights_gather_in_fp8():
     all-gather, with the reason; one shard rank: nothing to gather, nothing changes."""
     from gem.parallel.fsdp import fp8_all_gather_reason
 
-    w = torch.empty(512, 256)
+    w = 512  # out features
     assert fp8_all_gather_reason(w, 2, True) is None and fp8_all_gather_reason(w, 4, False) is None
     assert fp8_all_gather_reason(w, 8, True) == "512 out features do not split into whole 128-row tiles over 8 shards"
-    assert fp8_all_gather_reason(torch.empty(384, 128), 2, True) == (
+    assert fp8_all_gather_reason(384, 2, True) == (
         "384 out features do not split into whole 128-row tiles over 2 shards")  # 192 rows a shard
-    assert fp8_all_gather_reason(torch.empty(640, 128), 4, True) is not None  # even, but 160 rows a shard
+    assert fp8_all_gather_reason(640, 4, True) is not None  # even, but 160 rows a shard
     assert fp8_all_gather_reason(w, 2, 2) == "reshard_after_forward=2 (an int) needs the param_dtype all-gather"
 
 
