@@ -205,15 +205,20 @@ def _norm_bwd_kernel(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db
 
 
 @triton.jit
+def _swiglu_grads(a_ptr, b_ptr, g_ptr, offs, mask, IN_KIND: tl.constexpr):
+    """(da, db) fp32 of h = silu(a) * b for the output gradient g, at offsets offs."""
+    a = load_fp32_bits(a_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    b = load_fp32_bits(b_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    g = load_fp32_bits(g_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    return g * b * sig * (1.0 + a * (1.0 - sig)), g * (a * sig)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(a_ptr, b_ptr, g_ptr, da_ptr, db_ptr, total, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < total
-    a = load_fp32_bits(a_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
-    b = load_fp32_bits(b_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
-    g = load_fp32_bits(g_ptr, offs, valid, IN_KIND).to(tl.float32, bitcast=True)
-    sig = 1.0 / (1.0 + tl.exp(-a))
-    da = g * b * sig * (1.0 + a * (1.0 - sig))
-    db = g * (a * sig)
+    da, db = _swiglu_grads(a_ptr, b_ptr, g_ptr, offs, valid, IN_KIND)
     store_fp32_bits(da_ptr, offs, da.to(tl.int32, bitcast=True), valid, IN_KIND)
     store_fp32_bits(db_ptr, offs, db.to(tl.int32, bitcast=True), valid, IN_KIND)
 
@@ -225,12 +230,7 @@ def _swiglu_bwd_quant_kernel(a_ptr, b_ptr, g_ptr, qa_ptr, sa_ptr, qat_ptr, sat_p
     """SwiGLU's backward of one [BLOCK_M, 128] tile (_swiglu_bwd_kernel's arithmetic), da and db rounded to bf16
     (the dtype a BlockFP8Linear receives its output gradient in) and written only as their 1 x 128 blocks."""
     pid_m, pid_k, rm, rk, mrow, mcol, mask, offs = _tile(M, K, BLOCK_M)
-    a = load_fp32_bits(a_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
-    b = load_fp32_bits(b_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
-    g = load_fp32_bits(g_ptr, offs, mask, IN_KIND).to(tl.float32, bitcast=True)
-    sig = 1.0 / (1.0 + tl.exp(-a))
-    da = g * b * sig * (1.0 + a * (1.0 - sig))
-    db = g * (a * sig)
+    da, db = _swiglu_grads(a_ptr, b_ptr, g_ptr, offs, mask, IN_KIND)
     _emit_1x128(round_bits(da.to(tl.int32, bitcast=True), 1), rm, rk, mrow, mcol, pid_m, pid_k, qa_ptr, sa_ptr,
                 qat_ptr, sat_ptr, K, MP, NKB, TRANS, EXACT)
     _emit_1x128(round_bits(db.to(tl.int32, bitcast=True), 1), rm, rk, mrow, mcol, pid_m, pid_k, qb_ptr, sb_ptr,

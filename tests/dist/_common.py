@@ -101,6 +101,29 @@ def slice_batch(batch, a: int, b: int):
     )
 
 
+def train_losses(p, opt, ds, steps: int, rank: int, world: int, device) -> list[float]:
+    """`steps` plain steps of the parallelized model `p` on this rank's rows of each global batch of `ds`; the
+    losses averaged over ranks."""
+    import torch.distributed as dist
+
+    from gem.model import multitask_loss
+
+    losses = []
+    for step in range(steps):
+        full = ds.global_batch(step)
+        per = full.batch_size // world
+        b = slice_batch(full, rank * per, (rank + 1) * per).to(device)
+        out = p.model(b)
+        loss, _ = multitask_loss(out.logits, b.labels)
+        (loss + out.aux_loss).backward()
+        opt.step()
+        opt.zero_grad()
+        g = loss.detach().clone()
+        dist.all_reduce(g)
+        losses.append(g.item() / world)
+    return losses
+
+
 def torchrun(script: str, nproc: int, args: list[str], tmp_path: Path, timeout: float = 240, load=None):
     """Run tests/dist/<script> on `nproc` gloo ranks; returns what rank 0 wrote to --out: JSON, or `load(path)`."""
     out = tmp_path / f"out_{nproc}_{len(list(tmp_path.iterdir()))}.json"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.dist._common import ROOT, data_dict, dataset, finish, slice_batch
+from tests.dist._common import ROOT, data_dict, dataset, finish, slice_batch, train_losses
 from tests.dist.run_comm_bytes import CountCollectives
 
 WIDE = {"d_model": 128, "tower": {"head_dim": 64, "d_ff": 256, "num_blocks": 2, "moe_every": 2},
@@ -94,7 +94,7 @@ def wide_model_cfg():
 
 def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str, compile_cfg: dict,
           parallel: dict) -> dict:
-    from gem.model import GEMModel, multitask_loss
+    from gem.model import GEMModel
     from gem.model.precision import apply_precision
     from gem.parallel import parallelize
     from gem.parallel.dims import init_distributed
@@ -110,17 +110,7 @@ def train(fp8_all_gather: bool, steps: int, global_batch: int, param_dtype: str,
     opt = torch.optim.AdamW(p.dense_parameters(), lr=1e-2)
     ds = dataset(global_batch)
     per = global_batch // world
-    losses = []
-    for step in range(steps):
-        b = slice_batch(ds.global_batch(step), rank * per, (rank + 1) * per).to(device)
-        o = p.model(b)
-        loss, _ = multitask_loss(o.logits, b.labels)
-        (loss + o.aux_loss).backward()
-        opt.step()
-        opt.zero_grad()
-        g = loss.detach().clone()
-        dist.all_reduce(g)
-        losses.append(g.item() / world)
+    losses = train_losses(p, opt, ds, steps, rank, world, device)
     params = full_state(p)
     out = {"converted": converted, "fp8": p.fp8_all_gather, "losses": losses,
            "params": {k: _bytes(v) for k, v in params.items()} if rank == 0 else {}}

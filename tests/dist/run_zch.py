@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from tests.dist._common import data_dict, dataset, finish, model_cfg, slice_batch
+from tests.dist._common import data_dict, dataset, finish, model_cfg, train_losses
 
 
 def zch_data() -> dict:
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     a = ap.parse_args()
 
-    from gem.model import GEMModel, multitask_loss
+    from gem.model import GEMModel
     from gem.model.embeddings import zch_modules
     from gem.parallel import init_distributed, parallelize
 
@@ -46,18 +46,7 @@ def main() -> None:
     p = parallelize(model, {}, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": 0.5}, device=device)
     opt = torch.optim.SGD(p.dense_parameters(), lr=0.5)
     ds = dataset(a.global_batch, data=data)
-    per = a.global_batch // world
-    losses = []
-    for step in range(a.steps):
-        b = slice_batch(ds.global_batch(step), rank * per, (rank + 1) * per).to(device)
-        out = p.model(b)
-        loss, _ = multitask_loss(out.logits, b.labels)
-        (loss + out.aux_loss).backward()
-        opt.step()
-        opt.zero_grad()
-        g = loss.detach().clone()
-        dist.all_reduce(g)
-        losses.append(g.item() / world)
+    losses = train_losses(p, opt, ds, a.steps, rank, world, device)
 
     (m,) = zch_modules(p.inner)
     (w,) = [v for k, v in p.model.state_dict().items() if k.endswith("item.weight")]
