@@ -312,6 +312,7 @@ class Checkpointer:
         self.async_save = async_save
         self._pending: tuple[int, Any, threading.Event] | None = None  # (step, future, published) in flight
         self._failure: str | None = None  # set by the background thread, reported by poll / wait
+        self._unsynced = False  # a background save ended (seen by poll) with no barrier since
         self._group = None
         self._stager = None
 
@@ -366,17 +367,25 @@ class Checkpointer:
             done.set()
 
     def poll(self) -> str | None:
-        """Without waiting: the failure of a finished background save, once (None: none, or still running)."""
+        """Without waiting: the failure of a finished background save, once (None: none, or still running).
+        No collective: ranks see the save end after different steps; `wait` holds the barrier."""
         if self._pending is not None and self._pending[2].is_set():
-            return self.wait()
+            self._pending = None
+            self._unsynced = True
+            failure, self._failure = self._failure, None
+            return failure
         return None
 
     def wait(self) -> str | None:
-        """Wait for the save in flight; returns its failure (once), else None."""
+        """Wait for the save in flight; returns its failure (once), else None. Every rank calls it at the same
+        points (the next save, the end of training), so its barrier is collective."""
         if self._pending is not None:
             _, _, done = self._pending
             self._pending = None
             done.wait()  # the future's result and the publishing callback after it
+            self._unsynced = True
+        if self._unsynced:
+            self._unsynced = False
             _barrier()  # rank 0's rename is done everywhere before anyone looks for the newest checkpoint
         failure, self._failure = self._failure, None
         return failure

@@ -291,3 +291,14 @@ def test_damage_names_what_is_wrong(tmp_path):
     assert damage(path) == f"{data.name}: missing"
     (path / ".metadata").write_bytes(b"garbage")
     assert damage(path).startswith(f"{path / '.metadata'}: unreadable DCP metadata")
+
+
+def test_background_save_seen_ending_at_different_steps_keeps_collectives_paired(tmp_path):
+    """`poll` runs no collective: a rank that sees the background save end a step before its peer must not enter a
+    barrier that pairs with the peer's training collective."""
+    from tests.dist._common import torchrun
+
+    got = torchrun("run_async_poll.py", 2, ["--dir", str(tmp_path / "ckpt")], tmp_path, timeout=120)["ranks"]
+    assert got[0]["seen"] == [False, True] and got[1]["seen"] == [True, True]
+    for r in got:
+        assert r["sum"] == 3.0 and r["failure"] is None and r["published"] == ["step_1"], r
