@@ -14,6 +14,7 @@ checkpoints.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,10 +84,11 @@ def build_configs(cfg: Any, world_size: int | None = None) -> Configs:
     train = TrainConfig.from_dict(cfg.train)
     for t in data.schema.tables:  # a checkpoint between two id-map updates would drop the ids seen since the last
         k = t.zch.eviction_interval if t.zch is not None else 1
-        if train.checkpoint.every % k:
-            raise ConfigError("train.checkpoint.every", f"must be a multiple of data.tables.{t.name}."
-                              f"zch_eviction_interval={k}, so that checkpoints fall on the table's id-map updates",
-                              train.checkpoint.every)
+        for key, step in (("every", train.checkpoint.every), ("stop_at_step", train.stop_at_step or 0)):
+            if step % k:
+                name = f"train.checkpoint.{key}" if key == "every" else f"train.{key}"
+                raise ConfigError(name, f"must be a multiple of data.tables.{t.name}.zch_eviction_interval={k}, so "
+                                  "that checkpoints fall on the table's id-map updates", step)
     return Configs(model=model, data=data, parallel=parallel, train=train,
                    compile=CompileConfig.from_any(cfg.get("compile")),
                    activation_checkpoint=ActivationCheckpointConfig.from_any(cfg.get("activation_checkpoint")),
@@ -126,6 +128,9 @@ class Trainer:
         tc = self.tcfg = self.cfgs.train
         self.run_dir = run_dir
         self.schema = self.cfgs.data.schema
+        # zch tables keep the ids seen since their last id-map update outside the state dict: a stop on a signal
+        # trains on to the next step where every such table updates, so its checkpoint resumes exactly
+        self._stop_grid = math.lcm(1, *(t.zch.eviction_interval for t in self.schema.tables if t.zch is not None))
         self.tasks = list(self.schema.tasks)
         self.is_cuda = self.device.type == "cuda"
         self.hooks = list(hooks)
@@ -236,11 +241,18 @@ class Trainer:
         data_state["batch_index"] = self.step + self._data_offset
         return self.checkpointer.save(self.step, data_state)
 
-    def _stop_here(self, vote: StopVote, result: TrainResult, logged: bool) -> bool:
+    def _stop_here(self, vote: StopVote, result: TrainResult, logged: bool, end: int) -> bool:
         """After a step: whether every rank stops here on a signal; if so the window is logged and the checkpoint of
-        this step written (unless it just was)."""
+        this step written (unless it just was). Every rank agrees on the signal after the same step, so every rank
+        also trains on to the same id-map update step (zch tables)."""
         name = vote.poll()
         if name is None:
+            return False
+        if self.step % self._stop_grid and self.step < end:
+            if not self._stop_deferred:
+                self._stop_deferred = True
+                nxt = min(end, self.step + self._stop_grid - self.step % self._stop_grid)
+                self.logger.info(f"{name}: training on to step {nxt}, the next id-map update of the zch tables")
             return False
         self.logger.info(f"stopping at step {self.step} ({name})")
         result.stopped_by = name
@@ -284,6 +296,7 @@ class Trainer:
         self._fit_ended = False
         self.reporter.start()
         vote = StopVote(self.stop, self.world_size)
+        self._stop_deferred = False
         try:
             while self.step < end:
                 self.reporter.step_begin(self.step + 1)
@@ -310,7 +323,7 @@ class Trainer:
                     self.checkpointer.poll()
                 for hook in self.hooks:
                     hook(self)
-                if self._stop_here(vote, result, logged):
+                if self._stop_here(vote, result, logged, end):
                     break
             vote.close()  # not on an exception: a failed peer would never join the last vote
             if self.checkpointer is not None and result.stopped_by is None and result.last_checkpoint:

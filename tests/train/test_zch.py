@@ -50,6 +50,32 @@ def test_resume_continues_the_same_trajectory_through_evictions(tmp_path, interv
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_signal_between_id_map_updates_stops_at_the_next_and_resumes_exactly(tmp_path):
+    """Interval 3, a stop signal noted during step 4: every rank trains on to step 6 (the ids of steps 4..6 are in
+    the map by then), writes its checkpoint there, and the resumed run follows the uninterrupted one."""
+    from gem.train.stop import StopSignals
+
+    common = ("train.steps=9", "train.eval_every=0", "train.seed=5", "+data.tables.item.zch_eviction_interval=3")
+    straight, _ = _fit(tmp_path / "a", *common)
+    signals = StopSignals()  # not installed: the hook below stands in for the signal
+
+    def signal_at_4(trainer):
+        if trainer.step == 4:
+            signals.requested = "SIGTERM"
+
+    t = Trainer(compose(SMALL + ZCH + list(common) + ["train.checkpoint.every=3"]), run_dir=str(tmp_path / "b"),
+                stop=signals, hooks=(signal_at_4,))
+    try:
+        first = t.fit()
+    finally:
+        t.close()
+    assert first.stopped_by == "SIGTERM" and first.steps == 6
+    assert first.last_checkpoint.endswith("step_6")
+    second, _ = _fit(tmp_path / "b", *common, "train.resume=true", "train.checkpoint.every=0")
+    assert second.steps == 9 and len(second.losses) == 3
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(straight.losses[6:]), rtol=0, atol=1e-6)
+
+
 def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path):
     """torchrec's TrainPipelineSparseDist runs the managed-collision collection (its input_dist ahead of the step)
     and trains the same losses as the plain loop."""
@@ -68,7 +94,7 @@ def test_sparse_dist_pipeline_matches_the_plain_loop(tmp_path):
 
 def test_checkpoints_must_fall_on_id_map_updates():
     """With an eviction interval k, the ids seen since the last update live outside the state dict: checkpoints
-    every multiple of k only (one line naming both keys)."""
+    every multiple of k only, and a planned stop (`train.stop_at_step`) there too (one line naming both keys)."""
     from gem.train.trainer import build_configs
 
     ok = build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=8"]))
@@ -76,6 +102,10 @@ def test_checkpoints_must_fall_on_id_map_updates():
     with pytest.raises(ValueError, match=r"^train.checkpoint.every: must be a multiple of data.tables.item."
                                          r"zch_eviction_interval=4, .* \(got 6\)$"):
         build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=6"]))
+    with pytest.raises(ValueError, match=r"^train.stop_at_step: must be a multiple of data.tables.item."
+                                         r"zch_eviction_interval=4, .* \(got 6\)$"):
+        build_configs(compose(ZCH + ["+data.tables.item.zch_eviction_interval=4", "train.checkpoint.every=8",
+                                     "train.stop_at_step=6"]))
 
 
 @pytest.mark.parametrize("override,match", [
