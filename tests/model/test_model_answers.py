@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from gem.model.attention import JaggedSelfAttention, SwiGLU, TransformerBlock
 from gem.model.moe import MoE
 from gem.model.precision import DEFAULT_FILTER, linear_targets
 from gem.ops.rotary import RopeConfig
+from gem.parallel import expert
 from tests.model._batches import tiny_cfg
 
 
@@ -160,3 +162,69 @@ def test_interaction_is_normed_queries_over_the_histories_with_a_residual():
         o = torch.einsum("hij,jhd->ihd", a, v).reshape(n, h * dh) / 32.0
         want.append(tb + o @ wo.T)
     torch.testing.assert_close(got.double(), torch.stack(want), rtol=1e-4, atol=1e-5)
+
+
+class _Exchange:
+    """All-to-all among `world` threads standing in for ranks: each posts its chunks (one per destination) and
+    takes the chunks addressed to it, sources in rank order."""
+
+    def __init__(self, world: int):
+        self.world, self.posted, self.barrier = world, {}, threading.Barrier(world, timeout=20)
+        self.local = threading.local()
+
+    def swap(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        r = self.local.rank
+        self.barrier.wait()
+        self.posted[r] = chunks
+        self.barrier.wait()
+        got = [self.posted[src][r] for src in range(self.world)]
+        self.barrier.wait()
+        return got
+
+    def counts(self, out, inp, group=None):
+        out.copy_(torch.stack(self.swap(list(inp.unbind(0)))))
+
+    def rows(self, x, out_splits, in_splits, group):
+        return torch.cat(self.swap(list(x.split(in_splits))))
+
+
+def test_expert_parallel_tokens_come_back_to_their_source_rows(monkeypatch):
+    """Two ranks (threads) of 2 experts each out of 4, exchanging rows through a stand-in all-to-all: every rank's
+    output equals the MoE written out per token over all 4 experts, so each row returned to the token it left."""
+    ex = _Exchange(2)
+    monkeypatch.setattr(expert.dist, "all_to_all_single", ex.counts)
+    monkeypatch.setattr(expert, "all_to_all_single_autograd", ex.rows)
+    torch.manual_seed(3)
+    moe = MoE(8, 12, 4, 2).double()
+    xs = [torch.randn(n, 8, dtype=torch.float64) for n in (9, 6)]
+    outs, errors = {}, []
+
+    def rank(r):
+        try:
+            ex.local.rank = r
+            m = MoE(8, 12, 4, 2).double()
+            m.load_state_dict(moe.state_dict())
+            d = expert.AllToAllDispatcher.__new__(expert.AllToAllDispatcher)
+            d.group, d.ep, d.ep_rank = None, 2, r
+            m.dispatcher = d
+            with torch.no_grad():
+                outs[r] = m(xs[r])[0]
+        except (RuntimeError, ValueError, IndexError, threading.BrokenBarrierError) as e:  # a thread's would vanish
+            errors.append(e)
+            ex.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for r, x in enumerate(xs):
+        p = torch.softmax(x @ moe.router.weight.T, -1)
+        g, e = torch.topk(p, 2)
+        g = g / g.sum(-1, keepdim=True)
+        want = torch.zeros_like(x)
+        for i in range(x.shape[0]):
+            for gj, ej in zip(g[i], e[i].tolist()):
+                want[i] += gj * ((F.silu(x[i] @ moe.w1[ej]) * (x[i] @ moe.w3[ej])) @ moe.w2[ej])
+        torch.testing.assert_close(outs[r], want)
