@@ -32,6 +32,7 @@ from torchrec.modules.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollection,
     ManagedCollisionEmbeddingBagCollection,
 )
+from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -39,16 +40,22 @@ from gem.model.embeddings import zch_modules
 from gem.parallel.dims import ParallelConfigError, ParallelDims
 
 try:  # fbgemm's table-batched kernel: the object holding a group's weights and optimizer state
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+        WeightDecayMode,
+    )
 except ImportError:  # pragma: no cover
-    SplitTableBatchedEmbeddingBagsCodegen = None
+    SplitTableBatchedEmbeddingBagsCodegen = WeightDecayMode = None
 
+# torchrec's wrappers (not torch.optim's classes): their kwargs reach fbgemm's fused kernel as they are, so it can
+# take fbgemm's own arguments (weight_decay_mode, beta1, beta2)
 SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": RowWiseAdagrad,
-    "adagrad": torch.optim.Adagrad,
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
+    "adagrad": trec_optim.Adagrad,
+    "sgd": trec_optim.SGD,
+    "adam": trec_optim.Adam,
 }
+_DECAY_MODES = ("l2", "decoupled")  # torch.optim's weight_decay (added to the gradient), AdamW's (to the weight)
 # Tables are always sharded (never data_parallel): the fused sparse optimizer and the replica sync cover the
 # sharded kernels only. What fbgemm's CPU kernels can do (STACK.md): bag tables not row-wise through the
 # planner (a hand-written row-wise plan works).
@@ -70,15 +77,37 @@ def sparse_optimizer_spec(cfg: Any) -> tuple[type, dict]:
     cfg = dict(_to_mapping(cfg) or {})
     name = cfg.pop("name", cfg.pop("type", "rowwise_adagrad"))
     if name not in SPARSE_OPTIMIZERS:
-        raise ParallelConfigError(f"sparse_optimizer.name={name!r}: expected one of {', '.join(SPARSE_OPTIMIZERS)}")
+        raise ParallelConfigError("train.sparse_optimizer.name", f"expected one of {', '.join(SPARSE_OPTIMIZERS)}",
+                                  name)
     kwargs = {"lr": float(cfg.pop("lr", 0.01))}
     if name != "sgd":
         kwargs["eps"] = float(cfg.pop("eps", 1e-8))
-    for key in ("weight_decay", "momentum", "betas"):  # passed through to the fused kernel
-        if key in cfg:
-            kwargs[key] = cfg.pop(key)
+    momentum = cfg.pop("momentum", 0)
+    if momentum:  # fbgemm's fused SGD is plain SGD: it would drop a momentum without a word
+        raise ParallelConfigError("train.sparse_optimizer.momentum", "fbgemm's fused sgd has no momentum (use "
+                                  "adam or rowwise_adagrad)", momentum)
+    mode = cfg.pop("weight_decay_mode", "l2")
+    if mode not in _DECAY_MODES:
+        raise ParallelConfigError("train.sparse_optimizer.weight_decay_mode", f"expected one of "
+                                  f"{', '.join(_DECAY_MODES)}", mode)
+    decay = float(cfg.pop("weight_decay", 0.0))
+    if decay < 0:
+        raise ParallelConfigError("train.sparse_optimizer.weight_decay", "must be >= 0", decay)
+    if decay and name == "sgd":
+        raise ParallelConfigError("train.sparse_optimizer.weight_decay", "fbgemm's fused sgd has no weight decay "
+                                  "(use adam, adagrad or rowwise_adagrad)", decay)
+    if decay:  # fbgemm applies weight_decay only with a mode
+        kwargs["weight_decay"] = decay
+        kwargs["weight_decay_mode"] = WeightDecayMode.L2 if mode == "l2" else WeightDecayMode.DECOUPLE
+    if "betas" in cfg:
+        betas = cfg.pop("betas")
+        if name != "adam":
+            raise ParallelConfigError("train.sparse_optimizer.betas", f"only adam takes betas, not {name}", betas)
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(0 <= float(b) < 1 for b in betas):
+            raise ParallelConfigError("train.sparse_optimizer.betas", "need two values in [0, 1)", betas)
+        kwargs["beta1"], kwargs["beta2"] = float(betas[0]), float(betas[1])  # fbgemm's names
     if cfg:
-        raise ParallelConfigError(f"sparse_optimizer.{next(iter(cfg))}: unknown key")
+        raise ParallelConfigError(f"train.sparse_optimizer.{next(iter(cfg))}", "unknown key", cfg[next(iter(cfg))])
     return SPARSE_OPTIMIZERS[name], kwargs
 
 

@@ -26,7 +26,8 @@ class SparseOptimizerConfig:
     lr: float | None = None
     eps: float | None = None
     weight_decay: float | None = None
-    momentum: float | None = None
+    weight_decay_mode: Literal["l2", "decoupled"] | None = None  # l2 (default): torch.optim's; decoupled: AdamW's
+    momentum: float | None = None  # only 0: fbgemm's fused sgd has no momentum
     betas: tuple[float, ...] | None = None
 
 
@@ -144,10 +145,11 @@ class TrainConfig:
             need(so.eps > 0, "sparse_optimizer.eps", "must be > 0", so.eps)
         if so.weight_decay is not None:
             need(so.weight_decay >= 0, "sparse_optimizer.weight_decay", "must be >= 0", so.weight_decay)
+            need(so.name != "sgd" or so.weight_decay == 0, "sparse_optimizer.weight_decay",
+                 "fbgemm's fused sgd has no weight decay (use adam, adagrad or rowwise_adagrad)", so.weight_decay)
         if so.momentum is not None:
-            need(so.name == "sgd", "sparse_optimizer.momentum", f"only sgd takes momentum, not {so.name}",
-                 so.momentum)
-            need(0 <= so.momentum < 1, "sparse_optimizer.momentum", "must be in [0, 1)", so.momentum)
+            need(so.momentum == 0, "sparse_optimizer.momentum", "fbgemm's fused sgd has no momentum (use adam or "
+                 "rowwise_adagrad)", so.momentum)
         if so.betas is not None:
             need(so.name == "adam", "sparse_optimizer.betas", f"only adam takes betas, not {so.name}", so.betas)
             need(len(so.betas) == 2 and all(0 <= b < 1 for b in so.betas), "sparse_optimizer.betas",

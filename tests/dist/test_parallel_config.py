@@ -142,15 +142,31 @@ def test_embedding_groups_partition_the_world(world, g, layout):
 
 
 def test_sparse_optimizer_spec():
-    from torchrec.optim import RowWiseAdagrad
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+    from torchrec import optim as trec_optim
 
-    assert sparse_optimizer_spec(None) == (RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8})
-    assert sparse_optimizer_spec({"name": "sgd", "lr": 0.5}) == (torch.optim.SGD, {"lr": 0.5})
+    assert sparse_optimizer_spec(None) == (trec_optim.RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8})
+    assert sparse_optimizer_spec({"name": "sgd", "lr": 0.5}) == (trec_optim.SGD, {"lr": 0.5})
     assert sparse_optimizer_spec({"name": "adam", "lr": 1, "eps": 1e-6})[1] == {"lr": 1.0, "eps": 1e-6}
-    with pytest.raises(ParallelConfigError, match=r"^sparse_optimizer\.name='lamb'"):
-        sparse_optimizer_spec({"name": "lamb"})
-    with pytest.raises(ParallelConfigError, match=r"^sparse_optimizer\.betaz: unknown key"):
-        sparse_optimizer_spec({"name": "adam", "betaz": 1})
+    # fbgemm's own argument names: beta1 / beta2, and a weight decay only with its mode
+    assert sparse_optimizer_spec({"name": "adam", "betas": [0.8, 0.95], "weight_decay": 0.1,
+                                  "weight_decay_mode": "decoupled"})[1] == {
+        "lr": 0.01, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight_decay": 0.1,
+        "weight_decay_mode": WeightDecayMode.DECOUPLE}
+    assert sparse_optimizer_spec({"name": "adagrad", "weight_decay": 0.2})[1]["weight_decay_mode"] == WeightDecayMode.L2
+    assert "weight_decay" not in sparse_optimizer_spec({"name": "sgd", "weight_decay": 0})[1]
+    for cfg, match in [
+        ({"name": "lamb"}, r"^train\.sparse_optimizer\.name: expected one of rowwise_adagrad, .* \(got lamb\)$"),
+        ({"name": "adam", "betaz": 1}, r"^train\.sparse_optimizer\.betaz: unknown key \(got 1\)$"),
+        ({"name": "sgd", "momentum": 0.9}, r"^train\.sparse_optimizer\.momentum: fbgemm's fused sgd has no momentum"),
+        ({"name": "sgd", "weight_decay": 0.1}, r"^train\.sparse_optimizer\.weight_decay: fbgemm's fused sgd has no "),
+        ({"name": "adagrad", "weight_decay": 0.1, "weight_decay_mode": "l1"},
+         r"^train\.sparse_optimizer\.weight_decay_mode: expected one of l2, decoupled \(got l1\)$"),
+        ({"name": "rowwise_adagrad", "betas": [0.9, 0.99]}, r"^train\.sparse_optimizer\.betas: only adam takes"),
+        ({"name": "adam", "betas": [0.9]}, r"^train\.sparse_optimizer\.betas: need two values in \[0, 1\)"),
+    ]:
+        with pytest.raises(ParallelConfigError, match=match):
+            sparse_optimizer_spec(cfg)
 
 
 class _Stop(Exception):

@@ -44,7 +44,7 @@ def test_config_error_exits_2_with_one_line(tmp_path):
         ("train.stop_at_step=50", "train.stop_at_step"),  # inconsistent with train.steps=20
         ("train.sparse_optimizer.name=lamb", "train.sparse_optimizer.name: must be rowwise_adagrad, adagrad, adam"),
         ("train.sparse_optimizer.lr=-1", "train.sparse_optimizer.lr: must be > 0 (got -1.0)"),
-        ("+train.sparse_optimizer.momentum=0.9", "train.sparse_optimizer.momentum: only sgd takes momentum"),
+        ("+train.sparse_optimizer.momentum=0.9", "train.sparse_optimizer.momentum: fbgemm's fused sgd has no momentum"),
         ("train.lr=-1", "train.lr: must be > 0 (got -1.0)"),
         ("model.tower.rope_base=-1", "model.tower.rope_base: must be > 0 (got -1.0)"),
         ("model.tower.attention=flash", "model.tower.attention: must be jfa, swa or block (got flash)"),

@@ -104,15 +104,18 @@ class _Table(nn.Module):
         return (self.ec(ids)["f"].values() * c).sum()
 
 
-def test_sparse_rowwise_adagrad_divides_by_the_configured_eps(process_group):
+@pytest.mark.parametrize("decay,mode", [(0.0, "l2"), (0.3, "l2"), (0.3, "decoupled")])
+def test_sparse_rowwise_adagrad_divides_by_the_configured_eps(process_group, decay, mode):
+    """With weight decay, on the rows looked up only: l2 adds decay * w to the gradient (torch.optim.Adagrad's
+    weight_decay); decoupled subtracts lr * decay * w from the weight beside the Adagrad step (AdamW's)."""
     from gem.parallel import parallelize
 
     lr, eps = 0.1, 0.5  # an eps this large changes the update by a third
     torch.manual_seed(0)
     model = _Table()
     w = model.ec.embeddings["t"].weight.detach().double().clone()
-    p = parallelize(model, {}, sparse_optimizer_cfg={"name": "rowwise_adagrad", "lr": lr, "eps": eps},
-                    device=process_group)
+    cfg = {"name": "rowwise_adagrad", "lr": lr, "eps": eps, "weight_decay": decay, "weight_decay_mode": mode}
+    p = parallelize(model, {}, sparse_optimizer_cfg=cfg, device=process_group)
     ids = torch.tensor([1, 3, 1])  # row 1 twice (its gradients add up), row 3 once, the others never
     c = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.5, 0.5, 1.0, -1.0], [2.0, 1.0, -0.5, 1.0]])
     state = torch.zeros(5, dtype=torch.float64)
@@ -120,8 +123,41 @@ def test_sparse_rowwise_adagrad_divides_by_the_configured_eps(process_group):
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids, lengths=torch.tensor([2, 1]))
         p.model(kjt.to(process_group), c.to(process_group)).backward()  # the update happens inside backward
         g = torch.zeros(5, 4, dtype=torch.float64).index_add_(0, ids, c.double())
+        seen = torch.zeros(5, 1, dtype=torch.float64).index_fill_(0, ids, 1.0)
+        if mode == "l2":
+            g = g + decay * w * seen
         state += (g * g).mean(1)  # row-wise Adagrad: one accumulator per row, the mean of its squared gradient
-        w -= lr * g / (state.sqrt() + eps)[:, None]
+        step = lr * g / (state.sqrt() + eps)[:, None]
+        if mode == "decoupled":
+            step = step + lr * decay * w * seen
+        w -= step
     got = p.model.state_dict()["ec.embeddings.t.weight"]
     got = got.local_shards()[0].tensor if hasattr(got, "local_shards") else got
     torch.testing.assert_close(got.detach().cpu().double(), w, rtol=1e-5, atol=1e-6)
+
+
+def _rows_after_two_steps(device, cfg: dict) -> torch.Tensor:
+    from gem.parallel import parallelize
+
+    torch.manual_seed(0)
+    p = parallelize(_Table(), {}, sparse_optimizer_cfg=cfg, device=device)
+    ids = torch.tensor([1, 3, 1])
+    c = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.5, 0.5, 1.0, -1.0], [2.0, 1.0, -0.5, 1.0]])
+    for _ in range(2):
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids, lengths=torch.tensor([2, 1]))
+        p.model(kjt.to(device), c.to(device)).backward()
+    got = p.model.state_dict()["ec.embeddings.t.weight"]
+    return (got.local_shards()[0].tensor if hasattr(got, "local_shards") else got).detach().cpu().clone()
+
+
+@pytest.mark.gpu
+def test_sparse_adam_takes_its_betas_and_weight_decay(process_group):
+    """fbgemm's fused Adam (CUDA only) gets betas as its beta1 / beta2 and a decoupled weight decay: each setting
+    changes the looked-up rows and nothing else."""
+    base = {"name": "adam", "lr": 0.1}
+    plain = _rows_after_two_steps(process_group, base)
+    betas = _rows_after_two_steps(process_group, {**base, "betas": [0.0, 0.5]})
+    decay = _rows_after_two_steps(process_group, {**base, "weight_decay": 0.5, "weight_decay_mode": "decoupled"})
+    for other in (betas, decay):
+        assert not torch.allclose(other[[1, 3]], plain[[1, 3]])
+        assert torch.equal(other[[0, 2, 4]], plain[[0, 2, 4]])
