@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec import optim as trec_optim
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
@@ -32,7 +33,6 @@ from torchrec.modules.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollection,
     ManagedCollisionEmbeddingBagCollection,
 )
-from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
