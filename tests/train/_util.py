@@ -66,3 +66,21 @@ def read_jsonl(path: Path) -> list[dict]:
 def step_losses(run_dir: Path) -> dict:
     """step -> logged training loss (mean over ranks) from <run_dir>/metrics.jsonl."""
     return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+def drop_process_group_after_module():
+    """Generator for a module-scoped autouse fixture: trainers create the one-rank default group in this process;
+    drop it after the module, so later tests that fork ranks of their own don't inherit it."""
+    import torch.distributed as dist
+
+    was = dist.is_available() and dist.is_initialized()
+    yield
+    if not was and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def small_trainer(run_dir: Path | None, *overrides: str):
+    """A Trainer of the SMALL config with `overrides` (run_dir None: no run dir)."""
+    from gem.train.trainer import Trainer
+
+    return Trainer(compose(SMALL + list(overrides)), run_dir=str(run_dir) if run_dir else None)

@@ -9,27 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from gem.train.trainer import Trainer
-from tests.train._util import SMALL, compose
+from tests.train._util import drop_process_group_after_module, small_trainer
 
 COMMON = ("train.eval_every=0", "train.seed=3", "data.num_workers=0")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _own_process_group():
-    """The trainers here create the one-rank default group in this process; drop it afterwards."""
-    was = dist.is_available() and dist.is_initialized()
-    yield
-    if not was and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+_own_process_group = pytest.fixture(autouse=True, scope="module")(drop_process_group_after_module)
 
 
-def _trainer(run_dir: Path | None, *overrides: str) -> Trainer:
-    return Trainer(compose(SMALL + list(COMMON) + list(overrides)), run_dir=str(run_dir) if run_dir else None)
+def _trainer(run_dir: Path | None, *overrides: str):
+    return small_trainer(run_dir, *COMMON, *overrides)
 
 
 class _Recorded:
