@@ -402,6 +402,10 @@ def _validate(s: Schema) -> None:
              f"must be in [num_embeddings={t.num_embeddings}, 2**63 - 1]", z.input_hash_size)
     for f in s.features:
         k = f"features.{f.name}"
+        if f.kind in ("dense", "sequence"):  # the keys' defaults (1) only: they would bound nothing here
+            what = "a dense feature has no ids" if f.kind == "dense" else "a sequence feature has one id per event"
+            need(f.max_hot == 1, f"{k}.max_hot", f"only sparse features take max_hot: {what}", f.max_hot)
+            need(f.min_hot == 1, f"{k}.min_hot", f"only sparse features take min_hot: {what}", f.min_hot)
         if f.kind == "dense":
             need(f.table is None, f"{k}.table", "a dense feature has no table", f.table)
             need(f.size >= 1, f"{k}.size", "must be >= 1", f.size)

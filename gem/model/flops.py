@@ -41,7 +41,7 @@ def input_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int
     """Matmul weights of a history's input projection (its sequence embeddings -> d_model) per token."""
     history = history or cfg.histories[0]
     dims = [cfg.embedding_dim(f) for f in cfg.history_features(history)]
-    return (sum(dims) if cfg.tower.seq_combine == "concat" else dims[0]) * cfg.d_model
+    return (sum(dims) if cfg.tower_for(history).seq_combine == "concat" else dims[0]) * cfg.d_model
 
 
 def block_weights_per_token(cfg: ModelConfig, history: str | None = None) -> int:

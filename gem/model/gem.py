@@ -273,11 +273,10 @@ class GEMModel(nn.Module):
         # plain tables (ec, ebc) and hash: zch tables (mc_ec, mc_ebc); None where a model has none of that kind
         self.ec, self.ebc, self.mc_ec, self.mc_ebc = build_embeddings(cfg, embedding_device)
 
-        combine = cfg.tower.seq_combine
         self.input_projs = nn.ModuleDict()
         for h, names in zip(self.histories, self.history_features):
-            dims = [cfg.embedding_dim(n) for n in names]
-            self.input_projs[h] = nn.Linear(sum(dims) if combine == "concat" else dims[0], d)
+            dims = [cfg.embedding_dim(n) for n in names]  # seq_combine: the history's tower's (model.towers.<h>)
+            self.input_projs[h] = nn.Linear(sum(dims) if cfg.tower_for(h).seq_combine == "concat" else dims[0], d)
         # a tower per history, or one over the histories merged by time
         self.towers = [MERGED] if cfg.merged else list(self.histories)
         self.final_norms = nn.ModuleDict()
@@ -324,12 +323,11 @@ class GEMModel(nn.Module):
 
     def _history_tokens(self, ec_out) -> list[torch.Tensor]:
         """Per history its tokens [T_h, d_model] (the input projection of its sequence features)."""
-        combine = self.cfg.tower.seq_combine
         xs = []
         for i, h in enumerate(self.histories):
             # Embedding outputs are fp32; under FSDP mixed precision the dense weights are bf16 during forward.
             proj = self.input_projs[h]
-            x = history_input(ec_out, self.history_features[i], combine)
+            x = history_input(ec_out, self.history_features[i], self.cfg.tower_for(h).seq_combine)
             xs.append(proj(x.to(proj.weight.dtype)))
         return xs
 

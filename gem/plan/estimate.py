@@ -135,7 +135,8 @@ def workload(cfgs, seed: int = 0, world: int = 1, straggler_batches: int = 64) -
 
 def activation_bytes(cfgs, cluster: ClusterSpec) -> int:
     a = cfgs.train.autocast
-    bf16 = a == "bf16" or (a == "auto" and cluster.compute_device == "cuda") or cfgs.train.param_dtype != "fp32"
+    fsdp_bf16 = cfgs.train.param_dtype != "fp32" and cfgs.parallel.dense != "ddp"  # DDP keeps fp32 parameters
+    bf16 = a == "bf16" or (a == "auto" and cluster.compute_device == "cuda") or fsdp_bf16
     return 2 if bf16 else 4
 
 

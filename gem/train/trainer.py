@@ -146,6 +146,11 @@ class Trainer:
                                device=self.device)
         self.model = self.par.model
         self.inner = self.par.inner
+        fsdp_only = [f"train.{k}={getattr(tc, k)}" for k in ("param_dtype", "reduce_dtype") if getattr(tc, k) != "fp32"]
+        if fsdp_only and self.cfgs.parallel.dense != "fsdp":
+            self._warn(f"{' and '.join(fsdp_only)}: FSDP2's mixed precision, unused here: parallel.dense="
+                       f"{self.cfgs.parallel.dense} keeps fp32 parameters and gradients (train.autocast sets the "
+                       "compute dtype)")
         torch.manual_seed(tc.seed + 1000003 * (self.rank + 1))  # per-rank stream for anything random in training
 
         # Names without wrapper prefixes, so optimizer-state keys don't depend on checkpointing/compile settings.

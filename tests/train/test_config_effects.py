@@ -73,33 +73,51 @@ def test_check_finite_stops_on_a_non_finite_loss(check):
         t.close()
 
 
-# -- keys accepted today that do nothing; what they should do is open --------------------------------------------------
+# -- per-history tower keys and per-kind feature keys --------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="under model.candidates=targets the GDPA interaction is not built, so its "
-                   "keys do nothing; whether to refuse them (their defaults are always set) or say so is open")
-def test_interaction_keys_change_the_targets_model():
-    """model.interaction.num_heads changes the model in every candidate form."""
+def test_a_history_tower_override_of_seq_combine_sets_its_input():
+    """model.towers.<history> overrides any key of model.tower for that history (docs/DATA.md): seq_combine=sum
+    there adds the history's two 16-wide embeddings (item, action), so its input projection reads 16 features,
+    as it does with model.tower.seq_combine=sum."""
     from gem.model.gem import GEMModel
     from gem.train.trainer import build_configs
 
-    def n_params(*o):
-        torch.manual_seed(0)
-        m = GEMModel(build_configs(compose(SMALL + ["model.candidates=targets", *o])).model)
-        return sum(p.numel() for p in m.parameters())
+    for override in ("model.tower.seq_combine=sum", "+model.towers.events.seq_combine=sum"):
+        model = GEMModel(build_configs(compose(SMALL + [override])).model)
+        assert model.input_projs["events"].in_features == 16, override
+    result, _ = _fit(None, "+model.towers.events.seq_combine=sum", "train.steps=1", "train.eval_every=0")
+    assert result.steps == 1 and math.isfinite(result.losses[0])  # the forward sums what the projection expects
 
-    assert n_params("model.interaction.num_heads=4", "model.interaction.head_dim=8") != n_params()
+
+@pytest.mark.parametrize("override", ["+data.features.hist_item.max_hot=5", "+data.features.hist_item.min_hot=0",
+                                      "+data.features.dense.max_hot=4"])
+def test_hot_counts_are_refused_where_a_feature_has_none(override):
+    """max_hot / min_hot bound a sparse feature's ids per example; a sequence feature has one id per event and a
+    dense feature none, so setting them there is refused like `size` on a non-dense feature."""
+    from gem.train.trainer import build_configs
+
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_configs(compose(SMALL + [override]))
 
 
-@pytest.mark.xfail(strict=True, reason="train.param_dtype / reduce_dtype are FSDP2's; with DDP they are dropped "
-                   "without a word; whether to refuse or warn is open")
 def test_param_dtype_under_ddp_is_not_dropped_silently(caplog):
-    """On one rank parallel.dense=auto is DDP: train.param_dtype=bf16 either stops the run or says it is unused."""
+    """On one rank parallel.dense=auto is DDP, which keeps fp32 parameters: train.param_dtype=bf16 says in one line
+    that it is unused, and `gem plan` counts fp32 activations for it on a CPU cluster (2 bytes only under FSDP2)."""
     import logging
 
-    with caplog.at_level(logging.WARNING):
-        try:
-            t = small_trainer(None, "train.param_dtype=bf16")
-        except ConfigError:
-            return
+    from gem.plan.estimate import activation_bytes
+    from gem.plan.topology import ClusterSpec
+    from gem.train.trainer import build_configs
+
+    with caplog.at_level(logging.WARNING, logger="gem.train"):
+        t = small_trainer(None, "train.param_dtype=bf16")
         t.close()
-    assert any("param_dtype" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "param_dtype" in r.getMessage()]
+    assert said == [("train.param_dtype=bf16: FSDP2's mixed precision, unused here: parallel.dense=ddp keeps fp32 "
+                     "parameters and gradients (train.autocast sets the compute dtype)")], said
+    cpu = ClusterSpec(hosts=1, gpus_per_host=1, compute_device="cpu")
+    for dense, size in (("ddp", 4), ("fsdp", 2)):
+        cfgs = build_configs(compose(SMALL + ["train.param_dtype=bf16", "train.autocast=none",
+                                              f"parallel.dense={dense}"]))
+        assert activation_bytes(cfgs, cpu) == size, dense
