@@ -147,7 +147,7 @@ class Trainer:
         self.model = self.par.model
         self.inner = self.par.inner
         fsdp_only = [f"train.{k}={getattr(tc, k)}" for k in ("param_dtype", "reduce_dtype") if getattr(tc, k) != "fp32"]
-        if fsdp_only and self.cfgs.parallel.dense != "fsdp":
+        if fsdp_only and self.cfgs.parallel.dense == "ddp":
             self._warn(f"{' and '.join(fsdp_only)}: FSDP2's mixed precision, unused here: parallel.dense="
                        f"{self.cfgs.parallel.dense} keeps fp32 parameters and gradients (train.autocast sets the "
                        "compute dtype)")
