@@ -117,6 +117,9 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump(out, f)
+    if dist.is_initialized():  # every rank leaves the group together: a group torn down at exit can abort a rank
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
