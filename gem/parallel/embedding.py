@@ -86,19 +86,23 @@ def sparse_optimizer_spec(cfg: Any) -> tuple[type, dict]:
     if momentum:  # fbgemm's fused SGD is plain SGD: it would drop a momentum without a word
         raise ParallelConfigError("train.sparse_optimizer.momentum", "fbgemm's fused sgd has no momentum (use "
                                   "adam or rowwise_adagrad)", momentum)
-    mode = cfg.pop("weight_decay_mode", "l2")
-    if mode not in _DECAY_MODES:
+    mode = cfg.pop("weight_decay_mode", None)
+    if mode is not None and mode not in _DECAY_MODES:
         raise ParallelConfigError("train.sparse_optimizer.weight_decay_mode", f"expected one of "
                                   f"{', '.join(_DECAY_MODES)}", mode)
     decay = float(cfg.pop("weight_decay", 0.0))
     if decay < 0:
         raise ParallelConfigError("train.sparse_optimizer.weight_decay", "must be >= 0", decay)
-    if decay and name == "sgd":
-        raise ParallelConfigError("train.sparse_optimizer.weight_decay", "fbgemm's fused sgd has no weight decay "
-                                  "(use adam, adagrad or rowwise_adagrad)", decay)
-    if decay:  # fbgemm applies weight_decay only with a mode
+    if decay:  # what fbgemm's fused kernels do with it: rowwise_adagrad either mode, adam AdamW's, the others none
+        if name in ("sgd", "adagrad"):
+            raise ParallelConfigError("train.sparse_optimizer.weight_decay", f"fbgemm's fused {name} has no weight "
+                                      "decay (use rowwise_adagrad or adam)", decay)
+        if name == "adam" and mode == "l2":
+            raise ParallelConfigError("train.sparse_optimizer.weight_decay_mode", "fbgemm's fused adam decays the "
+                                      "weights decoupled (AdamW's); l2 is rowwise_adagrad's", mode)
         kwargs["weight_decay"] = decay
-        kwargs["weight_decay_mode"] = WeightDecayMode.L2 if mode == "l2" else WeightDecayMode.DECOUPLE
+        if name == "rowwise_adagrad":  # fbgemm applies its weight_decay only with a mode
+            kwargs["weight_decay_mode"] = WeightDecayMode.DECOUPLE if mode == "decoupled" else WeightDecayMode.L2
     if "betas" in cfg:
         betas = cfg.pop("betas")
         if name != "adam":

@@ -26,7 +26,7 @@ class SparseOptimizerConfig:
     lr: float | None = None
     eps: float | None = None
     weight_decay: float | None = None
-    weight_decay_mode: Literal["l2", "decoupled"] | None = None  # l2 (default): torch.optim's; decoupled: AdamW's
+    weight_decay_mode: Literal["l2", "decoupled"] | None = None  # rowwise_adagrad: l2 (default) or decoupled
     momentum: float | None = None  # only 0: fbgemm's fused sgd has no momentum
     betas: tuple[float, ...] | None = None
 
@@ -145,8 +145,11 @@ class TrainConfig:
             need(so.eps > 0, "sparse_optimizer.eps", "must be > 0", so.eps)
         if so.weight_decay is not None:
             need(so.weight_decay >= 0, "sparse_optimizer.weight_decay", "must be >= 0", so.weight_decay)
-            need(so.name != "sgd" or so.weight_decay == 0, "sparse_optimizer.weight_decay",
-                 "fbgemm's fused sgd has no weight decay (use adam, adagrad or rowwise_adagrad)", so.weight_decay)
+            need(so.name not in ("sgd", "adagrad") or so.weight_decay == 0, "sparse_optimizer.weight_decay",
+                 f"fbgemm's fused {so.name} has no weight decay (use rowwise_adagrad or adam)", so.weight_decay)
+            need(so.name != "adam" or so.weight_decay_mode != "l2", "sparse_optimizer.weight_decay_mode",
+                 "fbgemm's fused adam decays the weights decoupled (AdamW's); l2 is rowwise_adagrad's",
+                 so.weight_decay_mode)
         if so.momentum is not None:
             need(so.momentum == 0, "sparse_optimizer.momentum", "fbgemm's fused sgd has no momentum (use adam or "
                  "rowwise_adagrad)", so.momentum)

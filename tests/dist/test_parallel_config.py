@@ -149,17 +149,23 @@ def test_sparse_optimizer_spec():
     assert sparse_optimizer_spec({"name": "sgd", "lr": 0.5}) == (trec_optim.SGD, {"lr": 0.5})
     assert sparse_optimizer_spec({"name": "adam", "lr": 1, "eps": 1e-6})[1] == {"lr": 1.0, "eps": 1e-6}
     # fbgemm's own argument names: beta1 / beta2, and a weight decay only with its mode
-    assert sparse_optimizer_spec({"name": "adam", "betas": [0.8, 0.95], "weight_decay": 0.1,
-                                  "weight_decay_mode": "decoupled"})[1] == {
-        "lr": 0.01, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight_decay": 0.1,
-        "weight_decay_mode": WeightDecayMode.DECOUPLE}
-    assert sparse_optimizer_spec({"name": "adagrad", "weight_decay": 0.2})[1]["weight_decay_mode"] == WeightDecayMode.L2
+    # fbgemm's adam decays decoupled with no mode argument; its rowwise_adagrad takes either mode
+    assert sparse_optimizer_spec({"name": "adam", "betas": [0.8, 0.95], "weight_decay": 0.1})[1] == {
+        "lr": 0.01, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight_decay": 0.1}
+    for mode, want in ((None, WeightDecayMode.L2), ("l2", WeightDecayMode.L2), ("decoupled", WeightDecayMode.DECOUPLE)):
+        cfg = {"name": "rowwise_adagrad", "weight_decay": 0.2, **({"weight_decay_mode": mode} if mode else {})}
+        assert sparse_optimizer_spec(cfg)[1] == {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.2,
+                                                 "weight_decay_mode": want}
     assert "weight_decay" not in sparse_optimizer_spec({"name": "sgd", "weight_decay": 0})[1]
     for cfg, match in [
         ({"name": "lamb"}, r"^train\.sparse_optimizer\.name: expected one of rowwise_adagrad, .* \(got lamb\)$"),
         ({"name": "adam", "betaz": 1}, r"^train\.sparse_optimizer\.betaz: unknown key \(got 1\)$"),
         ({"name": "sgd", "momentum": 0.9}, r"^train\.sparse_optimizer\.momentum: fbgemm's fused sgd has no momentum"),
         ({"name": "sgd", "weight_decay": 0.1}, r"^train\.sparse_optimizer\.weight_decay: fbgemm's fused sgd has no "),
+        ({"name": "adagrad", "weight_decay": 0.1}, r"^train\.sparse_optimizer\.weight_decay: fbgemm's fused adagrad "
+                                                   r"has no weight decay"),
+        ({"name": "adam", "weight_decay": 0.1, "weight_decay_mode": "l2"},
+         r"^train\.sparse_optimizer\.weight_decay_mode: fbgemm's fused adam decays the weights decoupled"),
         ({"name": "adagrad", "weight_decay": 0.1, "weight_decay_mode": "l1"},
          r"^train\.sparse_optimizer\.weight_decay_mode: expected one of l2, decoupled \(got l1\)$"),
         ({"name": "rowwise_adagrad", "betas": [0.9, 0.99]}, r"^train\.sparse_optimizer\.betas: only adam takes"),

@@ -154,3 +154,21 @@ def test_sparse_adam_takes_its_betas_and_weight_decay(process_group):
     for other in (betas, decay):
         assert not torch.allclose(other[[1, 3]], plain[[1, 3]])
         assert torch.equal(other[[0, 2, 4]], plain[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("so,match", [
+    ({"name": "adagrad", "weight_decay": 0.1}, "fbgemm's fused adagrad has no weight decay"),
+    ({"name": "sgd", "momentum": 0.9}, "fbgemm's fused sgd has no momentum"),
+    ({"name": "adam", "weight_decay": 0.1, "weight_decay_mode": "l2"}, "fbgemm's fused adam decays the weights"),
+])
+def test_train_config_refuses_sparse_optimizer_keys_fbgemm_would_drop(so, match):
+    """What the fused kernels do not take is refused where the config is read, before any rank starts; what they
+    take passes (rowwise_adagrad and adam with their weight decay)."""
+    from gem.config import ConfigError
+    from gem.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.from_dict({"sparse_optimizer": so})
+    for ok in ({"name": "rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": "decoupled"},
+               {"name": "adam", "weight_decay": 0.1, "betas": [0.9, 0.99]}):
+        assert TrainConfig.from_dict({"sparse_optimizer": ok}).sparse_optimizer == ok
