@@ -351,7 +351,15 @@ def _cublas_block_scales(sa: torch.Tensor, sb: torch.Tensor, b_tiles: bool) -> t
 def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     """qa [M, K] @ qb [N, K]^T, both E4M3, blocks along K: sa [M, K / 128]; sb [N / 128, K / 128] (b_tiles:
     128x128) or [N, K / 128] (1x128). cuBLAS on sm_90; elsewhere the dequantized operands multiplied in fp32 (the
-    same products, another accumulation order)."""
+    same products, another accumulation order). One opaque op under torch.compile: Inductor's own lowering of
+    block-scaled _scaled_mm rejects symbolic scale shapes (dynamic token counts), so it runs as torch's kernel."""
+    return torch.ops.gem.fp8_block_mm(qa, sa, qb, sb, b_tiles, dt)
+
+
+@torch.library.custom_op("gem::fp8_block_mm", mutates_args=())
+def _block_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, b_tiles: bool,
+              dt: torch.dtype) -> torch.Tensor:
+    qa, qb = qa.contiguous(), qb.contiguous()  # row-major operands whatever layout a compiled graph hands in
     if 0 in qa.shape or 0 in qb.shape:
         return qa.new_zeros((qa.shape[0], qb.shape[0]), dtype=dt)
     if qa.is_cuda and block_gemm_supported(qa.device):
@@ -366,6 +374,11 @@ def block_mm(qa, sa, qb, sb, b_tiles: bool, dt: torch.dtype) -> torch.Tensor:
     a = fb.dequantize_1x128(qa, sa, torch.float32, kernel=kernel)
     b = (fb.dequantize_128x128 if b_tiles else fb.dequantize_1x128)(qb, sb, torch.float32, kernel=kernel)
     return (a @ b.t()).to(dt)
+
+
+@_block_mm.register_fake
+def _block_mm_fake(qa, sa, qb, sb, b_tiles, dt):
+    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=dt)
 
 
 # The weights' FP8 copies (W and W^T codes, 128x128 scales), made once per optimizer step: kept on the weight

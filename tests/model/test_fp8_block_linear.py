@@ -137,6 +137,37 @@ def test_traces_under_compile():
     assert torch.equal(out, eager) and torch.equal(x.grad, gx) and torch.equal(lin.weight.grad, gw)
 
 
+def test_gemms_stay_one_opaque_op_under_dynamic_compile():
+    """Inductor's lowering of block-scaled _scaled_mm asserts on symbolic scale shapes (a dynamic token count):
+    every GEMM of the forward and backward graphs must reach the compiler as gem's op, never as aten._scaled_mm."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, inputs):
+        symbolic = any(isinstance(i, torch.SymInt) for i in inputs)
+        graphs.append((symbolic, [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]))
+        return gm
+
+    lin = _linear(256, 128, False, 2)
+    compiled = torch.compile(lin, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), dynamic=True)
+    for tokens in (70, 131):
+        x = torch.randn(tokens, 256, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        lin.weight.grad = None
+        eager = lin(xe)
+        eager.sum().backward()
+        gw = lin.weight.grad.clone()
+        lin.weight.grad = None
+        out = compiled(x)
+        out.sum().backward()
+        assert torch.equal(out, eager) and torch.equal(x.grad, xe.grad) and torch.equal(lin.weight.grad, gw)
+    assert any(symbolic for symbolic, _ in graphs), "no graph with a symbolic token count"
+    fw_bw = [t for _, t in graphs]
+    assert [t.count("gem.fp8_block_mm.default") for t in fw_bw] == [1, 2] * (len(fw_bw) // 2)
+    assert not any("_scaled_mm" in t for g in fw_bw for t in g)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [65536 + 77, 1000])
 def test_gpu_gemms_match_emulation(tokens):
