@@ -125,7 +125,8 @@ class TransformerBlock(nn.Module):
         h = block_fp8_norm(self.attn_norm, x, a.qkv)  # fp8_block: the norm writes the QKV GEMM's FP8 input
         if rope is None:
             return a.project(h, w8)
-        return qkv_rope(a.qkv(h, **fp8_kw(w8)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved)
+        return qkv_rope(a.qkv(h, **fp8_kw(w8)), a.num_heads, a.num_kv_heads, a.head_dim, *rope, a.rope.interleaved,
+                        a.kernel)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor, w8: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """w8: (the output projection's, the SwiGLU's) fp8_weights entries (fp8_block)."""

@@ -118,7 +118,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 
 
 def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, pos: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             sin: torch.Tensor, interleaved: bool = False, kernel: str = "auto"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's output qkv [T, (heads + 2 kv_heads) head_dim] -> q [T, heads, D] and k rotated by the
     table rows cos[pos] / sin[pos] (rope_tables), v [T, kv_heads, D] (contiguous: its gradient then arrives in
     v's own layout, where a strided view of qkv made autograd copy it once more, and qkv is freed after the forward).
@@ -126,18 +127,18 @@ def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, pos: t
     The forward is plain torch ops (torch.compile fuses the rotation into the split); the backward writes the
     gradient of qkv in one buffer: dq and dk rotated back straight into their columns by the Triton kernel, dv
     copied into its own. Autograd's version of that (slice gradients summed, then a concat) takes two passes that
-    run at a fraction of memory speed under torch.compile."""
-    return _QkvRope.apply(qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved)
+    run at a fraction of memory speed under torch.compile. kernel: the backward's, as gem.ops.rope takes it."""
+    return _QkvRope.apply(qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved, kernel)
 
 
 class _QkvRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved):
+    def forward(ctx, qkv, heads, kv_heads, head_dim, pos, cos, sin, interleaved, kernel):
         t = qkv.shape[0]
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         c, s = cos[pos], sin[pos]
         ctx.save_for_backward(pos, cos, sin)
-        ctx.interleaved = interleaved
+        ctx.interleaved, ctx.kernel = interleaved, kernel
         return (rotate(q.reshape(t, heads, head_dim), c, s, interleaved),
                 rotate(k.reshape(t, kv_heads, head_dim), c, s, interleaved),
                 v.reshape(t, kv_heads, head_dim).contiguous())
@@ -145,12 +146,13 @@ class _QkvRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         pos, cos, sin = ctx.saved_tensors
-        return qkv_rope_grad(dq, dk, dv, pos, cos, sin, ctx.interleaved), None, None, None, None, None, None, None
+        return (qkv_rope_grad(dq, dk, dv, pos, cos, sin, ctx.interleaved, ctx.kernel),
+                None, None, None, None, None, None, None, None)
 
 
 @torch.library.custom_op("gem::qkv_rope_grad", mutates_args=())
 def qkv_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+                  sin: torch.Tensor, interleaved: bool, kernel: str = "auto") -> torch.Tensor:
     """The gradient of qkv_rope's input, [T, (H + 2 H_kv) D], from the gradients of q, k (rotated back) and v."""
     t, h, d = dq.shape
     hk = dk.shape[1]
@@ -161,7 +163,7 @@ def qkv_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: tor
     gk = out[:, h * d: (h + hk) * d].view(t, hk, d)
     out[:, (h + hk) * d:].view(t, hk, d).copy_(dv)
     rd = 2 * cos.shape[-1]
-    if resolve_kernel("auto", dq) == "reference":
+    if resolve_kernel(kernel, dq) == "reference":
         gq.copy_(rotate(dq, cos[pos], sin[pos], interleaved, inverse=True))
         gk.copy_(rotate(dk, cos[pos], sin[pos], interleaved, inverse=True))
         return out
@@ -175,7 +177,7 @@ def qkv_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: tor
 
 
 @qkv_rope_grad.register_fake
-def _(dq, dk, dv, pos, cos, sin, interleaved):
+def _(dq, dk, dv, pos, cos, sin, interleaved, kernel="auto"):
     return dq.new_empty((dq.shape[0], (dq.shape[1] + 2 * dk.shape[1]) * dq.shape[2]))
 
 

@@ -410,6 +410,43 @@ def test_qkv_rope_matches_split_and_rotate(case, kernel, monkeypatch):
                                    rtol=1e-5)
 
 
+def test_qkv_rope_backward_takes_the_callers_kernel(monkeypatch):
+    """kernel="reference" reaches the backward: no Triton launch even where "auto" would pick Triton (here the
+    interpreter, 190x slower than the reference in a CPU training step), and the same gradient as "auto"."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    h, hk, d, cfg = 2, 1, 32, RopeConfig()
+    lengths = [5, 0, 9]
+    t = sum(lengths)
+    qkv = torch.randn(t, (h + 2 * hk) * d, requires_grad=True)
+    pos, cos, sin = rotary.rope_tables(_offsets(lengths), t, max(lengths), d, cfg.base)
+    grads = [torch.randn(t, n, d) for n in (h, hk, hk)]
+    want, = torch.autograd.grad(rotary.qkv_rope(qkv, h, hk, d, pos, cos, sin), qkv, grads)
+    launches = []
+    monkeypatch.setattr(rotary, "_rope_launch", lambda *a, **k: launches.append(a))
+    got, = torch.autograd.grad(rotary.qkv_rope(qkv, h, hk, d, pos, cos, sin, kernel="reference"), qkv, grads)
+    assert not launches
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_target_tokens_block_runs_rope_on_the_models_kernel(monkeypatch):
+    """A TransformerBlock built with kernel="reference" rotates the target form's q and k (explicit positions)
+    without Triton in the backward either."""
+    from gem.model.attention import JaggedSelfAttention, SwiGLU, Targets, TransformerBlock
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    blk = TransformerBlock(32, JaggedSelfAttention(32, 2, 2, 16, rope=RopeConfig(), kernel="reference"), SwiGLU(32, 64))
+    lengths, num_targets = [4, 3], torch.tensor([2, 1])
+    offsets = _offsets(lengths)
+    positions = torch.tensor([0, 1, 2, 2, 0, 1, 2], dtype=torch.int32)
+    x = torch.randn(sum(lengths), 32, requires_grad=True)
+    launches = []
+    monkeypatch.setattr(rotary, "_rope_launch", lambda *a, **k: launches.append(a))
+    y, _ = blk(x, offsets, max(lengths), Targets(num_targets, positions))
+    y.sum().backward()
+    assert not launches and x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_qkv_rope_under_compile_and_opcheck():
     """In a compiled region of changing token counts: the gradient op stays one opaque call, results as eager."""
     torch._dynamo.reset()
