@@ -19,5 +19,12 @@ def quiet_third_party() -> None:
     # size or state for a checkpoint warns that ShardedTensor is deprecated.
     warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
                             category=FutureWarning)
+    # fbgemm's embedding backward announces, once per process, that its Blackwell-only TBE path is off on this GPU.
+    warnings.filterwarnings("ignore", message="TBE B200 optimization", category=UserWarning)
+    # torchrec 1.6 calls c10d's _get_pg_default_device, which torch 2.11 deprecates; torchrec 1.8 no longer does.
+    warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated", category=UserWarning)
+    # Inductor notes fp32 matmuls that could use TF32; gem keeps fp32 matmuls (routers, fp32 runs) at full precision.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication",
+                            category=UserWarning)
     # KeyedJaggedTensor's is_fx_tracing() check makes torch.fx log a notice about torch.export once per process.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

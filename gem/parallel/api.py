@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, parallel_cfg: Any, *, compile_cfg: Any = None,
                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp8_all_gather=fp8_all_gather)
     elif dims.world_size > 1:
         ignore = set(_sharded_param_names(inner))
-        dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device, find_unused_parameters=bool(moes))
+        dmp._dmp_wrapped_module = wrap_ddp(inner, ignore, device)
 
     table_ids = {id(p) for p in table_params}
     dense = [p for p in inner.parameters() if id(p) not in table_ids and p.requires_grad]

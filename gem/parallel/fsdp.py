@@ -169,9 +169,10 @@ def _sum_router_grad_over(moe: nn.Module, group: dist.ProcessGroup) -> None:
     moe.register_forward_pre_hook(pre_forward)
 
 
-def wrap_ddp(module: nn.Module, ignore_names: set[str], device: torch.device,
-             find_unused_parameters: bool) -> DistributedDataParallel:
-    """DDP over the whole world; the embedding tables (sharded by TorchRec) are ignored."""
+def wrap_ddp(module: nn.Module, ignore_names: set[str], device: torch.device) -> DistributedDataParallel:
+    """DDP over the whole world; the embedding tables (sharded by TorchRec) are ignored. Every dense parameter
+    takes part in every step (MoE experts are stacked tensors, and a step where none gets a row still adds
+    0 * their sum), so DDP need not search the graph for unused ones."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignore_names))
     return DistributedDataParallel(
         module,
@@ -179,5 +180,4 @@ def wrap_ddp(module: nn.Module, ignore_names: set[str], device: torch.device,
         process_group=dist.group.WORLD,
         broadcast_buffers=False,
         gradient_as_bucket_view=True,
-        find_unused_parameters=find_unused_parameters,
     )

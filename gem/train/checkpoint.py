@@ -50,7 +50,10 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() == "nccl":  # name the device, else c10d guesses it and warns on every barrier
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 # ---- reading DCP metadata without running code -------------------------------------------------------------------

@@ -149,6 +149,9 @@ def test_train_two_ranks_and_resume(tmp_path):
     first = _run(tmp_path, args, nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "steps 20" in _summary(first.stdout)
+    # no third-party warnings (DDP, c10d, torchrec, ...): gem's own lines only
+    noise = [ln for ln in (first.stdout + first.stderr).splitlines() if "warn" in ln.lower() and "gem" not in ln]
+    assert not noise, noise
     run = tmp_path / "run"
     # one run directory for both ranks (no per-rank timestamp directories)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and p.name != "tmp") == ["run"]
