@@ -529,8 +529,8 @@ class BlockFP8ShardWeight(torch.Tensor):
 class BlockFP8GatheredWeight(torch.Tensor):
     """The unsharded parameter FSDP2 builds from BlockFP8ShardWeight's all-gather: the weight's shape and dtype,
     holding its 128x128-tile E4M3 codes [N, K], W^T's codes [K, N] and the fp32 tile scales, which BlockFP8Linear
-    multiplies by. The values themselves are not there: ops other than the few FSDP2 and autograd apply to a
-    parameter raise."""
+    multiplies by. Other ops that read it (a norm for logging, a copy) see the dequantized weight, the values the
+    GEMMs use; ops that write into it raise (the written values would not reach the codes)."""
 
     @staticmethod
     def __new__(cls, codes, codes_t, scale, dtype, requires_grad=False):
@@ -576,8 +576,17 @@ class BlockFP8GatheredWeight(torch.Tensor):
                 return cls(*w.fp8(), w.dtype)  # FSDP2's as_strided, nn.Parameter's detach: the same tensors
             if func in (_aten.zeros_like.default, _aten.empty_like.default):  # a zero gradient for an unused weight
                 return torch.zeros(w.shape, dtype=kwargs.get("dtype") or w.dtype, device=w.device)
-        raise NotImplementedError(f"{func}: a BlockFP8Linear weight all-gathered in FP8 holds only its FP8 codes "
-                                  "(BlockFP8Linear's GEMMs read them); it has no values for other ops")
+        params = func._schema.arguments
+        passed = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(params)]
+        if any(a.is_write and isinstance(v, cls) for a, v in zip(params, passed)):
+            raise RuntimeError(f"{func}: a BlockFP8Linear weight all-gathered in FP8 holds FP8 codes; writing into "
+                               "it would not change them (write the sharded parameter instead)")
+        return func(*pytree.tree_map_only(cls, cls.dense, args), **pytree.tree_map_only(cls, cls.dense, kwargs))
+
+    def dense(self) -> torch.Tensor:
+        """The weight the codes stand for, in this tensor's dtype (what BlockFP8Linear's GEMMs multiply by)."""
+        kernel = "auto" if self._codes.is_cuda else "reference"
+        return fb.dequantize_128x128(self._codes, self._scale, self.dtype, kernel=kernel)
 
 
 class _BlockFP8LinearFn(torch.autograd.Function):

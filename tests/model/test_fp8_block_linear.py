@@ -456,6 +456,36 @@ def _fp8_gathered(lin: nn.Module) -> nn.Parameter:
     return nn.Parameter(g, requires_grad=lin.weight.requires_grad)
 
 
+@pytest.mark.parametrize("shape", [(300, 130), (1, 1), (128, 256), (0, 64)])
+def test_fp8_gathered_weight_reads_as_its_dequantized_values(shape):
+    """Ops that read an FP8-gathered weight (a norm for logging, arithmetic, a copy, a matmul) see the weight its
+    codes stand for, exactly the dequantized tiles; writing into it is refused in one line, since the codes would
+    not change. Ragged tile edges, a 1x1 weight and an empty one included."""
+    from gem.model.precision import BlockFP8GatheredWeight
+
+    torch.manual_seed(0)
+    lin = nn.Linear(shape[1], shape[0], bias=False)
+    w = _fp8_gathered(lin)
+    assert isinstance(w, BlockFP8GatheredWeight)
+    q, s = w.fp8()[0], w.fp8()[2]
+    want = fb.dequantize_128x128_reference(q.view(torch.uint8), s, lin.weight.dtype)
+    assert torch.equal(w.dense(), want)
+    with torch.no_grad():
+        assert torch.equal(w * 2, want * 2) and torch.equal(w.clone(), want)
+        assert torch.equal(torch.linalg.vector_norm(w), torch.linalg.vector_norm(want))
+        x = torch.randn(3, shape[1])
+        assert torch.equal(x @ w.t(), x @ want.t())
+        buf = torch.empty_like(want)
+        torch.mul(w, 1.0, out=buf)  # an out= write into a plain tensor reads w
+        assert torch.equal(buf, want)
+        if shape[0] and shape[1]:
+            assert (want - lin.weight).abs().max() <= lin.weight.abs().max() / 8  # E4M3's step at the tile maximum
+        with pytest.raises(RuntimeError, match="writing into it"):
+            w.add_(1.0)
+        with pytest.raises(RuntimeError, match="writing into it"):
+            torch.mul(want, 1.0, out=w)
+
+
 @pytest.mark.parametrize("device,backend", [
     ("cpu", None), ("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
 def test_block_runs_on_fp8_gathered_weights(device, backend):
@@ -485,7 +515,8 @@ def test_block_runs_on_fp8_gathered_weights(device, backend):
             assert type(a) is torch.Tensor and torch.equal(a, b)
     w = blk.attn.qkv.weight
     assert isinstance(w, BlockFP8GatheredWeight) and isinstance(w, nn.Parameter)
-    with pytest.raises(NotImplementedError, match="holds only its FP8 codes"):
-        w.bfloat16()
-    with pytest.raises(NotImplementedError, match="holds only its FP8 codes"):
-        F.linear(x, w)
+    with torch.no_grad():  # other ops read the weight the codes stand for
+        assert torch.equal(w.bfloat16(), w.dense().bfloat16())
+        assert torch.equal(F.linear(x, w), F.linear(x, w.dense()))
+        with pytest.raises(RuntimeError, match="writing into it"):
+            w.zero_()

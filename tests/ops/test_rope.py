@@ -430,21 +430,36 @@ def test_qkv_rope_backward_takes_the_callers_kernel(monkeypatch):
 
 def test_target_tokens_block_runs_rope_on_the_models_kernel(monkeypatch):
     """A TransformerBlock built with kernel="reference" rotates the target form's q and k (explicit positions)
-    without Triton in the backward either."""
+    without Triton in the backward, and computes what the same block on Triton (the interpreter here) computes:
+    output, input gradient and every parameter's gradient. Sequences: targets after history, an empty one, a lone
+    target, one target after an odd history."""
+    import copy
+
     from gem.model.attention import JaggedSelfAttention, SwiGLU, Targets, TransformerBlock
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
-    blk = TransformerBlock(32, JaggedSelfAttention(32, 2, 2, 16, rope=RopeConfig(), kernel="reference"), SwiGLU(32, 64))
-    lengths, num_targets = [4, 3], torch.tensor([2, 1])
-    offsets = _offsets(lengths)
-    positions = torch.tensor([0, 1, 2, 2, 0, 1, 2], dtype=torch.int32)
-    x = torch.randn(sum(lengths), 32, requires_grad=True)
+    ref = TransformerBlock(32, JaggedSelfAttention(32, 2, 2, 16, rope=RopeConfig(), kernel="reference"),
+                           SwiGLU(32, 64))
+    tri = copy.deepcopy(ref)
+    tri.attn.kernel = "triton"
+    lengths, num_targets = [4, 0, 1, 4], torch.tensor([2, 0, 1, 1])
+    positions = torch.tensor([0, 1, 2, 2, 0, 0, 1, 2, 3], dtype=torch.int32)
+    x = torch.randn(sum(lengths), 32)
+
+    def run(blk):
+        xi = x.clone().requires_grad_()
+        y, _ = blk(xi, _offsets(lengths), max(lengths), Targets(num_targets, positions))
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        return [y.detach(), xi.grad, *(p.grad for p in blk.parameters())]
+
+    want = run(tri)
     launches = []
     monkeypatch.setattr(rotary, "_rope_launch", lambda *a, **k: launches.append(a))
-    y, _ = blk(x, offsets, max(lengths), Targets(num_targets, positions))
-    y.sum().backward()
-    assert not launches and x.grad is not None and torch.isfinite(x.grad).all()
+    got = run(ref)
+    assert not launches
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
 def test_qkv_rope_under_compile_and_opcheck():
